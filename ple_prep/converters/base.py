@@ -1,0 +1,142 @@
+"""The row stream every converter yields: where each row's bytes lie in the source files.
+
+A converter parses and validates its format, then describes the table as column parts, each a list
+of segments (a run of rows at one file offset). A row is the concatenation of its parts' bytes: one
+part for FP8, BF16 and GGUF, two for NVFP4 (codes, then block scales). Reading is then the same for
+every format: positioned reads into caller-sized buffers, so memory stays bounded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..constants import Encoding
+from ..errors import BadInput
+from ..ngram import NgramSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """`num_rows` rows of `row_bytes` each, stored back to back at `offset` in `path`."""
+
+    path: Path
+    offset: int
+    first_row: int
+    num_rows: int
+    row_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """A scalar scale exactly as stored: its dtype, little-endian bytes, and value."""
+
+    dtype: str
+    raw: bytes
+    value: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "hex": self.raw.hex(), "value": self.value}
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceFile:
+    name: str
+    size: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "size": self.size}
+
+
+class TableSource:
+    """A validated source table: its encoding, geometry, scale, hash spec and row locations."""
+
+    def __init__(self, *, format: str, model_dir: Path, encoding: Encoding, values_per_row: int,
+                 parts: list[list[Segment]], spec: NgramSpec, files: list[SourceFile],
+                 scale: Scale | None = None, extra: dict[str, Any] | None = None):
+        self.format = format
+        self.model_dir = model_dir
+        self.encoding = encoding
+        self.values_per_row = values_per_row
+        self.parts = parts
+        self.part_bytes = [part[0].row_bytes for part in parts]
+        self.row_bytes = sum(self.part_bytes)
+        self.num_rows = sum(segment.num_rows for segment in parts[0])
+        self.spec = spec
+        self.files = files
+        self.scale = scale
+        self.extra = extra or {}
+        self._descriptors: dict[Path, int] = {}
+        self._segment_starts = [np.array([s.first_row for s in part], dtype=np.int64) for part in parts]
+
+    def __enter__(self) -> "TableSource":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for descriptor in self._descriptors.values():
+            os.close(descriptor)
+        self._descriptors.clear()
+
+    def _descriptor(self, path: Path) -> int:
+        if path not in self._descriptors:
+            self._descriptors[path] = os.open(path, os.O_RDONLY)
+        return self._descriptors[path]
+
+    def _pread_into(self, path: Path, buffer: memoryview, offset: int) -> None:
+        descriptor = self._descriptor(path)
+        while len(buffer):
+            count = os.preadv(descriptor, [buffer], offset)
+            if count <= 0:
+                raise BadInput(f"{path.name} ended early at byte {offset}: the file was truncated")
+            buffer, offset = buffer[count:], offset + count
+
+    def read_rows(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows [start, stop) in source order as uint8 `(stop - start, row_bytes)`."""
+        if not 0 <= start <= stop <= self.num_rows:
+            raise IndexError(f"rows [{start}, {stop}) outside the table of {self.num_rows}")
+        count = stop - start
+        if out is None:
+            out = np.empty((count, self.row_bytes), dtype=np.uint8)
+        column = 0
+        for part, width in zip(self.parts, self.part_bytes):
+            # One part spanning the whole row reads straight into `out`; otherwise via a buffer.
+            target = out if width == self.row_bytes else np.empty((count, width), dtype=np.uint8)
+            for segment in part:
+                low = max(start, segment.first_row)
+                high = min(stop, segment.first_row + segment.num_rows)
+                if low >= high:
+                    continue
+                view = memoryview(target[low - start:high - start]).cast("B")
+                offset = segment.offset + (low - segment.first_row) * width
+                self._pread_into(segment.path, view, offset)
+            if target is not out:
+                out[:, column:column + width] = target
+            column += width
+        return out
+
+    def gather_rows(self, ids: np.ndarray) -> np.ndarray:
+        """Rows at arbitrary source ids, in request order (one positioned read per run of rows)."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_rows):
+            raise IndexError(f"row id outside the table of {self.num_rows} rows")
+        out = np.empty((len(ids), self.row_bytes), dtype=np.uint8)
+        order = np.argsort(ids, kind="stable")
+        sorted_ids = ids[order]
+        # Group consecutive ids into runs so neighbouring rows cost one read.
+        breaks = np.flatnonzero(np.diff(sorted_ids) != 1) + 1
+        for run in np.split(np.arange(len(ids)), breaks):
+            if not len(run):
+                continue
+            first, last = int(sorted_ids[run[0]]), int(sorted_ids[run[-1]])
+            rows = self.read_rows(first, last + 1)
+            out[order[run]] = rows[sorted_ids[run] - first]
+        return out
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"format": self.format, "files": [f.to_json() for f in self.files]}

@@ -1,0 +1,128 @@
+"""Small checkpoints in the model's real layout, written with the `safetensors` library.
+
+Every rule of the real model is kept; only `ngram_vocab_size_base` shrinks (1000 gives 16,896 rows).
+The table's shards are spread over several files among unrelated tensors, the scale and the hash
+constants sit in other files than the shards, and the last shard may be shorter.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors import TensorSpec, serialize_file
+
+from .constants import VALUES_PER_ROW
+from .errors import BadInput
+from .ngram import NgramSpec
+
+PREFIX = "model.language_model.layers.1.ple.ple_embedding."
+VARIANTS = ("fp8", "bf16", "nvfp4")
+FIXTURE_SCALE_BF16 = 0x3953  # bf16 bits of about 2.0e-4, the size of the real scale
+
+
+def fixture_config(base: int = 1000, num_shards: int = 128) -> dict[str, Any]:
+    return {
+        "architectures": ["Qwen3_8FlashNextForCausalLM"],
+        "model_type": "qwen3_8_flash_next",
+        "vocab_size": 248320,
+        "eos_token_id": 248044,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "ple_layer_ids": [2],
+        "ple_embed_dim": 2560,
+        "ngram_size": 3,
+        "heads_per_ngram": 8,
+        "ngram_vocab_size_base": base,
+        "make_ngram_vocab_size_divisible_by": 128,
+        "split_ngram_parts": num_shards,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _bf16_bits(values: np.ndarray) -> np.ndarray:
+    """Round float32 to nearest-even bf16 bits."""
+    bits = values.astype(np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _table_tensors(variant: str, rows: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """The whole table's tensors for one variant, as (name suffix -> array) in stored byte form."""
+    if variant == "fp8":
+        codes = rng.integers(0, 256, size=(rows, VALUES_PER_ROW), dtype=np.uint8)
+        codes[(codes & 0x7F) == 0x7F] ^= 0x01  # real tables hold no NaN codes
+        return {"weight": codes}
+    if variant == "bf16":
+        return {"weight": _bf16_bits(rng.normal(0, 0.05, size=(rows, VALUES_PER_ROW)))}
+    codes = rng.integers(0, 256, size=(rows, VALUES_PER_ROW // 2), dtype=np.uint8)
+    # Block scales from e4m3 codes 0x20-0x4f: positive, normal, no NaN.
+    scales = rng.integers(0x20, 0x50, size=(rows, VALUES_PER_ROW // 16), dtype=np.uint8)
+    return {"weight": codes, "weight_scale": scales}
+
+
+_DTYPES = {("fp8", "weight"): "float8_e4m3fn", ("bf16", "weight"): "bfloat16",
+           ("nvfp4", "weight"): "uint8", ("nvfp4", "weight_scale"): "float8_e4m3fn"}
+
+
+def make_checkpoint(out: str | Path, variant: str = "fp8", *, base: int = 1000,
+                    num_shards: int = 128, num_files: int = 3, with_index: bool = True,
+                    seed: int = 0, prefix: str = PREFIX) -> Path:
+    """Write a checkpoint folder; returns its path. Deterministic for a given seed."""
+    if variant not in VARIANTS:
+        raise BadInput(f"unknown fixture variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = fixture_config(base, num_shards)
+    spec = NgramSpec.from_config(config)
+    rows = spec.rows_stored
+    rng = np.random.default_rng(seed)
+    shard_rows = -(-rows // num_shards)
+    table = _table_tensors(variant, rows, rng)
+    files: list[dict[str, np.ndarray | tuple[str, np.ndarray]]] = [{} for _ in range(num_files)]
+
+    def put(file_index: int, name: str, dtype: str, array: np.ndarray) -> None:
+        files[file_index % num_files][name] = (dtype, np.ascontiguousarray(array))
+
+    for file_index in range(num_files):
+        # Unrelated tensors of other layers, so the table is mixed with other data.
+        put(file_index, f"model.language_model.layers.{file_index}.mlp.up_proj.weight", "bfloat16",
+            _bf16_bits(rng.normal(size=(64, 32))))
+    for shard in range(num_shards):
+        start, stop = shard * shard_rows, min(rows, (shard + 1) * shard_rows)
+        for kind, array in table.items():
+            put(shard, f"{prefix}ngram_embedding.shard_{shard}.{kind}", _DTYPES[(variant, kind)],
+                array[start:stop])
+        if variant == "nvfp4":
+            put(shard, f"{prefix}ngram_embedding.shard_{shard}.weight_scale_2", "float32",
+                np.array([0.0123], dtype=np.float32))
+    if variant == "fp8":
+        put(num_files - 1, f"{prefix}ngram_embedding.weight_scale", "bfloat16",
+            np.array([FIXTURE_SCALE_BF16], dtype=np.uint16))
+    put(0, f"{prefix}layer_multipliers", "int64", np.array(spec.multipliers, dtype=np.int64))
+    put(0, f"{prefix}ngram_heads_offsets", "int64", np.array(spec.head_offsets, dtype=np.int64))
+    put(0, f"{prefix}ngram_heads_vocab_sizes", "int64", np.array(spec.head_sizes, dtype=np.int64))
+
+    weight_map = {}
+    for file_index, tensors in enumerate(files):
+        name = f"model-{file_index + 1:05d}-of-{num_files:05d}.safetensors"
+        write_safetensors(out / name, tensors)
+        weight_map.update({tensor: name for tensor in tensors})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if with_index:
+        index = {"metadata": {"total_size": sum(a.nbytes for t in files for _, a in t.values())},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return out
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
+    """Write (dtype name, array of the stored bytes) pairs through the safetensors library.
+
+    The binding's numpy front end has no FP8 or bf16 dtype, so arrays carry the raw stored bytes
+    and the dtype is named explicitly.
+    """
+    specs = {name: TensorSpec(dtype=dtype, shape=array.shape, data_ptr=array.ctypes.data,
+                              data_len=array.nbytes)
+             for name, (dtype, array) in tensors.items()}
+    serialize_file(specs, str(path), metadata={"format": "pt"})

@@ -1,0 +1,86 @@
+"""The prepared file's fixed header and page geometry (docs/FORMAT.md). Standard library only."""
+from __future__ import annotations
+
+import dataclasses
+
+from ..constants import (FORMAT_VERSION, HEADER_SIZE, HEADER_STRUCT, MAGIC, MAX_ROWS, ORDER_OFFSET,
+                         Encoding)
+from ..errors import BadInput
+
+# Bytes per placed row in the order map: its row id by slot, and the sorted ids with their slots.
+ORDER_BYTES_PER_PLACED = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    page_size: int
+    row_bytes: int
+    rows_per_page: int
+    encoding: Encoding
+    values_per_row: int
+    num_rows: int
+    first_row: int
+    num_placed: int
+    order_offset: int
+    data_offset: int
+    file_id: bytes
+    version: int = FORMAT_VERSION
+
+    @classmethod
+    def for_table(cls, *, page_size: int, row_bytes: int, encoding: Encoding, values_per_row: int,
+                  num_rows: int, first_row: int, num_placed: int, file_id: bytes) -> "Header":
+        """The header of a new file; raises BadInput on geometry the format cannot hold."""
+        if page_size < 512 or page_size & (page_size - 1) or page_size > 1 << 26:
+            raise BadInput(f"page size {page_size} must be a power of two from 512 to 64 MiB")
+        if not 0 < row_bytes <= page_size:
+            raise BadInput(f"a {row_bytes}-byte row does not fit a {page_size}-byte page")
+        if not 0 < num_rows <= MAX_ROWS or not 0 <= num_placed <= num_rows:
+            raise BadInput(f"{num_rows} rows ({num_placed} placed) is outside what format v1 holds")
+        order_end = ORDER_OFFSET + ORDER_BYTES_PER_PLACED * num_placed
+        data_offset = -(-order_end // page_size) * page_size
+        return cls(page_size, row_bytes, page_size // row_bytes, encoding, values_per_row, num_rows,
+                   first_row, num_placed, ORDER_OFFSET, data_offset, file_id)
+
+    @property
+    def num_pages(self) -> int:
+        return -(-self.num_rows // self.rows_per_page)
+
+    @property
+    def file_size(self) -> int:
+        return self.data_offset + self.num_pages * self.page_size
+
+    def pack(self) -> bytes:
+        packed = HEADER_STRUCT.pack(MAGIC, self.version, self.page_size, self.row_bytes,
+                                    self.rows_per_page, int(self.encoding), self.values_per_row,
+                                    self.num_rows, self.first_row, self.num_placed,
+                                    self.order_offset, self.data_offset, self.file_id)
+        return packed.ljust(HEADER_SIZE, b"\0")
+
+    @classmethod
+    def unpack(cls, raw: bytes, file_size: int, name: str = "file") -> "Header":
+        """Parse and check a header against the size of the file it came from."""
+        if len(raw) < HEADER_SIZE or file_size < HEADER_SIZE:
+            raise BadInput(f"{name}: {file_size} bytes is too short for a ple-prep table")
+        (magic, version, page_size, row_bytes, rows_per_page, encoding, values_per_row, num_rows,
+         first_row, num_placed, order_offset, data_offset, file_id) = HEADER_STRUCT.unpack_from(raw)
+        if magic != MAGIC:
+            raise BadInput(f"{name}: not a ple-prep table (magic {magic!r})")
+        if version != FORMAT_VERSION:
+            raise BadInput(f"{name}: format version {version}; this ple-prep reads {FORMAT_VERSION}")
+        if any(raw[HEADER_STRUCT.size:HEADER_SIZE]):
+            raise BadInput(f"{name}: reserved header bytes are not zero")
+        try:
+            encoding = Encoding(encoding)
+        except ValueError:
+            raise BadInput(f"{name}: unknown encoding {encoding}") from None
+        header = cls.for_table(page_size=page_size, row_bytes=row_bytes, encoding=encoding,
+                               values_per_row=values_per_row, num_rows=num_rows,
+                               first_row=first_row, num_placed=num_placed, file_id=file_id)
+        stored = (rows_per_page, order_offset, data_offset)
+        if stored != (header.rows_per_page, header.order_offset, header.data_offset):
+            raise BadInput(f"{name}: header geometry (rows per page, order offset, data offset) "
+                           f"{stored} disagrees with its own fields {(header.rows_per_page, header.order_offset, header.data_offset)}")
+        if file_size != header.file_size:
+            raise BadInput(f"{name}: {file_size} bytes but the header describes {header.file_size} "
+                           f"(truncated or extended)")
+        return header

@@ -1,0 +1,88 @@
+"""The sidecar manifest `<table>.json` (docs/FORMAT.md, docs/manifest.schema.json). Standard library only."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from ..constants import FORMAT_VERSION, MANIFEST_SUFFIX, Encoding
+from ..errors import BadInput
+
+MANIFEST_FORMAT = "ple-prep-table"
+MAX_MANIFEST_BYTES = 64 << 20
+
+# (key, type) pairs a reader relies on; the schema file holds the full description.
+_REQUIRED: tuple[tuple[str, type | tuple[type, ...]], ...] = (
+    ("format", str), ("format_version", int), ("file_id", str), ("tool_version", str),
+    ("encoding", str), ("row_bytes", int), ("values_per_row", int), ("num_rows", int),
+    ("first_row", int), ("total_rows", int), ("page_size", int), ("rows_per_page", int),
+    ("data_offset", int), ("file_size", int), ("scale", (dict, type(None))), ("ngram", dict),
+    ("source", dict), ("checksums", dict), ("layout", dict), ("residency", list),
+)
+
+
+def manifest_path(table_path: str | Path) -> Path:
+    table_path = Path(table_path)
+    return table_path.with_name(table_path.name + MANIFEST_SUFFIX)
+
+
+def load_manifest(path: str | Path) -> dict[str, Any]:
+    """Read a manifest and check the fields a reader trusts; BadInput on anything else."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise BadInput(f"{path.name}: {size} bytes is too large for a manifest")
+        manifest = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise BadInput(f"manifest {path} not found: a table needs the .json written beside it") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadInput(f"{path.name}: the manifest is not JSON") from None
+    validate_manifest(manifest, path.name)
+    return manifest
+
+
+def validate_manifest(manifest: Any, name: str = "manifest") -> None:
+    if not isinstance(manifest, dict):
+        raise BadInput(f"{name}: the manifest is not a JSON object")
+    wrong = [key for key, kind in _REQUIRED
+             if key not in manifest or not isinstance(manifest[key], kind)
+             or (kind is int and isinstance(manifest[key], bool))]
+    if wrong:
+        raise BadInput(f"{name}: missing or mistyped manifest fields: {', '.join(wrong)}")
+    if manifest["format"] != MANIFEST_FORMAT or manifest["format_version"] != FORMAT_VERSION:
+        raise BadInput(f"{name}: not a ple-prep v{FORMAT_VERSION} manifest")
+    try:
+        Encoding.from_label(manifest["encoding"])
+    except ValueError:
+        raise BadInput(f"{name}: unknown encoding {manifest['encoding']!r}") from None
+    scale = manifest["scale"]
+    if scale is not None:
+        value = scale.get("value")
+        if (not isinstance(value, (int, float)) or not math.isfinite(value) or value == 0
+                or not isinstance(scale.get("hex"), str) or not isinstance(scale.get("dtype"), str)):
+            raise BadInput(f"{name}: the scale must have a finite non-zero value, dtype and hex")
+    checksums = manifest["checksums"]
+    blocks = checksums.get("blocks")
+    block_bytes = checksums.get("block_bytes")
+    if (checksums.get("algorithm") != "crc32" or not isinstance(blocks, list)
+            or not isinstance(block_bytes, int) or block_bytes <= 0
+            or not all(isinstance(b, int) for b in blocks)):
+        raise BadInput(f"{name}: checksums must be crc32 blocks")
+    data_bytes = manifest["file_size"] - manifest["data_offset"]
+    if len(blocks) != -(-data_bytes // block_bytes):
+        raise BadInput(f"{name}: {len(blocks)} checksum blocks do not cover {data_bytes} data bytes")
+    if not 0 <= manifest["first_row"] <= manifest["first_row"] + manifest["num_rows"] <= manifest["total_rows"]:
+        raise BadInput(f"{name}: rows [{manifest['first_row']}, +{manifest['num_rows']}) are outside "
+                       f"the table of {manifest['total_rows']}")
+
+
+def write_manifest(manifest: dict[str, Any], path: Path) -> None:
+    """Write JSON to `path` (the caller's temporary name) and flush it to disk."""
+    data = json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n"
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())

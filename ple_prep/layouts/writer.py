@@ -1,0 +1,199 @@
+"""Write a prepared table: stream rows from a source into pages, checksum, and publish atomically."""
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import hashlib
+import os
+import shutil
+import uuid
+import zlib
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import __version__
+from ..constants import CHECKSUM_BLOCK_BYTES, DEFAULT_PAGE_SIZE, FORMAT_VERSION
+from ..converters.base import TableSource
+from ..errors import BadInput
+from .format import Header
+from .manifest import MANIFEST_FORMAT, manifest_path, write_manifest
+from .order import RowOrder
+
+# Pages per write: a quarter checksum block (16 MiB of 4 KiB pages) keeps memory small and the
+# disk busy; it divides the checksum block so each block's CRC is accumulated over whole chunks.
+CHUNKS_PER_CHECKSUM_BLOCK = 4
+# Slack beyond the file size so the free-space check does not pass with zero bytes to spare.
+FREE_SPACE_MARGIN = 16 << 20
+
+
+def partial_name(final: Path) -> Path:
+    """Where a file is written before it is complete; the pid tells a live writer from a dead one."""
+    return final.with_name(f".{final.name}.{os.getpid()}.partial")
+
+
+def convert(source: TableSource, out: str | Path, *, order: RowOrder | None = None,
+            page_size: int = DEFAULT_PAGE_SIZE, force: bool = False,
+            progress: Callable[[int], None] | None = None, first_row: int = 0,
+            num_rows: int | None = None, layout: dict[str, Any] | None = None,
+            residency: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Write rows [first_row, first_row + num_rows) of `source` to `out` and its manifest.
+
+    Both files appear at their names only when complete (temporary names, fsync, rename); on any
+    failure nothing is left behind. Returns the manifest.
+    """
+    out = Path(out)
+    manifest_out = manifest_path(out)
+    if not out.parent.is_dir():
+        raise BadInput(f"output folder {out.parent} does not exist")
+    if out.is_dir():
+        raise BadInput(f"{out} is a folder; give a file name")
+    existing = [p for p in (out, manifest_out) if p.exists()]
+    if existing and not force:
+        raise BadInput(f"{existing[0]} exists; pass --force to replace it")
+    if num_rows is None:
+        num_rows = source.num_rows - first_row
+    order = order or RowOrder.identity(num_rows)
+    if order.num_rows != num_rows:
+        raise BadInput(f"the row order covers {order.num_rows} rows, the table {num_rows}")
+    header = Header.for_table(page_size=page_size, row_bytes=source.row_bytes,
+                              encoding=source.encoding, values_per_row=source.values_per_row,
+                              num_rows=num_rows, first_row=first_row,
+                              num_placed=order.num_placed, file_id=uuid.uuid4().bytes)
+    free = shutil.disk_usage(out.parent).free
+    if free < header.file_size + FREE_SPACE_MARGIN:
+        raise BadInput(f"not enough free space in {out.parent}: the table needs "
+                       f"{header.file_size / 2**30:.2f} GiB, {free / 2**30:.2f} GiB is free")
+
+    temporary_data, temporary_manifest = partial_name(out), partial_name(manifest_out)
+    try:
+        checksums, table_sha256 = _write_data(source, header, order, temporary_data, progress)
+        manifest = _manifest(source, header, checksums, table_sha256, out.name, layout, residency)
+        write_manifest(manifest, temporary_manifest)
+        # Data first: a crash between the renames leaves a new table beside an old manifest, whose
+        # file id no longer matches, so the pair is refused rather than misread.
+        os.replace(temporary_data, out)
+        os.replace(temporary_manifest, manifest_out)
+        _fsync_folder(out.parent)
+    except BaseException as exc:
+        for path in (temporary_data, temporary_manifest):
+            path.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise BadInput(f"the disk holding {out.parent} filled up while writing; "
+                           f"partial files removed") from None
+        raise
+    return manifest
+
+
+def _read_slots(source: TableSource, order: RowOrder, first_row: int, start: int,
+                stop: int) -> np.ndarray:
+    if start >= order.num_placed:
+        # Unplaced slots hold rows in source order: one sequential read when no placed row interrupts.
+        rows = order.rows_at(start, stop)
+        if rows[-1] - rows[0] == stop - start - 1:
+            return source.read_rows(first_row + int(rows[0]), first_row + int(rows[-1]) + 1)
+        return source.gather_rows(first_row + rows)
+    return source.gather_rows(first_row + order.rows_at(start, stop))
+
+
+def _write_data(source: TableSource, header: Header, order: RowOrder, path: Path,
+                progress: Callable[[int], None] | None) -> tuple[dict[str, Any], str]:
+    pages_per_block = CHECKSUM_BLOCK_BYTES // header.page_size
+    pages_per_chunk = max(1, pages_per_block // CHUNKS_PER_CHECKSUM_BLOCK)
+    rows_per_chunk = pages_per_chunk * header.rows_per_page
+    used_bytes = header.rows_per_page * header.row_bytes
+    table_digest = hashlib.sha256()
+    block_crcs: list[int] = []
+    block_crc, block_filled = 0, 0
+    chunk_starts = range(0, header.num_rows, rows_per_chunk)
+
+    def read(start: int) -> np.ndarray:
+        return _read_slots(source, order, header.first_row, start,
+                           min(start + rows_per_chunk, header.num_rows))
+
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        try:
+            prefix = header.pack() + order.to_bytes()
+            os.write(descriptor, prefix.ljust(header.data_offset, b"\0"))
+            header_crc = zlib.crc32(prefix.ljust(header.data_offset, b"\0"))
+            # Read one chunk ahead and write one chunk behind while this thread packs and hashes.
+            pending_read = pool.submit(read, 0)
+            pending_write: concurrent.futures.Future | None = None
+            for index, start in enumerate(chunk_starts):
+                rows = pending_read.result()
+                if index + 1 < len(chunk_starts):
+                    pending_read = pool.submit(read, chunk_starts[index + 1])
+                table_digest.update(rows)
+                full_pages, leftover = divmod(len(rows), header.rows_per_page)
+                pages = np.zeros((full_pages + bool(leftover), header.page_size), dtype=np.uint8)
+                pages[:full_pages, :used_bytes] = rows[:full_pages * header.rows_per_page].reshape(
+                    full_pages, used_bytes)
+                if leftover:
+                    pages[full_pages, :leftover * header.row_bytes] = rows[
+                        full_pages * header.rows_per_page:].reshape(-1)
+                block_crc = zlib.crc32(pages, block_crc)
+                block_filled += len(pages)
+                if block_filled == pages_per_block:
+                    block_crcs.append(block_crc)
+                    block_crc, block_filled = 0, 0
+                if pending_write is not None:
+                    pending_write.result()
+                pending_write = pool.submit(_write_all, descriptor, pages)
+                if progress is not None:
+                    progress(rows.nbytes)
+            if pending_write is not None:
+                pending_write.result()
+            if block_filled:
+                block_crcs.append(block_crc)
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+    checksums = {"algorithm": "crc32", "block_bytes": CHECKSUM_BLOCK_BYTES,
+                 "header_crc32": header_crc, "blocks": block_crcs}
+    return checksums, table_digest.hexdigest()
+
+
+def _write_all(descriptor: int, pages: np.ndarray) -> None:
+    view = memoryview(pages).cast("B")
+    while len(view):
+        view = view[os.write(descriptor, view):]
+
+
+def _fsync_folder(folder: Path) -> None:
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _manifest(source: TableSource, header: Header, checksums: dict[str, Any], table_sha256: str,
+              data_file: str, layout: dict[str, Any] | None,
+              residency: list[dict[str, Any]] | None) -> dict[str, Any]:
+    scale = source.scale.to_json() if source.scale is not None else None
+    return {
+        "format": MANIFEST_FORMAT,
+        "format_version": FORMAT_VERSION,
+        "file_id": header.file_id.hex(),
+        "tool_version": __version__,
+        "data_file": data_file,
+        "file_size": header.file_size,
+        "page_size": header.page_size,
+        "rows_per_page": header.rows_per_page,
+        "data_offset": header.data_offset,
+        "encoding": header.encoding.label,
+        "row_bytes": header.row_bytes,
+        "values_per_row": header.values_per_row,
+        "num_rows": header.num_rows,
+        "first_row": header.first_row,
+        "total_rows": source.num_rows,
+        "scale": scale,
+        "ngram": source.spec.to_json(),
+        "source": source.fingerprint() | {"model": str(source.model_dir.resolve()),
+                                          "table_sha256": table_sha256, **source.extra},
+        "checksums": checksums,
+        "layout": layout or {"kind": "source-order", "num_placed": header.num_placed},
+        "residency": residency or [],
+    }

@@ -1,0 +1,212 @@
+"""The model's n-gram hash: token ids to the 16 table rows each token reads (spec section 2).
+
+numpy only, so a serving stack can hash with the runtime alone.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .constants import DEFAULT_SEED
+from .errors import BadInput
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def splitmix64(value: int) -> int:
+    value = (value + _GOLDEN) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def _is_prime(number: int) -> bool:
+    if number < 2:
+        return False
+    if number % 2 == 0:
+        return number == 2
+    divisor = 3
+    while divisor * divisor <= number:
+        if number % divisor == 0:
+            return False
+        divisor += 2
+    return True
+
+
+def _primes_from(start: int, count: int) -> list[int]:
+    primes, candidate = [], start
+    while len(primes) < count:
+        if _is_prime(candidate):
+            primes.append(candidate)
+        candidate += 1
+    return primes
+
+
+# The config fields the hash depends on, with the defaults the reference code uses.
+CONFIG_FIELDS = (
+    "vocab_size",
+    "eos_token_id",
+    "ple_layer_ids",
+    "ple_embed_dim",
+    "ngram_size",
+    "heads_per_ngram",
+    "ngram_vocab_size_base",
+    "make_ngram_vocab_size_divisible_by",
+    "split_ngram_parts",
+    "seed",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramSpec:
+    """Everything needed to turn token ids into global row ids, plus the table's geometry."""
+
+    vocab_size: int
+    eos_token_id: int
+    ngram_size: int
+    heads_per_ngram: int
+    seed: int
+    ple_ordinal: int
+    ple_embed_dim: int
+    ngram_vocab_size_base: int
+    make_ngram_vocab_size_divisible_by: int
+    multipliers: tuple[int, ...]
+    head_sizes: tuple[int, ...]
+    head_offsets: tuple[int, ...]
+
+    @property
+    def heads(self) -> int:
+        return (self.ngram_size - 1) * self.heads_per_ngram
+
+    @property
+    def values_per_row(self) -> int:
+        return self.ple_embed_dim // self.heads
+
+    @property
+    def rows_used(self) -> int:
+        return self.head_offsets[-1] + self.head_sizes[-1]
+
+    @property
+    def rows_stored(self) -> int:
+        divisor = self.make_ngram_vocab_size_divisible_by
+        return -(-self.rows_used // divisor) * divisor
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], ple_ordinal: int = 0) -> "NgramSpec":
+        """Derive the constants from `config.json` (or its `text_config`) as the model does."""
+        config = config.get("text_config", config)
+        missing = [f for f in CONFIG_FIELDS[:-2] if f not in config]
+        if missing:
+            raise BadInput(f"config.json lacks {', '.join(missing)}")
+        try:
+            vocab_size = int(config["vocab_size"])
+            eos = config["eos_token_id"]
+            eos_token_id = int(eos[0] if isinstance(eos, list) else eos)
+            ngram_size = int(config["ngram_size"])
+            heads_per_ngram = int(config["heads_per_ngram"])
+            seed = int(config.get("seed") if config.get("seed") is not None else DEFAULT_SEED)
+            base = int(config["ngram_vocab_size_base"])
+            divisible_by = int(config["make_ngram_vocab_size_divisible_by"])
+            embed_dim = int(config["ple_embed_dim"])
+        except (TypeError, ValueError) as exc:
+            raise BadInput(f"config.json has a non-integer hash field: {exc}") from None
+        if not (vocab_size > 0 and ngram_size >= 2 and heads_per_ngram > 0 and base > 1
+                and divisible_by > 0 and seed >= 0):
+            raise BadInput("config.json hash fields out of range")
+        heads = (ngram_size - 1) * heads_per_ngram
+        if embed_dim % heads:
+            raise BadInput(f"ple_embed_dim {embed_dim} is not a multiple of {heads} heads")
+        half_bound = max(1, ((2**63 - 1) // vocab_size) // 2)
+        base_seed = seed + 10007 * ple_ordinal
+        multipliers = tuple(
+            2 * (splitmix64((base_seed + _GOLDEN * (i + 1)) & _MASK64) % half_bound) + 1
+            for i in range(ngram_size)
+        )
+        first_head = ple_ordinal * heads
+        sizes = tuple(_primes_from(base, first_head + heads)[first_head:])
+        offsets = tuple(int(x) for x in np.concatenate([[0], np.cumsum(sizes)[:-1]]))
+        return cls(vocab_size, eos_token_id, ngram_size, heads_per_ngram, seed, ple_ordinal,
+                   embed_dim, base, divisible_by, multipliers, sizes, offsets)
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: str | Path) -> "NgramSpec":
+        """The spec of a safetensors checkpoint, its stored constant tensors checked against config."""
+        from .converters.safetensors import open_checkpoint
+
+        with open_checkpoint(model_dir) as source:
+            return source.spec
+
+    def check_constants(self, multipliers: Sequence[int] | None, head_offsets: Sequence[int] | None,
+                        head_sizes: Sequence[int] | None, where: str) -> None:
+        """Refuse stored hash constants that disagree with the ones derived from the config."""
+        for name, stored, derived in (("multipliers", multipliers, self.multipliers),
+                                      ("head offsets", head_offsets, self.head_offsets),
+                                      ("head sizes", head_sizes, self.head_sizes)):
+            if stored is not None and tuple(int(v) for v in stored) != derived:
+                raise BadInput(f"{where} {name} {list(stored)} disagree with config.json "
+                               f"{list(derived)}; the checkpoint and its config do not belong together")
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"rows_stored": self.rows_stored}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "NgramSpec":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in fields}
+        return cls(**values)
+
+
+def row_ids(tokens: Sequence[int] | np.ndarray, spec: NgramSpec,
+            context: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
+    """Global row ids, int64 `(len(tokens), heads)`, in head order.
+
+    `context` is the request's previous `ngram_size - 1` tokens, oldest first (fewer are padded
+    with EOS); None starts a new request. Hashing a request in chunks, each with the last tokens
+    of the one before as context, gives the same ids as hashing it whole.
+    """
+    tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    history = spec.ngram_size - 1
+    eos = spec.eos_token_id
+    previous = np.full(history, eos, dtype=np.int64)
+    if context is not None:
+        context = np.asarray(context, dtype=np.int64).reshape(-1)[-history:] if history else []
+        if len(context):
+            previous[history - len(context):] = context
+    padded = np.concatenate([previous, tokens]).astype(np.uint64)
+    count = len(tokens)
+    eos64 = np.uint64(eos)
+    # window[s] holds ctx[s] for every position: the token s steps back, EOS once a cut is seen.
+    window = [padded[history:]]
+    cut = np.zeros(count, dtype=bool)
+    for step in range(1, spec.ngram_size):
+        earlier = padded[history - step: history - step + count]
+        value = np.where(cut, eos64, earlier)
+        cut |= value == eos64
+        window.append(value)
+    ids = np.empty((count, spec.heads), dtype=np.int64)
+    mixed = np.zeros(count, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for order_index, order in enumerate(range(1, spec.ngram_size + 1)):
+            mixed ^= window[order_index] * np.uint64(spec.multipliers[order_index])
+            if order < 2:
+                continue
+            for k in range(spec.heads_per_ngram):
+                head = (order - 2) * spec.heads_per_ngram + k
+                ids[:, head] = (mixed % np.uint64(spec.head_sizes[head])).astype(np.int64)
+                ids[:, head] += spec.head_offsets[head]
+    return ids
+
+
+def load_config(model_dir: str | Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise BadInput(f"{path} not found: is this a checkpoint folder?") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadInput(f"{path} is not JSON: {exc}") from None

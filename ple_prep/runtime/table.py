@@ -1,0 +1,126 @@
+"""Open a prepared table: validate it against its manifest, map it, and hand out rows."""
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..constants import HEADER_SIZE, Encoding
+from ..errors import BadInput
+from ..layouts.format import ORDER_BYTES_PER_PLACED, Header
+from ..layouts.manifest import load_manifest, manifest_path
+from ..layouts.order import RowOrder
+from .dequant import decode
+
+# Header fields that must agree with the manifest's, or the pair does not belong together.
+_MATCHED_FIELDS = ("page_size", "row_bytes", "rows_per_page", "values_per_row", "num_rows",
+                   "first_row", "data_offset", "file_size")
+
+
+class Table:
+    """A prepared PLE table mapped copy-on-write; ids are the model's global row ids."""
+
+    def __init__(self, path: Path, manifest: dict[str, Any], header: Header, mapping: mmap.mmap):
+        self.path = path
+        self.manifest = manifest
+        self.header = header
+        self._mapping = mapping
+        self.num_rows = header.num_rows
+        self.first_row = header.first_row
+        self.row_bytes = header.row_bytes
+        self.values_per_row = header.values_per_row
+        self.page_size = header.page_size
+        self.rows_per_page = header.rows_per_page
+        self.encoding = header.encoding.label
+        scale = manifest["scale"]
+        self.scale: float | None = None if scale is None else float(scale["value"])
+        self.order = RowOrder.from_buffer(mapping, header.num_placed, header.num_rows, path.name) \
+            if header.num_placed else RowOrder.identity(header.num_rows)
+        data = np.frombuffer(mapping, dtype=np.uint8, offset=header.data_offset)
+        # Rows as (page, position in page, byte): page-end padding is skipped, never copied.
+        self._rows = np.lib.stride_tricks.as_strided(
+            data, shape=(header.num_pages, header.rows_per_page, header.row_bytes),
+            strides=(header.page_size, header.row_bytes, 1), writeable=False)
+
+    def __enter__(self) -> "Table":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._rows = None
+        self.order = None
+        try:
+            self._mapping.close()
+        except BufferError:
+            # A caller still holds a view; the mapping goes when the last view does.
+            pass
+
+    @property
+    def row_range(self) -> tuple[int, int]:
+        """Global row ids this file holds: [first, stop)."""
+        return self.first_row, self.first_row + self.num_rows
+
+    def _local(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids)
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"row ids must be integers, not {ids.dtype}")
+        ids = ids.astype(np.int64, copy=False).reshape(-1)
+        local = ids - self.first_row
+        if len(local) and (local.min() < 0 or local.max() >= self.num_rows):
+            bad = ids[(local < 0) | (local >= self.num_rows)][0]
+            first, stop = self.row_range
+            raise IndexError(f"row id {bad} is outside this table's rows [{first}, {stop})")
+        return local
+
+    def slot_of(self, ids: np.ndarray) -> np.ndarray:
+        """Position of each row in the file's slot order (int64)."""
+        return self.order.slot_of(self._local(ids))
+
+    def page_of(self, ids: np.ndarray) -> np.ndarray:
+        """Index of the file page (counted from the data region) holding each row."""
+        return self.slot_of(ids) // self.rows_per_page
+
+    def gather(self, ids: np.ndarray) -> np.ndarray:
+        """uint8 `(len(ids), row_bytes)`: the source bytes of each row, in request order."""
+        pages, positions = np.divmod(self.slot_of(ids), self.rows_per_page)
+        return self._rows[pages, positions]
+
+    def values(self, ids: np.ndarray) -> np.ndarray:
+        """float32 `(len(ids), values_per_row)`: exactly what the model layer computes."""
+        return decode(Encoding.from_label(self.encoding), self.gather(ids), self.values_per_row,
+                      self.scale)
+
+
+def open_table(path: str | Path, manifest: str | Path | None = None) -> Table:
+    """Open a prepared table and its manifest, refusing any pair that does not belong together."""
+    path = Path(path)
+    manifest_file = Path(manifest) if manifest is not None else manifest_path(path)
+    meta = load_manifest(manifest_file)
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise BadInput(f"cannot open {path}: {exc.strerror}") from None
+    try:
+        size = os.fstat(descriptor).st_size
+        header = Header.unpack(os.pread(descriptor, HEADER_SIZE, 0), size, path.name)
+        if header.file_id.hex() != meta["file_id"]:
+            raise BadInput(f"{path.name} and {manifest_file.name} come from different conversions "
+                           f"(file ids {header.file_id.hex()} and {meta['file_id']})")
+        mismatched = [f for f in _MATCHED_FIELDS if getattr(header, f) != meta[f]]
+        if header.encoding.label != meta["encoding"]:
+            mismatched.append("encoding")
+        if mismatched:
+            raise BadInput(f"{path.name} disagrees with its manifest on {', '.join(mismatched)}")
+        if header.data_offset < header.order_offset + ORDER_BYTES_PER_PLACED * header.num_placed:
+            raise BadInput(f"{path.name}: the row-order map overlaps the data")
+        # MAP_PRIVATE: a writer elsewhere can never change what this process reads through us.
+        mapping = mmap.mmap(descriptor, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+    finally:
+        os.close(descriptor)
+    mapping.madvise(mmap.MADV_RANDOM)
+    return Table(path, meta, header, mapping)

@@ -1,0 +1,113 @@
+"""Check a prepared table: its checksums, and (given the source) every row byte for byte."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import zlib
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from .converters import open_source
+from .runtime import open_table
+
+CHUNK_ROWS = 1 << 16
+MAX_REPORTED = 10
+
+
+@dataclasses.dataclass
+class VerifyReport:
+    path: str
+    checksum_blocks: int = 0
+    bad_blocks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    header_ok: bool = True
+    rows_compared: int = 0
+    mismatched_rows: int = 0
+    first_mismatches: list[int] = dataclasses.field(default_factory=list)
+    source_problems: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return (self.header_ok and not self.bad_blocks and not self.mismatched_rows
+                and not self.source_problems)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"ok": self.ok}
+
+
+def verify(path: str | Path, model: str | Path | None = None, *, sample: int | None = None,
+           seed: int = 0, progress: Callable[[int], None] | None = None) -> VerifyReport:
+    """Checksums always; with `model`, compare all rows (or `sample` random ones) with the source."""
+    path = Path(path)
+    report = VerifyReport(str(path))
+    with open_table(path) as table:
+        _check_checksums(table, report, progress)
+        if model is not None:
+            with open_source(model) as source:
+                _compare_with_source(table, source, report, sample, seed, progress)
+    return report
+
+
+def _check_checksums(table, report: VerifyReport, progress) -> None:
+    checksums = table.manifest["checksums"]
+    block_bytes = checksums["block_bytes"]
+    data_offset, file_size = table.header.data_offset, table.header.file_size
+    descriptor = os.open(table.path, os.O_RDONLY)
+    try:
+        report.header_ok = zlib.crc32(os.pread(descriptor, data_offset, 0)) == checksums["header_crc32"]
+        for block, expected in enumerate(checksums["blocks"]):
+            start = data_offset + block * block_bytes
+            crc, position, stop = 0, start, min(start + block_bytes, file_size)
+            while position < stop:
+                piece = os.pread(descriptor, min(8 << 20, stop - position), position)
+                crc = zlib.crc32(piece, crc)
+                position += len(piece)
+            report.checksum_blocks += 1
+            if crc != expected:
+                first_slot = block * block_bytes // table.page_size * table.rows_per_page
+                stop_slot = min(table.num_rows,
+                                -(-(stop - data_offset) // table.page_size) * table.rows_per_page)
+                rows = table.order.rows_at(first_slot, stop_slot) + table.first_row
+                report.bad_blocks.append({"block": block, "bytes": [start, stop],
+                                          "first_rows": rows[:MAX_REPORTED].tolist(),
+                                          "num_rows": len(rows)})
+    finally:
+        os.close(descriptor)
+
+
+def _compare_with_source(table, source, report: VerifyReport, sample, seed, progress) -> None:
+    manifest = table.manifest
+    expected_scale = manifest["scale"]["hex"] if manifest["scale"] else None
+    actual_scale = source.scale.raw.hex() if source.scale else None
+    if source.encoding.label != table.encoding or source.row_bytes != table.row_bytes:
+        report.source_problems.append(f"source is {source.encoding.label} with {source.row_bytes}-"
+                                      f"byte rows, the table {table.encoding} with {table.row_bytes}")
+        return
+    if actual_scale != expected_scale:
+        report.source_problems.append(f"source scale {actual_scale} differs from the table's "
+                                      f"{expected_scale}")
+    if source.num_rows != manifest["total_rows"]:
+        report.source_problems.append(f"source has {source.num_rows} rows, the table was made "
+                                      f"from {manifest['total_rows']}")
+        return
+    if sample is None:
+        chunks = (np.arange(start, min(start + CHUNK_ROWS, table.num_rows), dtype=np.int64)
+                  for start in range(0, table.num_rows, CHUNK_ROWS))
+    else:
+        rng = np.random.default_rng(seed)
+        picked = np.sort(rng.choice(table.num_rows, size=min(sample, table.num_rows), replace=False))
+        chunks = (picked[i:i + CHUNK_ROWS] for i in range(0, len(picked), CHUNK_ROWS))
+    for local in chunks:
+        ids = local + table.first_row
+        if len(ids) and ids[-1] - ids[0] == len(ids) - 1:
+            expected = source.read_rows(int(ids[0]), int(ids[-1]) + 1)
+        else:
+            expected = source.gather_rows(ids)
+        different = np.flatnonzero(np.any(table.gather(ids) != expected, axis=1))
+        report.rows_compared += len(ids)
+        report.mismatched_rows += len(different)
+        room = MAX_REPORTED - len(report.first_mismatches)
+        report.first_mismatches += ids[different[:room]].tolist()
+        if progress is not None:
+            progress(expected.nbytes)

@@ -1,0 +1,29 @@
+"""Shared fixtures: real checkpoints written with the safetensors library, built once per session."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ple_prep.fixtures import make_checkpoint
+
+
+@pytest.fixture(scope="session")
+def fp8_checkpoint(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("fp8") / "ckpt", "fp8")
+
+
+@pytest.fixture(scope="session")
+def bf16_checkpoint(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("bf16") / "ckpt", "bf16")
+
+
+@pytest.fixture(scope="session")
+def nvfp4_checkpoint(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("nvfp4") / "ckpt", "nvfp4")
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
