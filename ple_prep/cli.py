@@ -47,6 +47,25 @@ def json_option(command: Callable) -> Callable:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")(command)
 
 
+class _ModelPath(click.ParamType):
+    """A checkpoint folder, or a model name resolved offline from the Hugging Face cache (hub.py)."""
+
+    name = "PATH|NAME"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
+        from .hub import resolve_model
+
+        return resolve_model(value)
+
+
+def model_option(help: str = "Source checkpoint.", required: bool = True) -> Callable[[Callable], Callable]:
+    """The one --model option of every command that reads a checkpoint: a path or a cached model name."""
+    return click.option(
+        "--model", "model", required=required, type=_ModelPath(),
+        help=f"{help} A folder, or a model name from the Hugging Face cache: OWNER/NAME, NAME, "
+             "NAME@REVISION (offline; HF_HUB_CACHE and HF_HOME are respected).")
+
+
 def quiet_option(command: Callable) -> Callable:
     return click.option("--quiet", "-q", is_flag=True, help="No progress bars.")(command)
 
@@ -78,8 +97,7 @@ def cli() -> None:
 
 
 @cli.command()
-@click.option("--model", "model", required=True, type=click.Path(path_type=Path),
-              help="Checkpoint folder.")
+@model_option("Checkpoint to convert.")
 @click.option("--out", required=True, type=click.Path(path_type=Path),
               help="Prepared table to write; the manifest goes to OUT.json.")
 @click.option("--page-size", default=4096, show_default=True, help="Page size in bytes.")
@@ -112,8 +130,7 @@ def convert(model: Path, out: Path, page_size: int, force: bool, as_json: bool, 
 
 @cli.command()
 @click.argument("table", type=click.Path(path_type=Path))
-@click.option("--model", "model", type=click.Path(path_type=Path),
-              help="Source checkpoint to compare every row with.")
+@model_option("Source checkpoint to compare every row with.", required=False)
 @click.option("--sample", type=click.IntRange(min=1), help="Compare N random rows instead of all.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the sample.")
 @json_option

@@ -1,0 +1,117 @@
+"""Find a model the way people name it: a folder, or a Hugging Face name looked up in the local cache.
+
+Offline only: this reads the cache that `huggingface_hub` keeps (HUB/models--OWNER--NAME/ with
+refs/BRANCH holding a commit hash and snapshots/HASH/ holding the files) and never downloads.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from .errors import BadInput
+
+# OWNER/NAME or NAME, optionally @REVISION (a branch, tag or commit hash), as the hub spells them.
+_NAME = re.compile(r"^(?:(?P<owner>[\w.-]+)/)?(?P<name>[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
+_LISTED = 8
+
+
+def hub_cache_dir() -> Path:
+    """The cache folder `huggingface_hub` uses, read from the environment now.
+
+    Same order as `huggingface_hub.constants`: HF_HUB_CACHE, HUGGINGFACE_HUB_CACHE, HF_HOME/hub,
+    XDG_CACHE_HOME/huggingface/hub, ~/.cache/huggingface/hub. Read at call time, not import time,
+    so a caller (or a test) that sets the variables later is still obeyed.
+    """
+    def expand(value: str) -> Path:
+        return Path(os.path.expandvars(os.path.expanduser(value)))
+
+    for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(variable):
+            return expand(os.environ[variable])
+    if os.environ.get("HF_HOME"):
+        return expand(os.environ["HF_HOME"]) / "hub"
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+    return expand(cache_home) / "huggingface" / "hub"
+
+
+def resolve_model(name_or_path: str | Path, *, cache_dir: str | Path | None = None) -> Path:
+    """The checkpoint folder (or file) for a path or a model name.
+
+    An existing path wins. Otherwise `OWNER/NAME` is that cached repo; a bare `NAME` is the one
+    cached repo whose name is NAME (any owner), or failing that the one named `NAME-<variant>`
+    (so `Qwen3.8-Flash-Next` finds a lone cached `Qwen/Qwen3.8-Flash-Next-FP8`). `@REVISION` picks
+    a branch, tag or commit; the default is `main`, or the only snapshot when refs/main is absent.
+    Raises BadInput when nothing or more than one repo matches, naming the cache it read.
+    """
+    text = str(name_or_path)
+    path = Path(text).expanduser()
+    if path.exists():
+        return path
+    match = _NAME.match(text)
+    if match is None or text.startswith("."):
+        raise BadInput(f"{text} does not exist")
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else hub_cache_dir()
+    repos, skipped = _cached_models(cache)
+    owner, name, revision = match["owner"], match["name"], match["revision"]
+    if owner is not None:
+        wanted = f"{owner}/{name}".lower()
+        found = [repo for repo in repos if repo.repo_id.lower() == wanted]
+    else:
+        found = [repo for repo in repos if _name_part(repo.repo_id) == name.lower()]
+        if not found:
+            found = [repo for repo in repos if _name_part(repo.repo_id).startswith(name.lower() + "-")]
+    if not found:
+        raise BadInput(_nothing_found(text, path, cache, repos, skipped))
+    if len(found) > 1:
+        ids = ", ".join(sorted(repo.repo_id for repo in found))
+        raise BadInput(f"{name} matches {len(found)} models in the Hugging Face cache at {cache}: "
+                       f"{ids}; name one in full")
+    return _snapshot(found[0], revision)
+
+
+def _cached_models(cache: Path) -> tuple[list, int]:
+    """Model repos in the cache, and how many entries could not be read (`scan_cache_dir` warnings)."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.utils import CacheNotFound
+
+    try:
+        info = scan_cache_dir(cache)
+    except (CacheNotFound, ValueError):
+        return [], 0
+    return [repo for repo in info.repos if repo.repo_type == "model"], len(info.warnings)
+
+
+def _name_part(repo_id: str) -> str:
+    return repo_id.rsplit("/", 1)[-1].lower()
+
+
+def _nothing_found(text: str, path: Path, cache: Path, repos: list, skipped: int) -> str:
+    where = f"the Hugging Face cache at {cache}" if cache.is_dir() else \
+        f"the Hugging Face cache at {cache} (no such folder)"
+    cached = sorted(repo.repo_id for repo in repos)
+    listing = (f"; cached: {', '.join(cached[:_LISTED])}" + (", ..." if len(cached) > _LISTED else "")
+               if cached else "")
+    unreadable = f"; {skipped} cache entries could not be read" if skipped else ""
+    return (f"no model {text} in {where}{listing}{unreadable}; no folder {path} either "
+            "(set HF_HUB_CACHE or HF_HOME, or give a path)")
+
+
+def _snapshot(repo, revision: str | None) -> Path:
+    refs = repo.refs
+    if revision is None:
+        if "main" in refs:
+            return refs["main"].snapshot_path
+        if len(repo.revisions) == 1:
+            return next(iter(repo.revisions)).snapshot_path
+        hashes = ", ".join(sorted(r.commit_hash[:12] for r in repo.revisions)) or "none"
+        raise BadInput(f"{repo.repo_id} has no refs/main and {len(repo.revisions)} snapshots "
+                       f"({hashes}) in {repo.repo_path}: pick one with {repo.repo_id}@REVISION")
+    if revision in refs:
+        return refs[revision].snapshot_path
+    commits = [r for r in repo.revisions if r.commit_hash.startswith(revision)]
+    if len(commits) == 1 and len(revision) >= 7:
+        return commits[0].snapshot_path
+    known = ", ".join(sorted(refs) + sorted(r.commit_hash[:12] for r in repo.revisions))
+    raise BadInput(f"{repo.repo_id} has no cached revision {revision} in {repo.repo_path} "
+                   f"(cached: {known or 'none'})")
