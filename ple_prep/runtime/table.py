@@ -37,7 +37,9 @@ class Table:
         self.encoding = header.encoding.label
         scale = manifest["scale"]
         self.scale: float | None = None if scale is None else float(scale["value"])
-        self.order = RowOrder.from_buffer(mapping, header.num_placed, header.num_rows, path.name) \
+        # The map starts at order_offset, not at the file's first byte.
+        self.order = RowOrder.from_buffer(memoryview(mapping)[header.order_offset:header.data_offset],
+                                          header.num_placed, header.num_rows, path.name) \
             if header.num_placed else RowOrder.identity(header.num_rows)
         data = np.frombuffer(mapping, dtype=np.uint8, offset=header.data_offset)
         # Rows as (page, position in page, byte): page-end padding is skipped, never copied.
