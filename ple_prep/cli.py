@@ -67,7 +67,7 @@ def model_option(help: str = "Source checkpoint.", required: bool = True) -> Cal
 
 
 def quiet_option(command: Callable) -> Callable:
-    return click.option("--quiet", "-q", is_flag=True, help="No progress bars.")(command)
+    return click.option("--quiet", "-q", is_flag=True, help="No progress bars and no text summary; --json output and errors still print.")(command)
 
 
 @contextlib.contextmanager
@@ -92,7 +92,15 @@ def cli() -> None:
     \b
     Example:
         ple-prep demo
-        ple-prep convert --model ./Qwen3.8-Flash-Next-FP8 --out /nvme/ple.bin
+        ple-prep convert --model Qwen/Qwen3.8-Flash-Next-FP8 --out /nvme/ple.bin
+
+    \b
+    Exit status: 0 ok, 1 a check failed (verify), 2 bad input (one line
+    "error: ..." on stderr, nothing left behind), 130 interrupted.
+    --model takes a folder or a model name found offline in the Hugging Face
+    cache (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub).
+    --json prints machine-readable output on stdout; progress bars go to
+    stderr and switch off when it is not a terminal or with --quiet.
     """
 
 
@@ -123,7 +131,7 @@ def convert(model: Path, out: Path, page_size: int, force: bool, as_json: bool, 
                "file_size": manifest["file_size"], "seconds": round(seconds, 3)}
     if as_json:
         echo_json(summary)
-    else:
+    elif not quiet:
         click.echo(f"wrote {out}: {summary['rows']:,} {summary['encoding']} rows, "
                    f"{summary['file_size'] / 2**20:.1f} MiB in {seconds:.1f} s")
 
@@ -152,7 +160,7 @@ def verify(table: Path, model: Path | None, sample: int | None, seed: int, as_js
         report = verify_table(table, model, sample=sample, seed=seed, progress=advance)
     if as_json:
         echo_json(report.to_json())
-    else:
+    elif not quiet:
         click.echo(f"checksums: {report.checksum_blocks} blocks, "
                    f"{len(report.bad_blocks)} bad, header {'ok' if report.header_ok else 'BAD'}")
         for block in report.bad_blocks:
@@ -245,7 +253,7 @@ def demo(folder: Path | None, variant: str, as_json: bool, quiet: bool) -> None:
         summary = run_demo(folder, variant)
     if as_json:
         echo_json(summary)
-    else:
+    elif not quiet:
         click.echo("\n".join(f"{key}: {value}" for key, value in summary.items()))
     if not summary["verified"]:
         raise CheckFailed("the demo table does not match its source")
