@@ -62,8 +62,8 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raise BadInput(f"cannot read {path}: {exc.strerror}") from None
     try:
         header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise BadInput(f"{path.name}: the header is not JSON") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise BadInput(f"{path.name}: the header is not JSON (or nests too deep)") from None
     if not isinstance(header, dict):
         raise BadInput(f"{path.name}: the header is not a JSON object")
     data_start = 8 + header_len

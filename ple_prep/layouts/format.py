@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..constants import (FORMAT_VERSION, HEADER_SIZE, HEADER_STRUCT, MAGIC, MAX_ROWS, ORDER_OFFSET,
-                         Encoding)
+                         Encoding, row_bytes_for)
 from ..errors import BadInput
 
 # Bytes per placed row in the order map: its row id by slot, and the sorted ids with their slots.
@@ -36,6 +36,8 @@ class Header:
             raise BadInput(f"a {row_bytes}-byte row does not fit a {page_size}-byte page")
         if not 0 < num_rows <= MAX_ROWS or not 0 <= num_placed <= num_rows:
             raise BadInput(f"{num_rows} rows ({num_placed} placed) is outside what format v1 holds")
+        if not 0 <= first_row <= MAX_ROWS - num_rows:
+            raise BadInput(f"global rows [{first_row}, +{num_rows}) are outside what format v1 holds")
         order_end = ORDER_OFFSET + ORDER_BYTES_PER_PLACED * num_placed
         data_offset = -(-order_end // page_size) * page_size
         return cls(page_size, row_bytes, page_size // row_bytes, encoding, values_per_row, num_rows,
@@ -73,6 +75,13 @@ class Header:
             encoding = Encoding(encoding)
         except ValueError:
             raise BadInput(f"{name}: unknown encoding {encoding}") from None
+        try:
+            expected_row_bytes = row_bytes_for(encoding, values_per_row) if values_per_row else 0
+        except ValueError:
+            expected_row_bytes = 0
+        if expected_row_bytes != row_bytes:
+            raise BadInput(f"{name}: {row_bytes}-byte rows cannot hold {values_per_row} "
+                           f"{encoding.label} values")
         header = cls.for_table(page_size=page_size, row_bytes=row_bytes, encoding=encoding,
                                values_per_row=values_per_row, num_rows=num_rows,
                                first_row=first_row, num_placed=num_placed, file_id=file_id)

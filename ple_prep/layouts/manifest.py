@@ -38,8 +38,8 @@ def load_manifest(path: str | Path) -> dict[str, Any]:
         manifest = json.loads(path.read_bytes())
     except FileNotFoundError:
         raise BadInput(f"manifest {path} not found: a table needs the .json written beside it") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise BadInput(f"{path.name}: the manifest is not JSON") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise BadInput(f"{path.name}: the manifest is not JSON (or nests too deep)") from None
     validate_manifest(manifest, path.name)
     return manifest
 
@@ -61,7 +61,9 @@ def validate_manifest(manifest: Any, name: str = "manifest") -> None:
     scale = manifest["scale"]
     if scale is not None:
         value = scale.get("value")
-        if (not isinstance(value, (int, float)) or not math.isfinite(value) or value == 0
+        # A huge JSON integer cannot become a float: refuse it rather than overflow.
+        if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                or not -1e308 < value < 1e308 or not math.isfinite(value) or value == 0
                 or not isinstance(scale.get("hex"), str) or not isinstance(scale.get("dtype"), str)):
             raise BadInput(f"{name}: the scale must have a finite non-zero value, dtype and hex")
     checksums = manifest["checksums"]
@@ -77,6 +79,21 @@ def validate_manifest(manifest: Any, name: str = "manifest") -> None:
     if not 0 <= manifest["first_row"] <= manifest["first_row"] + manifest["num_rows"] <= manifest["total_rows"]:
         raise BadInput(f"{name}: rows [{manifest['first_row']}, +{manifest['num_rows']}) are outside "
                        f"the table of {manifest['total_rows']}")
+    _validate_tensor_parallel(manifest, name)
+
+
+def _validate_tensor_parallel(manifest: dict[str, Any], name: str) -> None:
+    """A rank file's manifest records {"rank", "size"}, and its rows must be that rank's block."""
+    tp = manifest.get("tensor_parallel")
+    if tp is None:
+        return
+    if (not isinstance(tp, dict) or not all(type(tp.get(k)) is int for k in ("rank", "size"))
+            or not 0 <= tp["rank"] < tp["size"]):
+        raise BadInput(f"{name}: tensor_parallel must be {{rank, size}} with 0 <= rank < size")
+    per_rank, remainder = divmod(manifest["total_rows"], tp["size"])
+    if remainder or (manifest["first_row"], manifest["num_rows"]) != (tp["rank"] * per_rank, per_rank):
+        raise BadInput(f"{name}: rows [{manifest['first_row']}, +{manifest['num_rows']}) are not "
+                       f"rank {tp['rank']} of {tp['size']}'s block of the {manifest['total_rows']} rows")
 
 
 def write_manifest(manifest: dict[str, Any], path: Path) -> None:

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import errno
+import glob
 import hashlib
+import json
 import os
 import shutil
 import uuid
@@ -14,7 +16,8 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import __version__
-from ..constants import CHECKSUM_BLOCK_BYTES, DEFAULT_PAGE_SIZE, FORMAT_VERSION
+from ..constants import (CHECKSUM_BLOCK_BYTES, DEFAULT_PAGE_SIZE, FORMAT_VERSION, HEADER_SIZE,
+                         HEADER_STRUCT, MAGIC)
 from ..converters.base import TableSource
 from ..errors import BadInput
 from .format import Header
@@ -33,15 +36,72 @@ def partial_name(final: Path) -> Path:
     return final.with_name(f".{final.name}.{os.getpid()}.partial")
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
+def remove_stale_partials(final: Path) -> list[Path]:
+    """Delete the temporary files of `final` left by writers that died (killed, crashed, power cut).
+
+    Only names of the form `.{name}.{pid}.partial` whose pid is no longer running are removed, so a
+    convert still writing the same destination is left alone.
+    """
+    removed = []
+    for candidate in final.parent.glob(f".{glob.escape(final.name)}.*.partial"):
+        pid = candidate.name[len(final.name) + 2:-len(".partial")]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            candidate.unlink(missing_ok=True)
+            removed.append(candidate)
+    return removed
+
+
+def is_interrupted_publish(out: Path, manifest_out: Path) -> bool:
+    """True when `out` is a ple-prep data file without its manifest: a writer died between renames.
+
+    Such a file can never open as a table (open_table needs the matching manifest), so a rerun may
+    replace it without --force.
+    """
+    try:
+        with open(out, "rb") as handle:
+            raw = handle.read(HEADER_SIZE)
+    except OSError:
+        return False
+    if len(raw) < HEADER_SIZE or not raw.startswith(MAGIC):
+        return False
+    file_id = HEADER_STRUCT.unpack_from(raw)[-1].hex()
+    try:
+        recorded = json.loads(manifest_out.read_bytes()).get("file_id")
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return False
+    return recorded != file_id
+
+
+def check_free_space(folder: Path, needed: int) -> None:
+    free = shutil.disk_usage(folder).free
+    if free < needed + FREE_SPACE_MARGIN:
+        raise BadInput(f"not enough free space in {folder}: the table needs "
+                       f"{needed / 2**30:.2f} GiB, {free / 2**30:.2f} GiB is free")
+
+
 def convert(source: TableSource, out: str | Path, *, order: RowOrder | None = None,
             page_size: int = DEFAULT_PAGE_SIZE, force: bool = False,
             progress: Callable[[int], None] | None = None, first_row: int = 0,
             num_rows: int | None = None, layout: dict[str, Any] | None = None,
-            residency: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+            residency: list[dict[str, Any]] | None = None,
+            tensor_parallel: dict[str, int] | None = None) -> dict[str, Any]:
     """Write rows [first_row, first_row + num_rows) of `source` to `out` and its manifest.
 
     Both files appear at their names only when complete (temporary names, fsync, rename); on any
-    failure nothing is left behind. Returns the manifest.
+    failure nothing is left behind, and a rerun removes what a killed run left. Returns the manifest.
+    `tensor_parallel` ({"rank", "size"}) is recorded in the manifest of a rank's file.
     """
     out = Path(out)
     manifest_out = manifest_path(out)
@@ -49,8 +109,10 @@ def convert(source: TableSource, out: str | Path, *, order: RowOrder | None = No
         raise BadInput(f"output folder {out.parent} does not exist")
     if out.is_dir():
         raise BadInput(f"{out} is a folder; give a file name")
+    for final in (out, manifest_out):
+        remove_stale_partials(final)
     existing = [p for p in (out, manifest_out) if p.exists()]
-    if existing and not force:
+    if existing and not force and not is_interrupted_publish(out, manifest_out):
         raise BadInput(f"{existing[0]} exists; pass --force to replace it")
     if num_rows is None:
         num_rows = source.num_rows - first_row
@@ -61,15 +123,14 @@ def convert(source: TableSource, out: str | Path, *, order: RowOrder | None = No
                               encoding=source.encoding, values_per_row=source.values_per_row,
                               num_rows=num_rows, first_row=first_row,
                               num_placed=order.num_placed, file_id=uuid.uuid4().bytes)
-    free = shutil.disk_usage(out.parent).free
-    if free < header.file_size + FREE_SPACE_MARGIN:
-        raise BadInput(f"not enough free space in {out.parent}: the table needs "
-                       f"{header.file_size / 2**30:.2f} GiB, {free / 2**30:.2f} GiB is free")
+    check_free_space(out.parent, header.file_size)
 
     temporary_data, temporary_manifest = partial_name(out), partial_name(manifest_out)
     try:
         checksums, table_sha256 = _write_data(source, header, order, temporary_data, progress)
         manifest = _manifest(source, header, checksums, table_sha256, out.name, layout, residency)
+        if tensor_parallel is not None:
+            manifest["tensor_parallel"] = dict(tensor_parallel)
         write_manifest(manifest, temporary_manifest)
         # Data first: a crash between the renames leaves a new table beside an old manifest, whose
         # file id no longer matches, so the pair is refused rather than misread.

@@ -98,11 +98,20 @@ class Table:
                       self.scale)
 
 
-def open_table(path: str | Path, manifest: str | Path | None = None) -> Table:
-    """Open a prepared table and its manifest, refusing any pair that does not belong together."""
+def open_table(path: str | Path, manifest: str | Path | None = None,
+               source: str | Path | None = None) -> Table:
+    """Open a prepared table and its manifest, refusing any pair that does not belong together.
+
+    With `source` (the checkpoint folder), also refuse a table whose source changed since conversion.
+    """
     path = Path(path)
     manifest_file = Path(manifest) if manifest is not None else manifest_path(path)
     meta = load_manifest(manifest_file)
+    if source is not None:
+        # Imported here: the converters are not needed to serve a table without this check.
+        from ..staleness import check_source
+
+        check_source(meta, source, path.name)
     try:
         descriptor = os.open(path, os.O_RDONLY)
     except OSError as exc:
