@@ -110,19 +110,30 @@ def cli() -> None:
               help="Prepared table to write; the manifest goes to OUT.json.")
 @click.option("--page-size", default=4096, show_default=True, help="Page size in bytes.")
 @click.option("--force", is_flag=True, help="Replace an existing table.")
+@click.option("--tp-size", type=click.IntRange(min=1),
+              help="Split for T tensor-parallel ranks: one file per rank, OUT with .tp{r}of{T} "
+                   "before its suffix (rank r owns rows [r*P, (r+1)*P), P = rows/T).")
+@click.option("--tp-rank", type=click.IntRange(min=0), help="With --tp-size: write only this rank's file.")
 @json_option
 @quiet_option
-def convert(model: Path, out: Path, page_size: int, force: bool, as_json: bool, quiet: bool) -> None:
-    """Rewrite the table of a checkpoint into one page-aligned prepared file.
+def convert(model: Path, out: Path, page_size: int, force: bool, tp_size: int | None,
+            tp_rank: int | None, as_json: bool, quiet: bool) -> None:
+    """Rewrite the table of a checkpoint into one page-aligned prepared file (or one per TP rank).
 
     \b
     Example:
         ple-prep convert --model ./Qwen3.8-Flash-Next-FP8 --out /nvme/ple.bin
+        ple-prep convert --model ./Qwen3.8-Flash-Next-FP8 --out /nvme/ple.bin --tp-size 2
     """
     from .converters import open_source
     from .layouts.writer import convert as write_table
 
+    if tp_rank is not None and tp_size is None:
+        raise BadInput("--tp-rank needs --tp-size")
     started = time.perf_counter()
+    if tp_size is not None:
+        _convert_ranks(model, out, page_size, force, tp_size, tp_rank, as_json, quiet)
+        return
     with open_source(model) as source:
         with progress_bar(source.num_rows * source.row_bytes, "convert", quiet) as advance:
             manifest = write_table(source, out, page_size=page_size, force=force, progress=advance)
@@ -134,6 +145,32 @@ def convert(model: Path, out: Path, page_size: int, force: bool, as_json: bool, 
     elif not quiet:
         click.echo(f"wrote {out}: {summary['rows']:,} {summary['encoding']} rows, "
                    f"{summary['file_size'] / 2**20:.1f} MiB in {seconds:.1f} s")
+
+
+def _convert_ranks(model: Path, out: Path, page_size: int, force: bool, tp_size: int,
+                   tp_rank: int | None, as_json: bool, quiet: bool) -> None:
+    from .converters import open_source
+    from .layouts.ranks import convert_ranks
+
+    started = time.perf_counter()
+    ranks = None if tp_rank is None else [tp_rank]
+    with open_source(model) as source:
+        rows = source.num_rows if ranks is None else source.num_rows // tp_size
+        with progress_bar(rows * source.row_bytes, "convert", quiet) as advance:
+            written = convert_ranks(source, out, tp_size, ranks, page_size=page_size, force=force,
+                                    progress=advance)
+    seconds = time.perf_counter() - started
+    files = [{"out": str(path), "tp_rank": m["tensor_parallel"]["rank"], "first_row": m["first_row"],
+              "rows": m["num_rows"], "file_size": m["file_size"]} for path, m in written]
+    if as_json:
+        echo_json({"tp_size": tp_size, "files": files, "encoding": written[0][1]["encoding"],
+                   "seconds": round(seconds, 3)})
+    elif not quiet:
+        for entry in files:
+            click.echo(f"wrote {entry['out']}: rank {entry['tp_rank']} of {tp_size}, rows "
+                       f"{entry['first_row']:,} to {entry['first_row'] + entry['rows']:,}, "
+                       f"{entry['file_size'] / 2**20:.1f} MiB")
+        click.echo(f"{len(files)} file(s) in {seconds:.1f} s")
 
 
 @cli.command()
@@ -171,6 +208,8 @@ def verify(table: Path, model: Path | None, sample: int | None, seed: int, as_js
                        + (f", first {report.first_mismatches}" if report.first_mismatches else ""))
         for problem in report.source_problems:
             click.echo(f"source: {problem}")
+        for problem in report.file_problems:
+            click.echo(f"file: {problem}")
     if not report.ok:
         raise CheckFailed(f"{table} does not match"
                           + (f": rows {report.first_mismatches} differ" if report.first_mismatches else ""))
@@ -202,6 +241,8 @@ def inspect(table: Path, as_json: bool) -> None:
         f"rows:       {manifest['num_rows']:,} (global {manifest['first_row']:,} to "
         f"{manifest['first_row'] + manifest['num_rows']:,} of {manifest['total_rows']:,})",
         f"scale:      {scale_text}",
+        *([f"tp rank:    {manifest['tensor_parallel']['rank']} of {manifest['tensor_parallel']['size']}"]
+          if manifest.get("tensor_parallel") else []),
         f"source:     {manifest['source']['format']} {manifest['source'].get('model', '')}",
         f"layout:     {manifest['layout']['kind']}, {manifest['layout']['num_placed']:,} rows placed first",
         f"checksums:  {len(manifest['checksums']['blocks'])} crc32 blocks of "

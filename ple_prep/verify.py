@@ -10,7 +10,10 @@ from typing import Any, Callable
 import numpy as np
 
 from .converters import open_source
+from .errors import BadInput
+from .layouts.manifest import load_manifest, manifest_path
 from .runtime import open_table
+from .staleness import source_changes
 
 CHUNK_ROWS = 1 << 16
 MAX_REPORTED = 10
@@ -26,11 +29,12 @@ class VerifyReport:
     mismatched_rows: int = 0
     first_mismatches: list[int] = dataclasses.field(default_factory=list)
     source_problems: list[str] = dataclasses.field(default_factory=list)
+    file_problems: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return (self.header_ok and not self.bad_blocks and not self.mismatched_rows
-                and not self.source_problems)
+                and not self.source_problems and not self.file_problems)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"ok": self.ok}
@@ -41,12 +45,34 @@ def verify(path: str | Path, model: str | Path | None = None, *, sample: int | N
     """Checksums always; with `model`, compare all rows (or `sample` random ones) with the source."""
     path = Path(path)
     report = VerifyReport(str(path))
-    with open_table(path) as table:
+    manifest = load_manifest(manifest_path(path))
+    try:
+        table = open_table(path)
+    except BadInput as exc:
+        # The manifest is sound but the data file is refused (a damaged header or order map, a
+        # wrong size): that is a failed check of the file, reported with the header's checksum.
+        report.file_problems.append(str(exc))
+        report.header_ok = _header_crc(path, manifest) == manifest["checksums"]["header_crc32"]
+        return report
+    with table:
         _check_checksums(table, report, progress)
         if model is not None:
             with open_source(model) as source:
+                changes = source_changes(table.manifest, source)
+                if changes:
+                    report.source_problems += [f"changed since conversion: {c}" for c in changes]
+                    return report
                 _compare_with_source(table, source, report, sample, seed, progress)
     return report
+
+
+def _header_crc(path: Path, manifest: dict[str, Any]) -> int | None:
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(manifest["data_offset"])
+    except OSError:
+        return None
+    return zlib.crc32(raw) if len(raw) == manifest["data_offset"] else None
 
 
 def _check_checksums(table, report: VerifyReport, progress) -> None:

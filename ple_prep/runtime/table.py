@@ -67,6 +67,11 @@ class Table:
         """Global row ids this file holds: [first, stop)."""
         return self.first_row, self.first_row + self.num_rows
 
+    @property
+    def tensor_parallel(self) -> dict[str, int] | None:
+        """{"rank", "size"} for a file written by `convert --tp-size`, else None."""
+        return self.manifest.get("tensor_parallel")
+
     def _local(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu":
