@@ -47,8 +47,8 @@ def _bf16_bits(values: np.ndarray) -> np.ndarray:
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
 
-def _table_tensors(variant: str, rows: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """The whole table's tensors for one variant, as (name suffix -> array) in stored byte form."""
+def _shard_tensors(variant: str, rows: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """One shard's tensors for one variant, as (name suffix -> array) in stored byte form."""
     if variant == "fp8":
         codes = rng.integers(0, 256, size=(rows, VALUES_PER_ROW), dtype=np.uint8)
         codes[(codes & 0x7F) == 0x7F] ^= 0x01  # real tables hold no NaN codes
@@ -63,55 +63,65 @@ def _table_tensors(variant: str, rows: int, rng: np.random.Generator) -> dict[st
 
 _DTYPES = {("fp8", "weight"): "float8_e4m3fn", ("bf16", "weight"): "bfloat16",
            ("nvfp4", "weight"): "uint8", ("nvfp4", "weight_scale"): "float8_e4m3fn"}
+# Streams of the seeded generator: each shard and each filler tensor draws from its own, so any
+# one file can be written without generating the others (memory stays one file's worth).
+_SHARD_STREAM, _FILLER_STREAM = 1, 2
 
 
 def make_checkpoint(out: str | Path, variant: str = "fp8", *, base: int = 1000,
                     num_shards: int = 128, num_files: int = 3, with_index: bool = True,
                     seed: int = 0, prefix: str = PREFIX) -> Path:
-    """Write a checkpoint folder; returns its path. Deterministic for a given seed."""
+    """Write a checkpoint folder; returns its path. Deterministic for a given seed.
+
+    Shard i goes to file i % num_files; the hash constants sit in the first file and the FP8 scale
+    in the last, away from most shards. Files are generated one at a time, so a large table
+    (a big `base`) needs memory for one file only: raise `num_files` to shrink it.
+    """
     if variant not in VARIANTS:
         raise BadInput(f"unknown fixture variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    if num_shards < 1 or num_files < 1:
+        raise BadInput("a checkpoint needs at least one shard and one file")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = fixture_config(base, num_shards)
     spec = NgramSpec.from_config(config)
     rows = spec.rows_stored
-    rng = np.random.default_rng(seed)
     shard_rows = -(-rows // num_shards)
-    table = _table_tensors(variant, rows, rng)
-    files: list[dict[str, np.ndarray | tuple[str, np.ndarray]]] = [{} for _ in range(num_files)]
-
-    def put(file_index: int, name: str, dtype: str, array: np.ndarray) -> None:
-        files[file_index % num_files][name] = (dtype, np.ascontiguousarray(array))
-
+    if (num_shards - 1) * shard_rows >= rows:
+        raise BadInput(f"{rows} rows cannot be split into {num_shards} shards of {shard_rows}")
+    weight_map: dict[str, str] = {}
+    total_size = 0
     for file_index in range(num_files):
         # Unrelated tensors of other layers, so the table is mixed with other data.
-        put(file_index, f"model.language_model.layers.{file_index}.mlp.up_proj.weight", "bfloat16",
-            _bf16_bits(rng.normal(size=(64, 32))))
-    for shard in range(num_shards):
-        start, stop = shard * shard_rows, min(rows, (shard + 1) * shard_rows)
-        for kind, array in table.items():
-            put(shard, f"{prefix}ngram_embedding.shard_{shard}.{kind}", _DTYPES[(variant, kind)],
-                array[start:stop])
-        if variant == "nvfp4":
-            put(shard, f"{prefix}ngram_embedding.shard_{shard}.weight_scale_2", "float32",
-                np.array([0.0123], dtype=np.float32))
-    if variant == "fp8":
-        put(num_files - 1, f"{prefix}ngram_embedding.weight_scale", "bfloat16",
-            np.array([FIXTURE_SCALE_BF16], dtype=np.uint16))
-    put(0, f"{prefix}layer_multipliers", "int64", np.array(spec.multipliers, dtype=np.int64))
-    put(0, f"{prefix}ngram_heads_offsets", "int64", np.array(spec.head_offsets, dtype=np.int64))
-    put(0, f"{prefix}ngram_heads_vocab_sizes", "int64", np.array(spec.head_sizes, dtype=np.int64))
-
-    weight_map = {}
-    for file_index, tensors in enumerate(files):
+        filler = np.random.default_rng((seed, _FILLER_STREAM, file_index))
+        tensors: dict[str, tuple[str, np.ndarray]] = {
+            f"model.language_model.layers.{file_index}.mlp.up_proj.weight":
+                ("bfloat16", _bf16_bits(filler.normal(size=(64, 32))))}
+        for shard in range(file_index, num_shards, num_files):
+            start, stop = shard * shard_rows, min(rows, (shard + 1) * shard_rows)
+            rng = np.random.default_rng((seed, _SHARD_STREAM, shard))
+            for kind, array in _shard_tensors(variant, stop - start, rng).items():
+                tensors[f"{prefix}ngram_embedding.shard_{shard}.{kind}"] = (
+                    _DTYPES[(variant, kind)], array)
+            if variant == "nvfp4":
+                tensors[f"{prefix}ngram_embedding.shard_{shard}.weight_scale_2"] = (
+                    "float32", np.array([0.0123], dtype=np.float32))
+        if variant == "fp8" and file_index == num_files - 1:
+            tensors[f"{prefix}ngram_embedding.weight_scale"] = (
+                "bfloat16", np.array([FIXTURE_SCALE_BF16], dtype=np.uint16))
+        if file_index == 0:
+            for suffix, values in (("layer_multipliers", spec.multipliers),
+                                   ("ngram_heads_offsets", spec.head_offsets),
+                                   ("ngram_heads_vocab_sizes", spec.head_sizes)):
+                tensors[f"{prefix}{suffix}"] = ("int64", np.array(values, dtype=np.int64))
         name = f"model-{file_index + 1:05d}-of-{num_files:05d}.safetensors"
         write_safetensors(out / name, tensors)
         weight_map.update({tensor: name for tensor in tensors})
+        total_size += sum(array.nbytes for _, array in tensors.values())
+        del tensors
     (out / "config.json").write_text(json.dumps(config, indent=2))
     if with_index:
-        index = {"metadata": {"total_size": sum(a.nbytes for t in files for _, a in t.values())},
-                 "weight_map": dict(sorted(weight_map.items()))}
+        index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return out
 
@@ -122,7 +132,8 @@ def write_safetensors(path: Path, tensors: dict[str, tuple[str, np.ndarray]]) ->
     The binding's numpy front end has no FP8 or bf16 dtype, so arrays carry the raw stored bytes
     and the dtype is named explicitly.
     """
+    arrays = {name: (dtype, np.ascontiguousarray(array)) for name, (dtype, array) in tensors.items()}
     specs = {name: TensorSpec(dtype=dtype, shape=array.shape, data_ptr=array.ctypes.data,
                               data_len=array.nbytes)
-             for name, (dtype, array) in tensors.items()}
+             for name, (dtype, array) in arrays.items()}
     serialize_file(specs, str(path), metadata={"format": "pt"})
