@@ -1,0 +1,76 @@
+"""`ple-prep make-fixture` and `ple-prep demo` through the CLI."""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from ple_prep.cli import cli
+from ple_prep.converters.safetensors import open_checkpoint
+from ple_prep.fixtures import make_checkpoint
+
+
+def folder_digest(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("variant, encoding", [("fp8", "fp8_e4m3"), ("bf16", "bf16"),
+                                               ("nvfp4", "nvfp4_packed")])
+def test_make_fixture_writes_real_layout(variant, encoding, runner, tmp_path):
+    out = tmp_path / "tiny"
+    result = runner.invoke(cli, ["make-fixture", str(out), "--variant", variant])
+    assert result.exit_code == 0 and result.stdout == f"wrote {variant} checkpoint to {out}\n"
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["config.json", "model-00001-of-00003.safetensors",
+                     "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors",
+                     "model.safetensors.index.json"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["ngram_vocab_size_base"] == 1000 and config["split_ngram_parts"] == 128
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert any(name.endswith("mlp.up_proj.weight") for name in index["weight_map"])
+    with open_checkpoint(out) as source:
+        assert source.encoding.label == encoding and source.num_rows == 16896
+        assert source.extra["shards"] == 128
+
+
+def test_make_fixture_is_deterministic(runner, tmp_path):
+    for name in ("a", "b"):
+        assert runner.invoke(cli, ["make-fixture", str(tmp_path / name), "--seed", "4"]).exit_code == 0
+    assert folder_digest(tmp_path / "a") == folder_digest(tmp_path / "b")
+    assert runner.invoke(cli, ["make-fixture", str(tmp_path / "c"), "--seed", "5"]).exit_code == 0
+    assert folder_digest(tmp_path / "a") != folder_digest(tmp_path / "c")
+
+
+def test_make_fixture_matches_library(runner, tmp_path):
+    assert runner.invoke(cli, ["make-fixture", str(tmp_path / "cli"), "--variant", "bf16",
+                               "--base", "1200", "--shards", "7"]).exit_code == 0
+    make_checkpoint(tmp_path / "lib", "bf16", base=1200, num_shards=7)
+    assert folder_digest(tmp_path / "cli") == folder_digest(tmp_path / "lib")
+    with open_checkpoint(tmp_path / "cli") as source:
+        assert source.spec.ngram_vocab_size_base == 1200 and source.extra["shards"] == 7
+        assert source.num_rows == source.spec.rows_stored
+
+
+def test_make_fixture_unsplittable_shards_refused(runner, tmp_path):
+    # 16,896 rows in 16,000 shards would leave the last shards empty.
+    result = runner.invoke(cli, ["make-fixture", str(tmp_path / "x"), "--shards", "16000"])
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: 16896 rows cannot be split into 16000 shards")
+
+
+@pytest.mark.parametrize("variant", ["fp8", "bf16", "nvfp4"])
+def test_demo_converts_and_verifies(variant, runner, tmp_path):
+    result = runner.invoke(cli, ["demo", "--dir", str(tmp_path), "--variant", variant, "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["verified"] is True and summary["rows_verified"] == 16896 == summary["rows"]
+    assert len(summary["token_0_rows"]) == 16
+    assert (tmp_path / f"ple-{variant}.bin").exists() and (tmp_path / f"ple-{variant}.bin.json").exists()
+
+
+def test_demo_prints_summary_in_temporary_folder(runner):
+    result = runner.invoke(cli, ["demo", "-q"])
+    assert result.exit_code == 0, result.output
+    lines = dict(line.split(": ", 1) for line in result.stdout.splitlines())
+    assert lines["verified"] == "True" and lines["encoding"] == "fp8_e4m3"

@@ -1,0 +1,150 @@
+"""`ple-prep verify` and `ple-prep inspect` through the CLI."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from handmade import find, load_tensors
+from ple_prep.cli import cli
+from ple_prep.converters.safetensors import read_header
+
+
+@pytest.fixture
+def converted(fp8_checkpoint, runner, tmp_path):
+    """A private copy of the FP8 checkpoint and its converted table."""
+    model = tmp_path / "ckpt"
+    shutil.copytree(fp8_checkpoint, model)
+    out = tmp_path / "t.bin"
+    result = runner.invoke(cli, ["convert", "--model", str(model), "--out", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    return model, out
+
+
+def flip_source_rows(model, shard, local_rows):
+    """Flip one byte in each given row of one shard, in place; returns their global row ids."""
+    name, tensor = find(load_tensors(model), f".shard_{shard}.weight")
+    info = read_header(model / name)[tensor]
+    with open(model / name, "r+b") as handle:
+        for row in local_rows:
+            handle.seek(info.offset + row * 160 + 17)
+            byte = handle.read(1)
+            handle.seek(-1, 1)
+            handle.write(bytes([byte[0] ^ 0x40]))
+    return [shard * 132 + row for row in local_rows]
+
+
+def test_verify_match_exits_zero(converted, runner):
+    model, out = converted
+    result = runner.invoke(cli, ["verify", str(out), "--model", str(model), "-q"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == ("checksums: 1 blocks, 0 bad, header ok\n"
+                             "rows: 16,896 compared, 0 differ\n")
+
+
+def test_verify_json_report(converted, runner):
+    model, out = converted
+    result = runner.invoke(cli, ["verify", str(out), "--model", str(model), "--json", "-q"])
+    assert result.exit_code == 0
+    report = json.loads(result.stdout)
+    assert report["ok"] is True and report["rows_compared"] == 16896
+    assert report["checksum_blocks"] == 1 and report["bad_blocks"] == []
+
+
+def test_verify_checksums_only_without_model(converted, runner):
+    _, out = converted
+    result = runner.invoke(cli, ["verify", str(out), "--json", "-q"])
+    assert result.exit_code == 0
+    assert json.loads(result.stdout)["rows_compared"] == 0
+
+
+def test_verify_source_difference_names_first_rows(converted, runner):
+    model, out = converted
+    changed = flip_source_rows(model, 7, [3, 90, 131]) + flip_source_rows(model, 100, [0])
+    result = runner.invoke(cli, ["verify", str(out), "--model", str(model), "-q"])
+    assert result.exit_code == 1
+    assert f"rows: 16,896 compared, 4 differ, first {changed}" in result.stdout
+    assert result.stderr == f"error: {out} does not match: rows {changed} differ\n"
+    report = json.loads(runner.invoke(cli, ["verify", str(out), "--model", str(model), "--json",
+                                            "-q"]).stdout)
+    assert report["ok"] is False and report["first_mismatches"] == changed
+    assert report["mismatched_rows"] == 4 and report["bad_blocks"] == []
+
+
+def test_verify_sample_compares_n_rows(converted, runner):
+    model, out = converted
+    result = runner.invoke(cli, ["verify", str(out), "--model", str(model), "--sample", "500",
+                                 "--json", "-q"])
+    assert result.exit_code == 0
+    assert json.loads(result.stdout)["rows_compared"] == 500
+    # A sample covering every row finds a difference anywhere.
+    changed = flip_source_rows(model, 127, [5])
+    result = runner.invoke(cli, ["verify", str(out), "--model", str(model), "--sample", "20000",
+                                 "--json", "-q"])
+    assert result.exit_code == 1
+    assert json.loads(result.stdout)["first_mismatches"] == changed
+
+
+def test_verify_damaged_table_fails_checksum(converted, runner):
+    model, out = converted
+    data = bytearray(out.read_bytes())
+    page, position = divmod(1000, 25)
+    data[4096 + page * 4096 + position * 160 + 5] ^= 0xFF
+    out.write_bytes(bytes(data))
+    result = runner.invoke(cli, ["verify", str(out), "--model", str(model), "--json", "-q"])
+    assert result.exit_code == 1
+    report = json.loads(result.stdout)
+    assert [block["block"] for block in report["bad_blocks"]] == [0]
+    assert report["first_mismatches"] == [1000]
+
+
+def test_verify_damaged_header_region_fails(converted, runner):
+    _, out = converted
+    data = bytearray(out.read_bytes())
+    data[2000] = 1  # inside the zero padding before the data region
+    out.write_bytes(bytes(data))
+    result = runner.invoke(cli, ["verify", str(out), "-q"])
+    assert result.exit_code == 1
+    assert "header BAD" in result.stdout
+
+
+def test_verify_other_source_reported(converted, bf16_checkpoint, runner):
+    _, out = converted
+    result = runner.invoke(cli, ["verify", str(out), "--model", str(bf16_checkpoint), "-q"])
+    assert result.exit_code == 1
+    assert "source: source is bf16 with 320-byte rows, the table fp8_e4m3 with 160" in result.stdout
+
+
+def test_verify_missing_table_is_bad_input(runner, tmp_path):
+    result = runner.invoke(cli, ["verify", str(tmp_path / "none.bin")])
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: manifest ") and result.stderr.count("\n") == 1
+
+
+def test_inspect_human(converted, runner):
+    _, out = converted
+    result = runner.invoke(cli, ["inspect", str(out)])
+    assert result.exit_code == 0
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"table:      {out} ({4096 + 676 * 4096:,} bytes, format v1)"
+    assert lines[1] == "encoding:   fp8_e4m3, 160 values in 160 bytes a row, 25 rows a 4096-byte page"
+    assert lines[2] == "rows:       16,896 (global 0 to 16,896 of 16,896)"
+    assert lines[3].startswith("scale:      0.0002012252807617") and lines[3].endswith("(BF16 0x5339)")
+    assert lines[5] == "layout:     source-order, 0 rows placed first"
+
+
+def test_inspect_json(converted, runner):
+    _, out = converted
+    result = runner.invoke(cli, ["inspect", str(out), "--json"])
+    assert result.exit_code == 0
+    manifest = json.loads(result.stdout)
+    assert manifest == json.loads(out.with_name("t.bin.json").read_text())
+    assert manifest["num_rows"] == 16896 and manifest["encoding"] == "fp8_e4m3"
+
+
+def test_inspect_not_a_table(runner, tmp_path):
+    (tmp_path / "x.bin.json").write_text("[]")
+    result = runner.invoke(cli, ["inspect", str(tmp_path / "x.bin")])
+    assert result.exit_code == 2
+    assert result.stderr == "error: x.bin.json: the manifest is not a JSON object\n"

@@ -1,0 +1,195 @@
+"""The prepared file v1 on disk: header bytes, page geometry, row-order map, manifest, writing."""
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import uuid
+import zlib
+
+import numpy as np
+import pytest
+
+from ple_prep.constants import CHECKSUM_BLOCK_BYTES, HEADER_SIZE, MAGIC, Encoding
+from ple_prep.converters import open_source
+from ple_prep.errors import BadInput
+from ple_prep.layouts.format import Header
+from ple_prep.layouts.manifest import manifest_path
+from ple_prep.layouts.order import RowOrder
+from ple_prep.layouts.writer import convert
+from ple_prep.runtime import open_table
+
+
+@pytest.fixture(scope="module")
+def converted(fp8_checkpoint, tmp_path_factory):
+    """(table path, manifest, source rows) of the FP8 fixture in its default layout."""
+    out = tmp_path_factory.mktemp("layout") / "t.bin"
+    with open_source(fp8_checkpoint) as source:
+        manifest = convert(source, out)
+        rows = source.read_rows(0, source.num_rows)
+    return out, manifest, rows
+
+
+def test_convert_header_fields(converted):
+    out, manifest, _ = converted
+    raw = out.read_bytes()
+    fields = struct.unpack_from("<8sIIIIIIQQQQQ16s", raw)
+    magic, version, page_size, row_bytes, rows_per_page, encoding, values_per_row = fields[:7]
+    num_rows, first_row, num_placed, order_offset, data_offset, file_id = fields[7:]
+    assert (magic, version, page_size, row_bytes, rows_per_page) == (b"PLEPREP\0", 1, 4096, 160, 25)
+    assert (encoding, values_per_row) == (Encoding.FP8_E4M3.value, 160) == (1, 160)
+    assert (num_rows, first_row, num_placed, order_offset, data_offset) == (16896, 0, 0, 128, 4096)
+    assert file_id.hex() == manifest["file_id"] and uuid.UUID(bytes=file_id).version == 4
+    used = struct.calcsize("<8sIIIIIIQQQQQ16s")
+    assert used == 88 and raw[used:HEADER_SIZE] == bytes(HEADER_SIZE - used)
+    assert not any(raw[HEADER_SIZE:data_offset])
+
+
+def test_convert_rows_never_straddle_pages(converted):
+    out, manifest, rows = converted
+    raw = np.fromfile(out, dtype=np.uint8)
+    data = raw[4096:]
+    pages = -(-16896 // 25)
+    assert len(raw) == manifest["file_size"] == 4096 + pages * 4096
+    assert len(data) % 4096 == 0
+    for slot in (0, 1, 24, 25, 26, 16895):
+        page, position = divmod(slot, 25)
+        offset = page * 4096 + position * 160
+        assert offset // 4096 == (offset + 159) // 4096
+        assert np.array_equal(data[offset:offset + 160], rows[slot])
+    # Every page's tail after its 25 rows is zero padding, the last page's after its 21 rows.
+    by_page = data.reshape(pages, 4096)
+    assert not by_page[:, 25 * 160:].any()
+    assert not by_page[-1, (16896 - (pages - 1) * 25) * 160:].any()
+
+
+def test_convert_page_size_changes_geometry(fp8_checkpoint, tmp_path):
+    with open_source(fp8_checkpoint) as source:
+        convert(source, tmp_path / "t.bin", page_size=8192)
+        rows = source.read_rows(0, source.num_rows)
+    with open_table(tmp_path / "t.bin") as table:
+        assert (table.page_size, table.rows_per_page, table.header.data_offset) == (8192, 51, 8192)
+        assert np.array_equal(table.gather(np.arange(16896)), rows)
+
+
+@pytest.mark.parametrize("page_size", [100, 1000, 256, 1 << 27])
+def test_convert_refuses_bad_page_size(fp8_checkpoint, tmp_path, page_size):
+    with open_source(fp8_checkpoint) as source, pytest.raises(BadInput, match="page size"):
+        convert(source, tmp_path / "t.bin", page_size=page_size)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_identity_order_map(converted):
+    out, manifest, _ = converted
+    assert manifest["layout"] == {"kind": "source-order", "num_placed": 0}
+    with open_table(out) as table:
+        ids = np.arange(16896)
+        assert np.array_equal(table.slot_of(ids), ids)
+        assert np.array_equal(table.page_of(ids), ids // 25)
+        assert table.order.is_identity
+
+
+def test_convert_checksums_match_independent_crc(converted):
+    out, manifest, rows = converted
+    data = out.read_bytes()
+    checksums = manifest["checksums"]
+    assert checksums["algorithm"] == "crc32" and checksums["block_bytes"] == CHECKSUM_BLOCK_BYTES
+    assert checksums["header_crc32"] == zlib.crc32(data[:4096])
+    assert checksums["blocks"] == [zlib.crc32(data[4096 + i:4096 + i + CHECKSUM_BLOCK_BYTES])
+                                   for i in range(0, len(data) - 4096, CHECKSUM_BLOCK_BYTES)]
+    import hashlib
+    assert manifest["source"]["table_sha256"] == hashlib.sha256(rows.tobytes()).hexdigest()
+
+
+def test_convert_checksum_blocks_span_chunks(fp8_checkpoint, tmp_path, monkeypatch):
+    # Small checksum blocks make the table span several blocks and write chunks.
+    monkeypatch.setattr("ple_prep.layouts.writer.CHECKSUM_BLOCK_BYTES", 64 << 10)
+    with open_source(fp8_checkpoint) as source:
+        manifest = convert(source, tmp_path / "t.bin")
+    data = (tmp_path / "t.bin").read_bytes()[4096:]
+    assert manifest["checksums"]["block_bytes"] == 64 << 10
+    assert manifest["checksums"]["blocks"] == [zlib.crc32(data[i:i + (64 << 10)])
+                                               for i in range(0, len(data), 64 << 10)]
+
+
+def test_convert_manifest_fields(converted, fp8_checkpoint):
+    out, returned, _ = converted
+    manifest = json.loads(manifest_path(out).read_text())
+    assert manifest["file_id"] == returned["file_id"]
+    assert manifest_path(out) == out.with_name("t.bin.json")
+    assert manifest["encoding"] == "fp8_e4m3" and manifest["row_bytes"] == 160
+    assert manifest["scale"] == {"dtype": "BF16", "hex": "5339", "value": manifest["scale"]["value"]}
+    assert manifest["ngram"]["multipliers"] == [23703573157769, 20109073645365, 8052911324071]
+    assert manifest["ngram"]["rows_stored"] == 16896
+    files = manifest["source"]["files"]
+    assert files[0]["name"] == "config.json"
+    assert {f["name"]: f["size"] for f in files[1:]} == {
+        p.name: p.stat().st_size for p in fp8_checkpoint.glob("*.safetensors")}
+    assert manifest["tool_version"] and manifest["data_file"] == "t.bin"
+
+
+def test_convert_refuses_existing_output_and_force_replaces(fp8_checkpoint, tmp_path):
+    out = tmp_path / "t.bin"
+    with open_source(fp8_checkpoint) as source:
+        first = convert(source, out)
+        with pytest.raises(BadInput, match="--force"):
+            convert(source, out)
+        assert open_table(out).manifest["file_id"] == first["file_id"]
+        second = convert(source, out, force=True)
+    assert second["file_id"] != first["file_id"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.bin", "t.bin.json"]
+    with open_table(out) as table:
+        assert table.manifest["file_id"] == second["file_id"]
+
+
+def test_convert_free_space_checked_before_writing(fp8_checkpoint, tmp_path, monkeypatch):
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1 << 20))
+    with open_source(fp8_checkpoint) as source, pytest.raises(BadInput, match="not enough free space"):
+        convert(source, tmp_path / "t.bin")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_failure_leaves_nothing(fp8_checkpoint, tmp_path, monkeypatch):
+    def fail(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("ple_prep.layouts.writer._write_all", fail)
+    with open_source(fp8_checkpoint) as source, pytest.raises(BadInput, match="filled up"):
+        convert(source, tmp_path / "t.bin")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_header_pack_unpack_round_trip():
+    header = Header.for_table(page_size=4096, row_bytes=90, encoding=Encoding.NVFP4_PACKED,
+                              values_per_row=160, num_rows=1000, first_row=7, num_placed=400,
+                              file_id=bytes(range(16)))
+    # 400 placed rows take 4800 bytes of map after the 128-byte header: data starts at page 2.
+    assert (header.rows_per_page, header.order_offset, header.data_offset) == (45, 128, 8192)
+    assert header.file_size == 8192 + 23 * 4096
+    raw = header.pack()
+    assert len(raw) == HEADER_SIZE and raw.startswith(MAGIC)
+    assert Header.unpack(raw, header.file_size) == header
+    with pytest.raises(BadInput, match="truncated or extended"):
+        Header.unpack(raw, header.file_size - 1)
+    with pytest.raises(BadInput, match="magic"):
+        Header.unpack(b"GGUF" + raw[4:], header.file_size)
+    with pytest.raises(BadInput, match="format version 2"):
+        Header.unpack(raw[:8] + struct.pack("<I", 2) + raw[12:], header.file_size)
+    with pytest.raises(BadInput, match="reserved"):
+        Header.unpack(raw[:-1] + b"\1", header.file_size)
+    with pytest.raises(BadInput, match="geometry"):
+        Header.unpack(raw[:20] + struct.pack("<I", 44) + raw[24:], header.file_size)
+
+
+def test_row_order_slot_arithmetic():
+    order = RowOrder.from_placed(np.array([9, 2, 5]), 12)
+    # Slots 0-2 hold rows 9, 2, 5; the rest follow in source order: 0, 1, 3, 4, 6, 7, 8, 10, 11.
+    assert order.rows_at(0, 12).tolist() == [9, 2, 5, 0, 1, 3, 4, 6, 7, 8, 10, 11]
+    assert order.slot_of(np.arange(12)).tolist() == [3, 4, 1, 5, 6, 2, 7, 8, 9, 0, 10, 11]
+    restored = RowOrder.from_buffer(order.to_bytes(), 3, 12)
+    assert restored.rows_at(0, 12).tolist() == order.rows_at(0, 12).tolist()
+    with pytest.raises(BadInput, match="twice"):
+        RowOrder.from_placed(np.array([1, 1]), 12)
+    with pytest.raises(BadInput, match="inconsistent"):
+        RowOrder.from_buffer(RowOrder.from_placed(np.array([1, 12 + 3]), 20).to_bytes(), 2, 12)

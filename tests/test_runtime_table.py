@@ -1,0 +1,199 @@
+"""The runtime reader: exact bytes and values back, and refusal of any file that does not belong."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ple_prep.converters import open_source
+from ple_prep.errors import BadInput
+from ple_prep.layouts.manifest import manifest_path
+from ple_prep.layouts.writer import convert
+from ple_prep.runtime import open_table
+
+
+@pytest.fixture(scope="module")
+def tables(fp8_checkpoint, bf16_checkpoint, nvfp4_checkpoint, tmp_path_factory):
+    """{variant: (table path, source rows, source scale bytes)} converted once for this module."""
+    folder = tmp_path_factory.mktemp("runtime")
+    made = {}
+    for variant, checkpoint in (("fp8", fp8_checkpoint), ("bf16", bf16_checkpoint),
+                                ("nvfp4", nvfp4_checkpoint)):
+        with open_source(checkpoint) as source:
+            convert(source, folder / f"{variant}.bin")
+            made[variant] = (folder / f"{variant}.bin", source.read_rows(0, source.num_rows),
+                             source.scale.raw if source.scale else None)
+    return made
+
+
+# --- Independent reference decoders (plain Python, per the spec's formulas) -----------------------
+
+def e4m3(code: int) -> float:
+    sign = -1.0 if code & 0x80 else 1.0
+    exponent, mantissa = (code >> 3) & 0xF, code & 0x7
+    if exponent == 0xF and mantissa == 0x7:
+        return math.nan
+    if exponent == 0:
+        return sign * math.ldexp(mantissa, -9)
+    return sign * math.ldexp(8 + mantissa, exponent - 10)
+
+
+def bf16_round(value: float) -> float:
+    """Round to the nearest bf16 (8 significant bits), ties to even."""
+    if value == 0 or math.isnan(value):
+        return value
+    fraction, exponent = math.frexp(value)
+    return math.copysign(math.ldexp(round(abs(fraction) * 256), exponent - 8), value)
+
+
+def bf16_value(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+
+
+def reference_values(variant: str, rows: np.ndarray, scale_raw: bytes | None) -> np.ndarray:
+    if variant == "fp8":
+        scale = bf16_value(int.from_bytes(scale_raw, "little"))
+        # bf16(e4m3) * bf16(scale), rounded once to bf16; 256 codes give 256 values.
+        by_code = np.array([bf16_round(bf16_round(e4m3(c)) * scale) for c in range(256)], np.float32)
+        return by_code[rows]
+    if variant == "bf16":
+        by_bits = np.array([bf16_value(b) for b in range(1 << 16)], dtype=np.float32)
+        return by_bits[rows.view("<u2").astype(np.int64)]
+    (global_scale,) = struct.unpack("<f", scale_raw)
+    magnitudes = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    e2m1 = [math.copysign(magnitudes[c & 7], -1.0 if c & 8 else 1.0) for c in range(16)]
+    # e2m1(code) * e4m3(block scale) is exact; times the F32 global scale, rounded once to f32.
+    by_pair = np.array([[e2m1[c] * e4m3(s) * global_scale for s in range(256)] for c in range(16)],
+                       dtype=np.float32)
+    codes = rows[:, :80]
+    nibbles = np.empty((len(rows), 160), dtype=np.int64)
+    nibbles[:, 0::2], nibbles[:, 1::2] = codes & 0xF, codes >> 4
+    block_scales = np.repeat(rows[:, 80:].astype(np.int64), 16, axis=1)
+    return by_pair[nibbles, block_scales]
+
+
+@pytest.mark.parametrize("variant", ["fp8", "bf16", "nvfp4"])
+def test_open_table_gather_returns_source_bytes(variant, tables):
+    path, rows, _ = tables[variant]
+    with open_table(path) as table:
+        ids = np.random.default_rng(3).integers(0, table.num_rows, 5000)
+        ids[:3] = [0, table.num_rows - 1, 0]  # first, last, repeated
+        got = table.gather(ids)
+        assert got.dtype == np.uint8 and got.shape == (len(ids), table.row_bytes)
+        assert np.array_equal(got, rows[ids])
+        assert np.array_equal(table.gather(np.arange(table.num_rows)), rows)
+        assert table.gather(np.zeros(0, dtype=np.int64)).shape == (0, table.row_bytes)
+
+
+@pytest.mark.parametrize("variant", ["fp8", "bf16", "nvfp4"])
+def test_open_table_values_match_model_formula(variant, tables):
+    path, rows, scale_raw = tables[variant]
+    with open_table(path) as table:
+        ids = np.arange(table.num_rows)
+        values = table.values(ids)
+    assert values.dtype == np.float32 and values.shape == (len(ids), 160)
+    expected = reference_values(variant, rows, scale_raw)
+    assert np.array_equal(values.view(np.uint32), expected.view(np.uint32))
+
+
+def test_open_table_fp8_values_match_torch(tables):
+    torch = pytest.importorskip("torch")
+    path, rows, scale_raw = tables["fp8"]
+    scale = torch.frombuffer(bytearray(scale_raw), dtype=torch.bfloat16)
+    expected = (torch.from_numpy(rows.copy()).view(torch.float8_e4m3fn).to(torch.bfloat16) * scale)
+    with open_table(path) as table:
+        values = table.values(np.arange(table.num_rows))
+    assert np.array_equal(values, expected.to(torch.float32).numpy())
+
+
+def test_open_table_fields(tables):
+    path, rows, scale_raw = tables["fp8"]
+    with open_table(path) as table:
+        assert (table.num_rows, table.row_bytes, table.values_per_row) == (16896, 160, 160)
+        assert table.encoding == "fp8_e4m3" and table.row_range == (0, 16896)
+        assert table.scale == bf16_value(int.from_bytes(scale_raw, "little"))
+    with open_table(tables["bf16"][0]) as table:
+        assert table.encoding == "bf16" and table.scale is None and table.row_bytes == 320
+
+
+@pytest.mark.parametrize("ids", [[16896], [-1], [0, 5, 20000], [2**40]])
+def test_open_table_gather_out_of_range_raises(ids, tables):
+    with open_table(tables["fp8"][0]) as table:
+        with pytest.raises(IndexError, match="outside"):
+            table.gather(np.array(ids, dtype=np.int64))
+        with pytest.raises(IndexError):
+            table.values(np.array(ids, dtype=np.int64))
+
+
+def test_open_table_gather_refuses_float_ids(tables):
+    with open_table(tables["fp8"][0]) as table, pytest.raises(TypeError):
+        table.gather(np.array([1.0]))
+
+
+def copy_pair(path, folder):
+    target = folder / path.name
+    shutil.copyfile(path, target)
+    shutil.copyfile(manifest_path(path), manifest_path(target))
+    return target
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda raw: raw[:-1], "truncated or extended"),
+    (lambda raw: raw[:-4096], "truncated or extended"),
+    (lambda raw: raw + b"\0" * 4096, "truncated or extended"),
+    (lambda raw: raw[:100], "too short"),
+    (lambda raw: b"XLEPREP\0" + raw[8:], "not a ple-prep table"),
+    (lambda raw: raw[:8] + struct.pack("<I", 9) + raw[12:], "format version 9"),
+    (lambda raw: raw[:24] + struct.pack("<I", 2) + raw[28:], "disagrees with its manifest on encoding"),
+])
+def test_open_table_refuses_damaged_file(change, message, tables, tmp_path):
+    target = copy_pair(tables["fp8"][0], tmp_path)
+    target.write_bytes(change(target.read_bytes()))
+    with pytest.raises(BadInput, match=message):
+        open_table(target)
+
+
+def test_open_table_refuses_mismatched_manifest(fp8_checkpoint, tmp_path):
+    with open_source(fp8_checkpoint) as source:
+        convert(source, tmp_path / "a.bin")
+        convert(source, tmp_path / "b.bin")
+    shutil.copyfile(manifest_path(tmp_path / "b.bin"), manifest_path(tmp_path / "a.bin"))
+    with pytest.raises(BadInput, match="different conversions"):
+        open_table(tmp_path / "a.bin")
+
+
+def test_open_table_refuses_missing_or_broken_manifest(tables, tmp_path):
+    target = copy_pair(tables["fp8"][0], tmp_path)
+    manifest = json.loads(manifest_path(target).read_text())
+    manifest["file_size"] += 4096
+    manifest_path(target).write_text(json.dumps(manifest))
+    with pytest.raises(BadInput, match="checksum blocks|disagrees"):
+        open_table(target)
+    manifest_path(target).write_text("{not json")
+    with pytest.raises(BadInput, match="not JSON"):
+        open_table(target)
+    manifest_path(target).unlink()
+    with pytest.raises(BadInput, match="manifest .* not found"):
+        open_table(target)
+
+
+def test_open_table_gather_hands_out_copies(tables, tmp_path):
+    target = copy_pair(tables["fp8"][0], tmp_path)
+    with open_table(target) as table:
+        rows = table.gather(np.array([0, 1]))
+        rows[:] = 0
+        assert np.array_equal(table.gather(np.array([0, 1])), tables["fp8"][1][:2])
+
+
+def test_import_runtime_pulls_numpy_only():
+    code = ("import sys, ple_prep.runtime; "
+            "print(sorted(m for m in ('click', 'tqdm', 'gguf', 'torch', 'safetensors', 'zstandard', "
+            "'tokenizers', 'huggingface_hub', 'numpy') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "['numpy']"
