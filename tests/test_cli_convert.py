@@ -237,7 +237,8 @@ def test_convert_force_replaces(fp8_checkpoint, runner, tmp_path):
 
 
 def test_convert_prints_summary(bf16_checkpoint, runner, tmp_path):
-    result = runner.invoke(cli, convert_args(bf16_checkpoint, tmp_path / "t.bin"))
+    out = tmp_path / "t.bin"
+    result = runner.invoke(cli, ["convert", "--model", str(bf16_checkpoint), "--out", str(out)])
     assert result.exit_code == 0 and result.stderr == ""
     assert result.stdout.startswith(f"wrote {tmp_path / 't.bin'}: 16,896 bf16 rows, ")
 

@@ -70,7 +70,7 @@ def test_demo_converts_and_verifies(variant, runner, tmp_path):
 
 
 def test_demo_prints_summary_in_temporary_folder(runner):
-    result = runner.invoke(cli, ["demo", "-q"])
+    result = runner.invoke(cli, ["demo"])
     assert result.exit_code == 0, result.output
     lines = dict(line.split(": ", 1) for line in result.stdout.splitlines())
     assert lines["verified"] == "True" and lines["encoding"] == "fp8_e4m3"

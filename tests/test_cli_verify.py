@@ -37,7 +37,7 @@ def flip_source_rows(model, shard, local_rows):
 
 def test_verify_match_exits_zero(converted, runner):
     model, out = converted
-    result = runner.invoke(cli, ["verify", str(out), "--model", str(model), "-q"])
+    result = runner.invoke(cli, ["verify", str(out), "--model", str(model)])
     assert result.exit_code == 0, result.output
     assert result.stdout == ("checksums: 1 blocks, 0 bad, header ok\n"
                              "rows: 16,896 compared, 0 differ\n")
@@ -62,7 +62,7 @@ def test_verify_checksums_only_without_model(converted, runner):
 def test_verify_source_difference_names_first_rows(converted, runner):
     model, out = converted
     changed = flip_source_rows(model, 7, [3, 90, 131]) + flip_source_rows(model, 100, [0])
-    result = runner.invoke(cli, ["verify", str(out), "--model", str(model), "-q"])
+    result = runner.invoke(cli, ["verify", str(out), "--model", str(model)])
     assert result.exit_code == 1
     assert f"rows: 16,896 compared, 4 differ, first {changed}" in result.stdout
     assert result.stderr == f"error: {out} does not match: rows {changed} differ\n"
@@ -104,14 +104,14 @@ def test_verify_damaged_header_region_fails(converted, runner):
     data = bytearray(out.read_bytes())
     data[2000] = 1  # inside the zero padding before the data region
     out.write_bytes(bytes(data))
-    result = runner.invoke(cli, ["verify", str(out), "-q"])
+    result = runner.invoke(cli, ["verify", str(out)])
     assert result.exit_code == 1
     assert "header BAD" in result.stdout
 
 
 def test_verify_other_source_reported(converted, bf16_checkpoint, runner):
     _, out = converted
-    result = runner.invoke(cli, ["verify", str(out), "--model", str(bf16_checkpoint), "-q"])
+    result = runner.invoke(cli, ["verify", str(out), "--model", str(bf16_checkpoint)])
     assert result.exit_code == 1
     assert "source: source is bf16 with 320-byte rows, the table fp8_e4m3 with 160" in result.stdout
 
