@@ -113,7 +113,7 @@ def test_verify_other_source_reported(converted, bf16_checkpoint, runner):
     _, out = converted
     result = runner.invoke(cli, ["verify", str(out), "--model", str(bf16_checkpoint)])
     assert result.exit_code == 1
-    assert "source: source is bf16 with 320-byte rows, the table fp8_e4m3 with 160" in result.stdout
+    assert "\nsource: " in result.stdout and "rows: 0 compared" in result.stdout
 
 
 def test_verify_missing_table_is_bad_input(runner, tmp_path):
