@@ -150,7 +150,7 @@ def copy_pair(path, folder):
     (lambda raw: raw[:100], "too short"),
     (lambda raw: b"XLEPREP\0" + raw[8:], "not a ple-prep table"),
     (lambda raw: raw[:8] + struct.pack("<I", 9) + raw[12:], "format version 9"),
-    (lambda raw: raw[:24] + struct.pack("<I", 2) + raw[28:], "disagrees with its manifest on encoding"),
+    (lambda raw: raw[:24] + struct.pack("<I", 2) + raw[28:], "160-byte rows cannot hold 160 bf16 values"),
 ])
 def test_open_table_refuses_damaged_file(change, message, tables, tmp_path):
     target = copy_pair(tables["fp8"][0], tmp_path)
