@@ -14,6 +14,8 @@ from ..layouts.format import ORDER_BYTES_PER_PLACED, Header
 from ..layouts.manifest import load_manifest, manifest_path
 from ..layouts.order import RowOrder
 from .dequant import decode
+from .gather import DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_PAGES, Gatherer
+from .tiers import Lookup, Resident, load_resident, merge, split
 
 # Header fields that must agree with the manifest's, or the pair does not belong together.
 _MATCHED_FIELDS = ("page_size", "row_bytes", "rows_per_page", "values_per_row", "num_rows",
@@ -23,7 +25,8 @@ _MATCHED_FIELDS = ("page_size", "row_bytes", "rows_per_page", "values_per_row", 
 class Table:
     """A prepared PLE table mapped copy-on-write; ids are the model's global row ids."""
 
-    def __init__(self, path: Path, manifest: dict[str, Any], header: Header, mapping: mmap.mmap):
+    def __init__(self, path: Path, manifest: dict[str, Any], header: Header, mapping: mmap.mmap,
+                 window_pages: int = DEFAULT_WINDOW_PAGES, window_bytes: int = DEFAULT_WINDOW_BYTES):
         self.path = path
         self.manifest = manifest
         self.header = header
@@ -46,6 +49,9 @@ class Table:
         self._rows = np.lib.stride_tricks.as_strided(
             data, shape=(header.num_pages, header.rows_per_page, header.row_bytes),
             strides=(header.page_size, header.row_bytes, 1), writeable=False)
+        self._gatherer = Gatherer(mapping, self._rows, header.data_offset, header.page_size,
+                                  window_pages, window_bytes)
+        self._resident: Resident | None = None
 
     def __enter__(self) -> "Table":
         return self
@@ -55,6 +61,8 @@ class Table:
 
     def close(self) -> None:
         self._rows = None
+        self._gatherer.close()
+        self._resident = None
         self.order = None
         try:
             self._mapping.close()
@@ -92,10 +100,59 @@ class Table:
         """Index of the file page (counted from the data region) holding each row."""
         return self.slot_of(ids) // self.rows_per_page
 
-    def gather(self, ids: np.ndarray) -> np.ndarray:
+    @property
+    def window_pages(self) -> int:
+        """Distinct pages kept under MADV_WILLNEED ahead of a cold gather's copy; 0: no advice."""
+        return self._gatherer.window_pages
+
+    @window_pages.setter
+    def window_pages(self, pages: int) -> None:
+        self._gatherer.window_pages = int(pages)
+
+    @property
+    def window_bytes(self) -> int:
+        """Cap on the advice window in bytes, for hosts under memory pressure; 0: no advice."""
+        return self._gatherer.window_bytes
+
+    @window_bytes.setter
+    def window_bytes(self, limit: int) -> None:
+        self._gatherer.window_bytes = int(limit)
+
+    def gather(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """uint8 `(len(ids), row_bytes)`: the source bytes of each row, in request order."""
-        pages, positions = np.divmod(self.slot_of(ids), self.rows_per_page)
-        return self._rows[pages, positions]
+        return self._gatherer.gather_slots(self.slot_of(ids), out)
+
+    def gather_slots(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Like `gather`, by file slot (`slot_of`) instead of row id; slots are not checked."""
+        return self._gatherer.gather_slots(slots, out)
+
+    def resident(self, budget_bytes: int, device: str = "cpu") -> Resident:
+        """Keep the leading (hottest) slots that fit in `budget_bytes` in RAM or GPU memory.
+
+        `device` is 'cpu' (a numpy copy) or a torch device such as 'cuda' (needs torch). Replaces
+        any earlier resident tier; `lookup` then serves those rows from it.
+        """
+        self._resident = None
+        self._resident = load_resident(self, budget_bytes, device)
+        return self._resident
+
+    @property
+    def resident_tier(self) -> Resident | None:
+        return self._resident
+
+    def lookup(self, ids: np.ndarray, out: Any = None) -> Lookup:
+        """Split a request into resident positions (with their slots) and disk positions (with
+        their rows, gathered). With `out` (uint8 `(len(ids), row_bytes)`, a numpy array or a
+        tensor on the resident tier's device) the merged rows are written there, each position
+        once, from its tier.
+        """
+        found = split(self, ids, self._resident)
+        if out is not None:
+            count = len(found.resident_positions) + len(found.disk_positions)
+            if tuple(out.shape) != (count, self.row_bytes):
+                raise ValueError(f"out must have shape {(count, self.row_bytes)}, not {tuple(out.shape)}")
+            merge(found, self._resident, out)
+        return found
 
     def values(self, ids: np.ndarray) -> np.ndarray:
         """float32 `(len(ids), values_per_row)`: exactly what the model layer computes."""
@@ -104,10 +161,13 @@ class Table:
 
 
 def open_table(path: str | Path, manifest: str | Path | None = None,
-               source: str | Path | None = None) -> Table:
+               source: str | Path | None = None, *,
+               window_pages: int = DEFAULT_WINDOW_PAGES,
+               window_bytes: int = DEFAULT_WINDOW_BYTES) -> Table:
     """Open a prepared table and its manifest, refusing any pair that does not belong together.
 
     With `source` (the checkpoint folder), also refuse a table whose source changed since conversion.
+    `window_pages`/`window_bytes` bound the read-ahead advice of cold gathers (docs/RUNTIME.md).
     """
     path = Path(path)
     manifest_file = Path(manifest) if manifest is not None else manifest_path(path)
@@ -139,4 +199,4 @@ def open_table(path: str | Path, manifest: str | Path | None = None,
     finally:
         os.close(descriptor)
     mapping.madvise(mmap.MADV_RANDOM)
-    return Table(path, meta, header, mapping)
+    return Table(path, meta, header, mapping, window_pages, window_bytes)

@@ -1,0 +1,148 @@
+"""The gather path: rows by file slot, read in address order with a bounded window of advice.
+
+The mapping carries `MADV_RANDOM`, so a fault reads one page and nothing replaces readahead.
+For a request whose pages are not in the page cache, `gather_slots` sorts the rows by address,
+reads each distinct row once, and keeps `MADV_WILLNEED` on the next `window_pages` distinct pages
+ahead of the copy: the kernel then has that many reads in flight (the disk's queue depth) while
+the copy waits only for the page it needs. The window is bounded (pages, and bytes for hosts under
+memory pressure) because pages advised far ahead are reclaimed before use there and then fault
+back one page at a time. A window of 0 turns advice off.
+
+A request whose pages are already cached (a probe of a few of its pages with mincore) skips the
+sort and the advice: from memory, address order buys nothing and advice costs a system call per
+page. Everything runs inline on the calling thread; docs/RUNTIME.md gives the measurements.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+
+import numpy as np
+
+# Tuned on this project's benchmark host (BENCHMARKS.md, "issue 4"): the window that reached the
+# disk's random-read ceiling, and a byte cap that keeps advice from flooding a small page cache.
+DEFAULT_WINDOW_PAGES = 64
+DEFAULT_WINDOW_BYTES = 32 << 20
+# Pages of a request checked with mincore to tell a cached request from a cold one.
+PROBE_PAGES = 4
+# Distinct pages copied per step of the advice window: a quarter window keeps the disk busy
+# while the copy loop stays a small share of the time.
+STEPS_PER_WINDOW = 4
+
+
+def _load_mincore():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        mincore = libc.mincore
+    except (OSError, AttributeError):
+        return None
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    mincore.restype = ctypes.c_int
+    return mincore
+
+
+_MINCORE = _load_mincore()
+
+
+class Gatherer:
+    """Copies rows out of one mapped data region; the Table owns one."""
+
+    def __init__(self, mapping: mmap.mmap, rows: np.ndarray, data_offset: int, page_size: int,
+                 window_pages: int = DEFAULT_WINDOW_PAGES,
+                 window_bytes: int = DEFAULT_WINDOW_BYTES):
+        self._mapping = mapping
+        self._rows = rows
+        self._data_offset = data_offset
+        self._page_size = page_size
+        self._rows_per_page = rows.shape[1]
+        self._row_bytes = rows.shape[2]
+        self._base = np.frombuffer(mapping, dtype=np.uint8, count=1).ctypes.data
+        self._probe_vector = np.zeros(1, dtype=np.uint8)
+        self.window_pages = window_pages
+        self.window_bytes = window_bytes
+
+    def close(self) -> None:
+        self._rows = None
+        self._mapping = None
+
+    @property
+    def window(self) -> int:
+        """Distinct pages advised ahead of the copy: the page count, capped by the byte cap."""
+        if self.window_pages <= 0 or self.window_bytes <= 0:
+            return 0
+        return max(1, min(self.window_pages, self.window_bytes // self._page_size))
+
+    def gather_slots(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """uint8 `(len(slots), row_bytes)`: the rows at these file slots, in request order."""
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        count = len(slots)
+        if out is not None and (out.shape != (count, self._row_bytes) or out.dtype != np.uint8):
+            raise ValueError(f"out must be uint8 {(count, self._row_bytes)}, not "
+                             f"{out.dtype} {out.shape}")
+        window = self.window
+        if count and window and not self._cached(slots // self._rows_per_page):
+            if out is None:
+                out = np.empty((count, self._row_bytes), dtype=np.uint8)
+            self._gather_cold(slots, out, window)
+            return out
+        pages, positions = np.divmod(slots, self._rows_per_page)
+        if out is None:
+            return self._rows[pages, positions]
+        out[...] = self._rows[pages, positions]
+        return out
+
+    def _gather_cold(self, slots: np.ndarray, out: np.ndarray, window: int) -> None:
+        count = len(slots)
+        # One sort of (slot, request index) packed in an int64: cheaper than an argsort.
+        shift = max(1, (count - 1).bit_length())
+        keys = np.sort((slots << shift) | np.arange(count, dtype=np.int64))
+        sorted_slots, requests = keys >> shift, keys & ((1 << shift) - 1)
+        first = np.empty(count, dtype=bool)
+        first[0] = True
+        np.not_equal(sorted_slots[1:], sorted_slots[:-1], out=first[1:])
+        distinct_starts = np.append(np.flatnonzero(first), count)  # sorted index of each distinct row
+        ranks = np.cumsum(first) - 1                                # distinct row of each sorted entry
+        pages, positions = np.divmod(sorted_slots[first], self._rows_per_page)
+        page_starts = np.append(np.flatnonzero(np.diff(pages, prepend=-1)), len(pages))
+        distinct_pages = pages[page_starts[:-1]]
+        num_pages = len(distinct_pages)
+        step = max(1, window // STEPS_PER_WINDOW)
+        advised = 0
+        for page in range(0, num_pages, step):
+            ahead = min(num_pages, page + window)
+            if advised < ahead:
+                self._advise(distinct_pages[advised:ahead])
+                advised = ahead
+            low, high = page_starts[page], page_starts[min(page + step, num_pages)]
+            rows = self._rows[pages[low:high], positions[low:high]]
+            begin, end = distinct_starts[low], distinct_starts[high]
+            out[requests[begin:end]] = rows[ranks[begin:end] - low]
+
+    def _cached(self, pages: np.ndarray) -> bool:
+        """Whether a few pages spread over the request are all in the page cache."""
+        if _MINCORE is None:
+            return False
+        picks = pages[np.linspace(0, len(pages) - 1, min(PROBE_PAGES, len(pages))).astype(np.int64)]
+        vector = self._probe_vector.ctypes.data
+        for page in picks.tolist():
+            start, length = self._span(page, 1)
+            if _MINCORE(self._base + start, length, vector) != 0 or not self._probe_vector[0] & 1:
+                return False
+        return True
+
+    def _span(self, page: int, count: int) -> tuple[int, int]:
+        """Byte range of `count` table pages from `page`, widened to whole system pages."""
+        start = self._data_offset + page * self._page_size
+        aligned = start - start % mmap.PAGESIZE
+        return aligned, start + count * self._page_size - aligned
+
+    def _advise(self, pages: np.ndarray) -> None:
+        # Consecutive pages share one call.
+        breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+        starts = np.concatenate([[0], breaks]).tolist()
+        ends = np.concatenate([breaks, [len(pages)]]).tolist()
+        first_pages = pages[starts].tolist()
+        for page, start, end in zip(first_pages, starts, ends):
+            offset, length = self._span(page, end - start)
+            self._mapping.madvise(mmap.MADV_WILLNEED, offset, length)

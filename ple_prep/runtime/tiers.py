@@ -1,0 +1,122 @@
+"""Resident and disk tiers: the leading slots held in RAM or GPU memory, the rest read on demand.
+
+The file's leading slots are its hottest rows when it has an access-ordered layout (and merely its
+first rows in source order otherwise), so a budget of B bytes keeps the B // row_bytes rows most
+likely to be asked for. A lookup splits a request by tier; the merge writes every output position
+exactly once, from the tier that holds its row, so no position can keep an earlier request's row.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .table import Table
+
+# Bytes read per positioned read while loading the resident tier (through the file descriptor,
+# so the kernel's sequential readahead applies, which the mapping's MADV_RANDOM turns off).
+LOAD_CHUNK_BYTES = 64 << 20
+
+
+@dataclasses.dataclass
+class Resident:
+    """Slots [0, num_slots) of a table as rows `(num_slots, row_bytes)`, on `device`."""
+
+    num_slots: int
+    rows: Any  # numpy uint8 array on 'cpu', torch uint8 tensor on a torch device
+    device: str
+
+
+@dataclasses.dataclass
+class Lookup:
+    """Where each requested position's row comes from. Positions index the request."""
+
+    resident_positions: np.ndarray  # int64
+    resident_slots: np.ndarray      # int64, rows of the resident tier
+    disk_positions: np.ndarray      # int64
+    disk_rows: np.ndarray           # uint8 (len(disk_positions), row_bytes), request order
+
+
+def load_resident(table: "Table", budget_bytes: int, device: str = "cpu") -> Resident:
+    """Copy the leading slots that fit in `budget_bytes` to `device` ('cpu', 'cuda', 'cuda:N')."""
+    if budget_bytes < 0:
+        raise ValueError("budget_bytes must be >= 0")
+    num_slots = int(min(table.num_rows, budget_bytes // table.row_bytes))
+    if device == "cpu":
+        rows = np.empty((num_slots, table.row_bytes), dtype=np.uint8)
+
+        def put_in_memory(start: int, chunk: np.ndarray) -> None:
+            rows[start:start + len(chunk)] = chunk
+
+        _read_leading_slots(table, num_slots, put_in_memory)
+        return Resident(num_slots, rows, device)
+    import torch
+
+    rows = torch.empty((num_slots, table.row_bytes), dtype=torch.uint8, device=device)
+
+    def put(start: int, chunk: np.ndarray) -> None:
+        rows[start:start + len(chunk)].copy_(torch.from_numpy(chunk))
+
+    _read_leading_slots(table, num_slots, put)
+    return Resident(num_slots, rows, str(rows.device))
+
+
+def _read_leading_slots(table: "Table", num_slots: int, put) -> None:
+    """Read slots [0, num_slots) page-chunk by chunk, dropping page padding, and `put` them."""
+    pages_per_chunk = max(1, LOAD_CHUNK_BYTES // table.page_size)
+    rows_per_chunk = pages_per_chunk * table.rows_per_page
+    buffer = np.empty((pages_per_chunk, table.page_size), dtype=np.uint8)
+    used = table.rows_per_page * table.row_bytes
+    descriptor = os.open(table.path, os.O_RDONLY)
+    try:
+        for start in range(0, num_slots, rows_per_chunk):
+            count = min(rows_per_chunk, num_slots - start)
+            pages = -(-count // table.rows_per_page)
+            view = memoryview(buffer[:pages]).cast("B")
+            offset = table.header.data_offset + start // table.rows_per_page * table.page_size
+            while len(view):
+                done = os.preadv(descriptor, [view], offset)
+                if done <= 0:
+                    raise OSError(f"{table.path.name} ended early at byte {offset}")
+                view, offset = view[done:], offset + done
+            put(start, np.ascontiguousarray(buffer[:pages, :used]).reshape(-1, table.row_bytes)[:count])
+    finally:
+        os.close(descriptor)
+
+
+def split(table: "Table", ids: np.ndarray, resident: Resident | None) -> Lookup:
+    slots = table.slot_of(ids)
+    num_slots = resident.num_slots if resident is not None else 0
+    in_memory = slots < num_slots
+    resident_positions = np.flatnonzero(in_memory)
+    disk_positions = np.flatnonzero(~in_memory)
+    disk_rows = table.gather_slots(slots[disk_positions])
+    return Lookup(resident_positions, slots[resident_positions], disk_positions, disk_rows)
+
+
+def merge(lookup: Lookup, resident: Resident | None, out: Any) -> None:
+    """Write each position of `out` once: resident rows from the resident tier, the rest from disk."""
+    if isinstance(out, np.ndarray):
+        if len(lookup.resident_positions):
+            if resident is None or resident.device != "cpu":
+                raise ValueError("a numpy `out` needs the resident tier on 'cpu'")
+            out[lookup.resident_positions] = resident.rows[lookup.resident_slots]
+        out[lookup.disk_positions] = lookup.disk_rows
+        return
+    import torch
+
+    device = out.device
+    if len(lookup.resident_positions):
+        if resident is None or torch.device(resident.device) != device:
+            raise ValueError(f"`out` on {device} needs the resident tier on {device}")
+        rows = resident.rows
+        if isinstance(rows, np.ndarray):
+            rows = torch.from_numpy(rows)
+        slots = torch.from_numpy(lookup.resident_slots).to(device)
+        positions = torch.from_numpy(lookup.resident_positions).to(device)
+        out[positions] = rows[slots]
+    positions = torch.from_numpy(lookup.disk_positions).to(device)
+    out[positions] = torch.from_numpy(lookup.disk_rows).to(device)

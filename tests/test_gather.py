@@ -1,0 +1,177 @@
+"""The gather path and the resident/disk split, against the source bytes, with poisoned buffers."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ple_prep.converters import open_source
+from ple_prep.layouts.order import RowOrder
+from ple_prep.layouts.writer import convert
+from ple_prep.runtime import open_table
+from ple_prep.runtime.gather import Gatherer
+
+POISON = 0xA5
+
+
+@pytest.fixture(scope="module")
+def source_rows(fp8_checkpoint):
+    with open_source(fp8_checkpoint) as source:
+        return source.read_rows(0, source.num_rows)
+
+
+@pytest.fixture(scope="module", params=["source-order", "access-order"])
+def table_path(request, fp8_checkpoint, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gather") / "t.bin"
+    with open_source(fp8_checkpoint) as source:
+        order = None
+        if request.param == "access-order":
+            # A scattered hot set placed first, so slot order differs from row order.
+            placed = np.random.default_rng(5).permutation(source.num_rows)[:3000]
+            order = RowOrder.from_placed(placed, source.num_rows)
+        convert(source, path, order=order)
+    return path
+
+
+@pytest.fixture(params=["cold", "cached"])
+def table(request, table_path, monkeypatch):
+    """The table with the page-cache probe forced, so both copy paths run whatever the cache holds."""
+    monkeypatch.setattr(Gatherer, "_cached", lambda self, pages: request.param == "cached")
+    with open_table(table_path) as opened:
+        yield opened
+
+
+def real_like_ids(num_rows: int, count: int, seed: int) -> np.ndarray:
+    """Ids with repeats and neighbours, like a chunk of text: some rows hot, most cold."""
+    rng = np.random.default_rng(seed)
+    hot = rng.integers(0, num_rows, 20)
+    ids = rng.integers(0, num_rows, count)
+    repeated = rng.random(count) < 0.3
+    ids[repeated] = rng.choice(hot, int(repeated.sum()))
+    return ids
+
+
+@pytest.mark.parametrize("window_pages", [0, 1, 3, 64])
+def test_gather_returns_source_bytes_for_every_window(table, source_rows, window_pages):
+    table.window_pages = window_pages
+    ids = real_like_ids(table.num_rows, 5000, window_pages)
+    assert np.array_equal(table.gather(ids), source_rows[ids])
+
+
+def test_gather_writes_every_position_of_a_poisoned_out(table, source_rows):
+    out = np.full((4000, table.row_bytes), POISON, dtype=np.uint8)
+    for seed in range(3):
+        ids = real_like_ids(table.num_rows, 4000, seed)
+        assert table.gather(ids, out=out) is out
+        assert np.array_equal(out, source_rows[ids])
+
+
+def test_gather_small_and_empty_requests(table, source_rows):
+    assert table.gather(np.array([], dtype=np.int64)).shape == (0, table.row_bytes)
+    for ids in ([7], [7, 7], [5, 3, 5, 9000, 3]):
+        assert np.array_equal(table.gather(np.array(ids)), source_rows[ids])
+
+
+def test_gather_refuses_bad_out(table):
+    with pytest.raises(ValueError, match="out must be uint8"):
+        table.gather(np.arange(4), out=np.zeros((4, 3), dtype=np.uint8))
+
+
+def test_gather_byte_cap_of_zero_turns_advice_off(table):
+    table.window_bytes = 0
+    assert table._gatherer.window == 0
+    table.window_bytes = table.page_size * 5
+    assert table._gatherer.window == 5
+
+
+class _Recorder:
+    """Stands in for the mapping and the rows view, logging advice and copies in order."""
+
+    def __init__(self, rows, page_size, data_offset):
+        self.rows, self.page_size, self.data_offset = rows, page_size, data_offset
+        self.events: list[tuple[str, list[int]]] = []
+
+    def madvise(self, option, start, length):
+        first = (start - self.data_offset) // self.page_size
+        self.events.append(("advise", list(range(first, first + -(-length // self.page_size)))))
+
+    def __getitem__(self, index):
+        pages, positions = index
+        self.events.append(("copy", sorted(set(np.asarray(pages).tolist()))))
+        return self.rows[pages, positions]
+
+
+@pytest.mark.parametrize("window_pages", [1, 4, 16])
+def test_gather_advice_stays_within_the_window_ahead_of_the_copy(table_path, source_rows,
+                                                                 window_pages, monkeypatch):
+    monkeypatch.setattr(Gatherer, "_cached", lambda self, pages: False)
+    with open_table(table_path, window_pages=window_pages) as table:
+        gatherer = table._gatherer
+        recorder = _Recorder(gatherer._rows, table.page_size, table.header.data_offset)
+        gatherer._mapping = gatherer._rows = recorder
+        ids = real_like_ids(table.num_rows, 3000, 1)
+        assert np.array_equal(table.gather(ids), source_rows[ids])
+    advised: list[int] = []
+    copied: list[int] = []
+    for kind, pages in recorder.events:
+        if kind == "advise":
+            advised += pages
+            # Pages in flight: advised but not yet copied.
+            assert len(set(advised) - set(copied)) <= window_pages
+        else:
+            assert set(pages) <= set(advised)
+            copied += pages
+    assert advised == sorted(advised) and len(advised) == len(set(advised)) == len(set(copied))
+
+
+def test_lookup_merges_tiers_into_poisoned_reused_buffers(table, source_rows):
+    resident = table.resident(budget_bytes=1000 * table.row_bytes + 17)
+    assert resident.num_slots == 1000 and resident.rows.shape == (1000, table.row_bytes)
+    out = np.full((3000, table.row_bytes), POISON, dtype=np.uint8)
+    for seed in range(4):
+        ids = real_like_ids(table.num_rows, 3000, seed + 10)
+        found = table.lookup(ids, out=out)
+        slots = table.slot_of(ids)
+        assert np.array_equal(found.resident_positions, np.flatnonzero(slots < 1000))
+        assert np.array_equal(found.disk_positions, np.flatnonzero(slots >= 1000))
+        assert np.array_equal(found.resident_slots, slots[slots < 1000])
+        assert np.array_equal(found.disk_rows, source_rows[ids[found.disk_positions]])
+        assert 0 < len(found.resident_positions) < len(ids)
+        assert np.array_equal(out, source_rows[ids])
+        assert np.array_equal(out, table.gather(ids))
+
+
+def test_lookup_without_a_resident_tier_reads_everything_from_disk(table, source_rows):
+    ids = real_like_ids(table.num_rows, 500, 3)
+    found = table.lookup(ids)
+    assert len(found.resident_positions) == 0
+    assert np.array_equal(found.disk_rows, source_rows[ids])
+
+
+def test_resident_holds_the_leading_slots(table, source_rows):
+    resident = table.resident(budget_bytes=table.num_rows * table.row_bytes * 10)
+    assert resident.num_slots == table.num_rows
+    slots = np.arange(table.num_rows)
+    rows_of_slots = table.order.rows_at(0, table.num_rows)
+    assert np.array_equal(resident.rows[slots], source_rows[rows_of_slots])
+    assert table.resident(budget_bytes=0).num_slots == 0
+
+
+def test_lookup_into_a_torch_tensor(table, source_rows):
+    torch = pytest.importorskip("torch")
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        table.resident(budget_bytes=2000 * table.row_bytes, device=device)
+        out = torch.full((3000, table.row_bytes), POISON, dtype=torch.uint8, device=device)
+        for seed in range(2):
+            ids = real_like_ids(table.num_rows, 3000, seed + 20)
+            table.lookup(ids, out=out)
+            assert np.array_equal(out.cpu().numpy(), source_rows[ids])
+
+
+def test_lookup_refuses_a_numpy_out_with_the_tier_elsewhere(table):
+    torch = pytest.importorskip("torch")
+    table.resident(budget_bytes=table.num_rows * table.row_bytes, device="cpu")
+    table._resident.device = "meta"
+    with pytest.raises(ValueError, match="resident tier on 'cpu'"):
+        table.lookup(np.arange(10), out=np.zeros((10, table.row_bytes), dtype=np.uint8))
+    assert torch  # the tensor branch is covered above
