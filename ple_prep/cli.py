@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 import click
 
 from . import __version__
+from .constants import GGUF_FIXTURE_VARIANTS
 from .errors import BadInput, CheckFailed
 
 
@@ -254,18 +255,32 @@ def inspect(table: Path, as_json: bool) -> None:
 
 @cli.command("make-fixture")
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--variant", type=click.Choice(["fp8", "bf16", "nvfp4"]), default="fp8",
-              show_default=True)
+@click.option("--variant", type=click.Choice(["fp8", "bf16", "nvfp4", *GGUF_FIXTURE_VARIANTS]),
+              default="fp8", show_default=True,
+              help="safetensors checkpoint (fp8, bf16, nvfp4) or GGUF model (gguf-TYPE).")
 @click.option("--base", default=1000, show_default=True, help="ngram_vocab_size_base.")
 @click.option("--shards", default=128, show_default=True, help="split_ngram_parts.")
+@click.option("--gguf-layout", type=click.Choice(["joined", "split"]), default="joined",
+              show_default=True, help="GGUF: one joined table tensor or 16 head tensors.")
+@click.option("--gguf-files", type=click.IntRange(min=1), default=1, show_default=True,
+              help="GGUF: split into NAME-0000k-of-0000N.gguf files.")
 @click.option("--seed", default=0, show_default=True)
-def make_fixture(out: Path, variant: str, base: int, shards: int, seed: int) -> None:
+def make_fixture(out: Path, variant: str, base: int, shards: int, gguf_layout: str,
+                 gguf_files: int, seed: int) -> None:
     """Write a small checkpoint in the model's real layout.
 
     \b
     Example:
         ple-prep make-fixture ./tiny-fp8 --variant fp8
+        ple-prep make-fixture ./tiny-iq4 --variant gguf-iq4_nl --gguf-layout split --gguf-files 3
     """
+    if variant.startswith("gguf-"):
+        from .fixtures import make_gguf
+
+        make_gguf(out, variant.removeprefix("gguf-"), layout=gguf_layout, num_files=gguf_files,
+                  base=base, seed=seed)
+        click.echo(f"wrote {variant} {gguf_layout} model to {out}")
+        return
     from .fixtures import make_checkpoint
 
     make_checkpoint(out, variant, base=base, num_shards=shards, seed=seed)

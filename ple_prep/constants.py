@@ -72,6 +72,21 @@ ENCODING_BLOCKS: dict[Encoding, tuple[int, int]] = {
 }
 
 
+# GGML type of each GGUF encoding: (name, type id as stored in a GGUF tensor info). The ids are
+# GGML's own (ggml.h), repeated here so the runtime and manifest need no `gguf` import.
+GGML_TYPES: dict[Encoding, tuple[str, int]] = {
+    Encoding.GGUF_F32: ("F32", 0),
+    Encoding.GGUF_F16: ("F16", 1),
+    Encoding.GGUF_Q4_0: ("Q4_0", 2),
+    Encoding.GGUF_Q4_1: ("Q4_1", 3),
+    Encoding.GGUF_Q5_0: ("Q5_0", 6),
+    Encoding.GGUF_Q5_1: ("Q5_1", 7),
+    Encoding.GGUF_Q8_0: ("Q8_0", 8),
+    Encoding.GGUF_IQ4_NL: ("IQ4_NL", 20),
+    Encoding.GGUF_BF16: ("BF16", 30),
+}
+
+
 def row_bytes_for(encoding: Encoding, values_per_row: int) -> int:
     values_per_block, bytes_per_block = ENCODING_BLOCKS[encoding]
     if values_per_row % values_per_block:
@@ -95,3 +110,11 @@ MULTIPLIERS_SUFFIX = ".ple.ple_embedding.layer_multipliers"
 HEAD_OFFSETS_SUFFIX = ".ple.ple_embedding.ngram_heads_offsets"
 HEAD_SIZES_SUFFIX = ".ple.ple_embedding.ngram_heads_vocab_sizes"
 SAFETENSORS_MAX_HEADER = 100_000_000
+
+# --- GGUF (spec section 4) ------------------------------------------------------------------------
+
+GGUF_ARCHITECTURE = "qwen4exp"
+GGUF_JOINED_TENSOR = "per_layer_token_embd.weight"
+GGUF_HEAD_TENSOR = "ple_ngram_embd.{head}.weight"
+# make-fixture variants that write GGUF models, one per supported GGML type.
+GGUF_FIXTURE_VARIANTS = tuple(f"gguf-{name.lower()}" for name, _ in GGML_TYPES.values())

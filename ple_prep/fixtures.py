@@ -137,3 +137,90 @@ def write_safetensors(path: Path, tensors: dict[str, tuple[str, np.ndarray]]) ->
                               data_len=array.nbytes)
              for name, (dtype, array) in arrays.items()}
     serialize_file(specs, str(path), metadata={"format": "pt"})
+
+
+# --- GGUF fixtures (spec section 4) ---------------------------------------------------------------
+
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
+GGUF_LAYOUTS = ("joined", "split")
+GGUF_VARIANTS = tuple(f"gguf-{t}" for t in GGUF_TYPES)
+
+
+def gguf_table_bytes(ggml_type: str, rows: int, rng: np.random.Generator) -> np.ndarray:
+    """A table quantised by `gguf.quants.quantize`, as uint8 `(rows, row_bytes)`.
+
+    The gguf package cannot quantise IQ4_NL, so its blocks are composed directly: an f16 scale
+    and 32 random 4-bit indices into the code book.
+    """
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    qtype = GGMLQuantizationType[ggml_type.upper()]
+    if qtype == GGMLQuantizationType.IQ4_NL:
+        blocks = rows * VALUES_PER_ROW // 32
+        scales = rng.uniform(2e-4, 1e-3, size=(blocks, 1)).astype("<f2").view(np.uint8)
+        codes = rng.integers(0, 256, size=(blocks, 16), dtype=np.uint8)
+        return np.concatenate([scales, codes], axis=1).reshape(rows, -1)
+    values = rng.normal(0, 0.05, size=(rows, VALUES_PER_ROW)).astype(np.float32)
+    return np.ascontiguousarray(quantize(values, qtype)).view(np.uint8).reshape(rows, -1)
+
+
+def add_gguf_metadata(writer: Any, spec: NgramSpec, vocab_size: int = 248320) -> None:
+    """The qwen4exp keys the converter reads: the hash constants as 64-bit integers."""
+    from gguf import GGUFValueType
+
+    arch = writer.arch
+    writer.add_uint32(f"{arch}.vocab_size", vocab_size)
+    writer.add_uint32(f"{arch}.embedding_length_per_layer_input", spec.values_per_row)
+    writer.add_uint32(f"{arch}.ple.ngram_size", spec.ngram_size)
+    writer.add_uint32(f"{arch}.ple.heads_per_ngram", spec.heads_per_ngram)
+    writer.add_uint32(f"{arch}.ple.eos_token_id", spec.eos_token_id)
+    for key, values in (("layer_multipliers", spec.multipliers), ("head_offsets", spec.head_offsets),
+                        ("head_vocab_sizes", spec.head_sizes)):
+        writer.add_key_value(f"{arch}.ple.{key}", list(values), GGUFValueType.ARRAY,
+                             sub_type=GGUFValueType.UINT64)
+
+
+def make_gguf(out: str | Path, ggml_type: str = "q8_0", *, layout: str = "joined",
+              num_files: int = 1, base: int = 1000, seed: int = 0,
+              arch: str = "qwen4exp") -> Path:
+    """Write a GGUF model folder with `GGUFWriter`; returns the folder. Deterministic per seed.
+
+    `layout` "joined" writes `per_layer_token_embd.weight` [160, rows_stored]; "split" writes the
+    16 head tensors `ple_ngram_embd.{h}.weight` [160, size[h]] (in a shuffled order). With
+    `num_files` > 1 the tensors, among unrelated ones, go to `model-0000k-of-0000N.gguf`.
+    """
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    if ggml_type not in GGUF_TYPES:
+        raise BadInput(f"unknown GGUF fixture type {ggml_type!r}; choose from {', '.join(GGUF_TYPES)}")
+    if layout not in GGUF_LAYOUTS:
+        raise BadInput(f"unknown GGUF layout {layout!r}; choose from {', '.join(GGUF_LAYOUTS)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = NgramSpec.from_config(fixture_config(base))
+    rng = np.random.default_rng(seed)
+    qtype = GGMLQuantizationType[ggml_type.upper()]
+    table = gguf_table_bytes(ggml_type, spec.rows_stored, rng)
+    if layout == "joined":
+        tensors = [("per_layer_token_embd.weight", table)]
+    else:
+        tensors = [(f"ple_ngram_embd.{h}.weight", table[offset:offset + size])
+                   for h, (offset, size) in enumerate(zip(spec.head_offsets, spec.head_sizes))]
+        tensors = [tensors[i] for i in rng.permutation(len(tensors))]
+    unrelated = [(f"blk.{i}.attn_norm.weight", rng.normal(size=64).astype(np.float32))
+                 for i in range(2)]
+    tensors = unrelated[:1] + tensors + unrelated[1:]
+    per_file = -(-len(tensors) // num_files) if num_files > 1 else 0
+    writer = GGUFWriter(out / "model.gguf", arch, split_max_tensors=per_file)
+    add_gguf_metadata(writer, spec)
+    for name, array in tensors:
+        if array.dtype == np.uint8:
+            writer.add_tensor(name, np.ascontiguousarray(array), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

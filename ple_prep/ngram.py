@@ -134,6 +134,65 @@ class NgramSpec:
                    embed_dim, base, divisible_by, multipliers, sizes, offsets)
 
     @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any], arch: str = "qwen4exp",
+                           divisible_by: int = 128) -> "NgramSpec":
+        """The spec of a GGUF file from its `{arch}.ple.*` keys (plain Python values).
+
+        The stored multipliers, head sizes and offsets are the hash; everything else is checked
+        against them: lengths, offsets as running sums from 0, head sizes as consecutive primes,
+        and (given the vocabulary size) the multipliers the seed derives. GGUF keeps no
+        `ngram_vocab_size_base`; the first head size stands in for it (it gives the same primes).
+        """
+        prefix = f"{arch}.ple."
+        keys = {"multipliers": prefix + "layer_multipliers", "offsets": prefix + "head_offsets",
+                "sizes": prefix + "head_vocab_sizes", "ngram_size": prefix + "ngram_size",
+                "heads_per_ngram": prefix + "heads_per_ngram", "eos": prefix + "eos_token_id",
+                "row_values": f"{arch}.embedding_length_per_layer_input",
+                "vocab_size": f"{arch}.vocab_size"}
+        missing = [key for name, key in keys.items() if name != "vocab_size" and key not in metadata]
+        if missing:
+            raise BadInput(f"GGUF metadata lacks {', '.join(missing)}: not a {arch} n-gram PLE model")
+        values = {name: metadata.get(key) for name, key in keys.items()}
+        integers = all(type(v) is int for n, v in values.items()
+                       if n not in ("multipliers", "offsets", "sizes") and v is not None)
+        lists = all(isinstance(values[n], (list, tuple)) and all(type(v) is int for v in values[n])
+                    for n in ("multipliers", "offsets", "sizes"))
+        if not (integers and lists):
+            raise BadInput(f"GGUF metadata {prefix}* must hold integers (never floats: the "
+                           f"multipliers need 45 bits)")
+        ngram_size, heads_per_ngram = values["ngram_size"], values["heads_per_ngram"]
+        multipliers, offsets, sizes = (tuple(values[n]) for n in ("multipliers", "offsets", "sizes"))
+        if ngram_size < 2 or heads_per_ngram < 1 or values["row_values"] < 1:
+            raise BadInput(f"GGUF metadata: ngram_size {ngram_size}, heads_per_ngram "
+                           f"{heads_per_ngram}, {values['row_values']} values per row are out of range")
+        heads = (ngram_size - 1) * heads_per_ngram
+        if len(multipliers) != ngram_size or len(offsets) != heads or len(sizes) != heads:
+            raise BadInput(f"GGUF metadata: {len(multipliers)} multipliers, {len(offsets)} head "
+                           f"offsets and {len(sizes)} head sizes; expected {ngram_size}, {heads}, {heads}")
+        if any(m <= 0 or m % 2 == 0 or m >= 2**63 for m in multipliers):
+            raise BadInput(f"GGUF metadata multipliers {list(multipliers)} must be odd and positive")
+        running = tuple(int(x) for x in np.concatenate([[0], np.cumsum(sizes)[:-1]]))
+        if offsets != running:
+            raise BadInput(f"GGUF metadata head offsets {list(offsets)} are not the running sums "
+                           f"of the head sizes {list(running)}")
+        if sizes[0] < 2 or tuple(_primes_from(sizes[0], heads)) != sizes:
+            raise BadInput(f"GGUF metadata head sizes {list(sizes)} are not consecutive primes")
+        vocab_size = values["vocab_size"]
+        seed = int(metadata.get(prefix + "seed", DEFAULT_SEED))
+        if vocab_size is not None:
+            derived = cls.from_config({
+                "vocab_size": vocab_size, "eos_token_id": values["eos"], "ple_layer_ids": [],
+                "ple_embed_dim": values["row_values"] * heads, "ngram_size": ngram_size,
+                "heads_per_ngram": heads_per_ngram, "ngram_vocab_size_base": sizes[0],
+                "make_ngram_vocab_size_divisible_by": divisible_by, "seed": seed})
+            if derived.multipliers != multipliers:
+                raise BadInput(f"GGUF metadata multipliers {list(multipliers)} disagree with "
+                               f"{list(derived.multipliers)}, derived from vocab_size {vocab_size} "
+                               f"and seed {seed}")
+        return cls(vocab_size or 0, values["eos"], ngram_size, heads_per_ngram, seed, 0,
+                   values["row_values"] * heads, sizes[0], divisible_by, multipliers, sizes, offsets)
+
+    @classmethod
     def from_checkpoint(cls, model_dir: str | Path) -> "NgramSpec":
         """The spec of a safetensors checkpoint, its stored constant tensors checked against config."""
         from .converters.safetensors import open_checkpoint

@@ -8,10 +8,23 @@ from .base import Scale, Segment, SourceFile, TableSource
 
 
 def open_source(model: str | Path) -> TableSource:
-    """Open the table of a checkpoint folder, whatever its format."""
+    """Open the table of a checkpoint, whatever its format.
+
+    A .gguf file, or a folder holding *.gguf and no *.safetensors, is read as GGUF; any other
+    folder as a safetensors checkpoint.
+    """
     path = Path(model)
     if not path.exists():
         raise BadInput(f"{path} does not exist")
+    if path.is_file() or (path.is_dir() and any(path.glob("*.gguf"))):
+        if path.is_file() and path.suffix != ".gguf":
+            raise BadInput(f"{path} is a file but not a .gguf; give a checkpoint folder or a .gguf file")
+        if path.is_dir() and any(path.glob("*.safetensors")):
+            raise BadInput(f"{path} holds both *.gguf and *.safetensors files; pass the .gguf file "
+                           f"itself to convert the GGUF")
+        from .gguf import open_gguf
+
+        return open_gguf(path)
     from .safetensors import open_checkpoint
 
     return open_checkpoint(path)

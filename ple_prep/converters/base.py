@@ -1,7 +1,8 @@
 """The row stream every converter yields: where each row's bytes lie in the source files.
 
 A converter parses and validates its format, then describes the table as column parts, each a list
-of segments (a run of rows at one file offset). A row is the concatenation of its parts' bytes: one
+of segments (a run of rows at one file offset, or zero rows where the path is None: the padding
+rows a split-head GGUF table does not store). A row is the concatenation of its parts' bytes: one
 part for FP8, BF16 and GGUF, two for NVFP4 (codes, then block scales). Reading is then the same for
 every format: positioned reads into caller-sized buffers, so memory stays bounded.
 """
@@ -25,9 +26,12 @@ FINGERPRINT_SAMPLE_ROWS = 1024
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-    """`num_rows` rows of `row_bytes` each, stored back to back at `offset` in `path`."""
+    """`num_rows` rows of `row_bytes` each, stored back to back at `offset` in `path`.
 
-    path: Path
+    A segment without a path stands for rows of zero bytes that no file holds.
+    """
+
+    path: Path | None
     offset: int
     first_row: int
     num_rows: int
@@ -115,6 +119,9 @@ class TableSource:
                 low = max(start, segment.first_row)
                 high = min(stop, segment.first_row + segment.num_rows)
                 if low >= high:
+                    continue
+                if segment.path is None:
+                    target[low - start:high - start] = 0
                     continue
                 view = memoryview(target[low - start:high - start]).cast("B")
                 offset = segment.offset + (low - segment.first_row) * width

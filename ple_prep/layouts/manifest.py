@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..constants import FORMAT_VERSION, MANIFEST_SUFFIX, Encoding
+from ..constants import FORMAT_VERSION, GGML_TYPES, MANIFEST_SUFFIX, Encoding
 from ..errors import BadInput
 
 MANIFEST_FORMAT = "ple-prep-table"
@@ -55,9 +55,17 @@ def validate_manifest(manifest: Any, name: str = "manifest") -> None:
     if manifest["format"] != MANIFEST_FORMAT or manifest["format_version"] != FORMAT_VERSION:
         raise BadInput(f"{name}: not a ple-prep v{FORMAT_VERSION} manifest")
     try:
-        Encoding.from_label(manifest["encoding"])
+        encoding = Encoding.from_label(manifest["encoding"])
     except ValueError:
         raise BadInput(f"{name}: unknown encoding {manifest['encoding']!r}") from None
+    # `ggml_type` came with GGUF input; manifests of other encodings may lack it or hold null.
+    ggml_type = manifest.get("ggml_type")
+    expected = GGML_TYPES.get(encoding)
+    if expected is None and ggml_type is not None:
+        raise BadInput(f"{name}: ggml_type {ggml_type!r} given for a {encoding.label} table")
+    if expected is not None and ggml_type != {"name": expected[0], "id": expected[1]}:
+        raise BadInput(f"{name}: a {encoding.label} table needs ggml_type "
+                       f"{{\"name\": \"{expected[0]}\", \"id\": {expected[1]}}}, not {ggml_type!r}")
     scale = manifest["scale"]
     if scale is not None:
         value = scale.get("value")

@@ -16,8 +16,8 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import __version__
-from ..constants import (CHECKSUM_BLOCK_BYTES, DEFAULT_PAGE_SIZE, FORMAT_VERSION, HEADER_SIZE,
-                         HEADER_STRUCT, MAGIC)
+from ..constants import (CHECKSUM_BLOCK_BYTES, DEFAULT_PAGE_SIZE, FORMAT_VERSION, GGML_TYPES,
+                         HEADER_SIZE, HEADER_STRUCT, MAGIC)
 from ..converters.base import TableSource
 from ..errors import BadInput
 from .format import Header
@@ -230,6 +230,14 @@ def _fsync_folder(folder: Path) -> None:
         os.close(descriptor)
 
 
+def ggml_type_json(encoding) -> dict[str, Any] | None:
+    """The GGML type a GGUF encoding came from, as the manifest records it; None for the others."""
+    if encoding not in GGML_TYPES:
+        return None
+    name, type_id = GGML_TYPES[encoding]
+    return {"name": name, "id": type_id}
+
+
 def _manifest(source: TableSource, header: Header, checksums: dict[str, Any], table_sha256: str,
               data_file: str, layout: dict[str, Any] | None,
               residency: list[dict[str, Any]] | None) -> dict[str, Any]:
@@ -245,6 +253,7 @@ def _manifest(source: TableSource, header: Header, checksums: dict[str, Any], ta
         "rows_per_page": header.rows_per_page,
         "data_offset": header.data_offset,
         "encoding": header.encoding.label,
+        "ggml_type": ggml_type_json(header.encoding),
         "row_bytes": header.row_bytes,
         "values_per_row": header.values_per_row,
         "num_rows": header.num_rows,

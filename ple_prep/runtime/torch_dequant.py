@@ -20,7 +20,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from ..constants import Encoding
+from ..constants import ENCODING_BLOCKS, Encoding
 from . import dequant
 
 
@@ -90,6 +90,94 @@ class NVFP4Packed(TorchDecoder, encoding=Encoding.NVFP4_PACKED):
         # Same float32 operations, in the same order, as the numpy reference; then one rounding.
         values = self.e2m1[nibbles] * block_scales * self.global_scale
         return values.to(torch.bfloat16)
+
+
+# --- GGUF types: the numpy reference's float32 steps (d*q, then + m, never fused), then bf16 ----
+
+
+def _gguf_blocks(rows: torch.Tensor, encoding: Encoding) -> torch.Tensor:
+    return rows.contiguous().view(-1, ENCODING_BLOCKS[encoding][1])
+
+
+def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The little-endian f16 at byte `at` of each block as float32 `(blocks, 1)`."""
+    return blocks[:, at:at + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """16 bytes a block to 32 codes: low nibbles are values 0-15, high nibbles values 16-31."""
+    return torch.cat([packed & 0x0F, packed >> 4], dim=1)
+
+
+class _GGUFDecoder(TorchDecoder, encoding=Encoding.GGUF_F32):
+    """F32 rows; the base of the other GGUF decoders, which replace `decode_float32`."""
+
+    def __init__(self, values_per_row, scale, device):
+        super().__init__(values_per_row, scale, device)
+        # Q5's qh: value j's fifth bit is bit j % 8 of byte j // 8 (a little-endian u32).
+        self.qh_byte = torch.arange(32, device=self.device) // 8
+        self.qh_shift = (torch.arange(32, device=self.device) % 8).to(torch.uint8)
+
+    def _fifth_bits(self, packed: torch.Tensor) -> torch.Tensor:
+        return ((packed[:, self.qh_byte] >> self.qh_shift) & 1) << 4
+
+    def decode_float32(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.contiguous().view(torch.float32)
+
+    def decode(self, rows):
+        return self.decode_float32(rows).reshape(len(rows), self.values_per_row).to(torch.bfloat16)
+
+
+class _GGUFF16(_GGUFDecoder, encoding=Encoding.GGUF_F16):
+    def decode_float32(self, rows):
+        return rows.contiguous().view(torch.float16).float()
+
+
+class _GGUFBF16(_GGUFDecoder, encoding=Encoding.GGUF_BF16):
+    def decode(self, rows):
+        return rows.contiguous().view(torch.bfloat16)
+
+
+class _GGUFQ8_0(_GGUFDecoder, encoding=Encoding.GGUF_Q8_0):
+    def decode_float32(self, rows):
+        blocks = _gguf_blocks(rows, self.encoding)
+        return blocks[:, 2:].contiguous().view(torch.int8).float() * _f16(blocks, 0)
+
+
+class _GGUFQ4_0(_GGUFDecoder, encoding=Encoding.GGUF_Q4_0):
+    def decode_float32(self, rows):
+        blocks = _gguf_blocks(rows, self.encoding)
+        return _f16(blocks, 0) * (_nibbles(blocks[:, 2:]).float() - 8)
+
+
+class _GGUFQ4_1(_GGUFDecoder, encoding=Encoding.GGUF_Q4_1):
+    def decode_float32(self, rows):
+        blocks = _gguf_blocks(rows, self.encoding)
+        return _f16(blocks, 0) * _nibbles(blocks[:, 4:]).float() + _f16(blocks, 2)
+
+
+class _GGUFQ5_0(_GGUFDecoder, encoding=Encoding.GGUF_Q5_0):
+    def decode_float32(self, rows):
+        blocks = _gguf_blocks(rows, self.encoding)
+        codes = _nibbles(blocks[:, 6:]) | self._fifth_bits(blocks[:, 2:6])
+        return _f16(blocks, 0) * (codes.float() - 16)
+
+
+class _GGUFQ5_1(_GGUFDecoder, encoding=Encoding.GGUF_Q5_1):
+    def decode_float32(self, rows):
+        blocks = _gguf_blocks(rows, self.encoding)
+        codes = _nibbles(blocks[:, 8:]) | self._fifth_bits(blocks[:, 4:8])
+        return _f16(blocks, 0) * codes.float() + _f16(blocks, 2)
+
+
+class _GGUFIQ4_NL(_GGUFDecoder, encoding=Encoding.GGUF_IQ4_NL):
+    def __init__(self, values_per_row, scale, device):
+        super().__init__(values_per_row, scale, device)
+        self.code_book = torch.from_numpy(dequant.IQ4_NL_VALUES).to(self.device)
+
+    def decode_float32(self, rows):
+        blocks = _gguf_blocks(rows, self.encoding)
+        return _f16(blocks, 0) * self.code_book[_nibbles(blocks[:, 2:]).long()]
 
 
 def decoder_for(encoding: Encoding | str, values_per_row: int, scale: float | None,

@@ -1,0 +1,266 @@
+"""GGUF checkpoints of architecture qwen4exp (spec section 4), packed rows kept byte for byte.
+
+The table is either joined (`per_layer_token_embd.weight`, ggml dims [160, rows]) or split into the
+16 hash heads (`ple_ngram_embd.{h}.weight`, head h holding rows [offset[h], offset[h] + size[h])).
+Files may be split `NAME-0000k-of-0000N.gguf`; every file of the set is searched.
+
+A split-head table stores only the rows the hash reaches (rows_used); the prepared table keeps the
+model's geometry (rows_stored, a multiple of 128, the same as the joined table and the safetensors
+checkpoints, so global ids and tensor-parallel blocks line up) and fills the rows past rows_used
+with zero bytes, which every GGUF type decodes to 0.0. No token ever hashes to them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.constants import GGML_QUANT_SIZES, QK_K
+
+from ..constants import (GGML_TYPES, GGUF_ARCHITECTURE, GGUF_HEAD_TENSOR, GGUF_JOINED_TENSOR, Encoding,
+                         row_bytes_for)
+from ..errors import BadInput
+from ..ngram import NgramSpec
+from .base import Segment, SourceFile, TableSource
+
+SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
+HEAD_NAME = re.compile(r"^ple_ngram_embd\.(\d+)\.weight$")
+ENCODINGS = {GGMLQuantizationType(type_id): encoding for encoding, (_, type_id) in GGML_TYPES.items()}
+INTEGER_TYPES = {GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
+                 GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64}
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    path: Path
+    ggml_type: GGMLQuantizationType
+    dims: tuple[int, ...]  # ggml order: dims[0] is the row width
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+def gguf_files(path: Path) -> list[Path]:
+    """The files of one GGUF model: a file (and its split siblings) or the model in a folder."""
+    if path.is_dir():
+        candidates = sorted(path.glob("*.gguf"))
+        if not candidates:
+            raise BadInput(f"no *.gguf files in {path}")
+        models = sorted({_model_key(p) for p in candidates})
+        if len(models) > 1:
+            raise BadInput(f"{path} holds {len(models)} GGUF models ({', '.join(models[:4])}); "
+                           f"pass one .gguf file instead of the folder")
+        first = next(p for p in candidates if _model_key(p) == models[0])
+    else:
+        first = path
+    match = SPLIT_NAME.match(first.name)
+    if not match:
+        return [first]
+    stem, count = match.group("stem"), int(match.group("count"))
+    found = {int(m.group("index")): p for p in first.parent.glob(f"{glob_escape(stem)}-*-of-*.gguf")
+             if (m := SPLIT_NAME.match(p.name)) and m.group("stem") == stem}
+    counts = {int(SPLIT_NAME.match(p.name).group("count")) for p in found.values()}
+    if counts != {count} or count < 1:
+        raise BadInput(f"split files of {stem} disagree on their count ({sorted(counts)})")
+    missing = [f"{stem}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1) if i not in found]
+    if missing:
+        raise BadInput(f"split GGUF {stem} lacks {', '.join(missing[:5])} "
+                       f"({len(missing)} of {count} files missing)")
+    return [found[i] for i in range(1, count + 1)]
+
+
+def glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", text)
+
+
+def _model_key(path: Path) -> str:
+    match = SPLIT_NAME.match(path.name)
+    return match.group("stem") if match else path.name
+
+
+def _open_reader(path: Path) -> GGUFReader:
+    """Parse one file with the gguf package, its failures turned into messages that say why."""
+    try:
+        return GGUFReader(path)
+    except OSError as exc:
+        raise BadInput(f"cannot read {path}: {exc.strerror}") from None
+    except (ValueError, KeyError, IndexError, OverflowError, UnicodeDecodeError) as exc:
+        text = str(exc)
+        unknown = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", text)
+        partial = re.search(r"not a multiple of (\w+) block size \((\d+)\)", text)
+        if unknown:
+            reason = f"a tensor has GGML type id {unknown.group(1)}, an unknown GGML type"
+        elif partial and int(partial.group(2)) == QK_K:
+            reason = (f"a tensor is {partial.group(1)}, a K-quant: its {QK_K}-value blocks cannot "
+                      f"hold a 160-value row; use a GGUF quantised to {_supported()}")
+        elif partial:
+            reason = f"a tensor's row is not a whole number of blocks ({text})"
+        else:
+            reason = f"malformed or truncated ({text})"
+        raise BadInput(f"{path.name}: not a readable GGUF file: {reason}") from None
+
+
+def _supported() -> str:
+    return ", ".join(name for name, _ in GGML_TYPES.values())
+
+
+def _field_value(field: Any) -> Any:
+    """A metadata value as plain Python: ints stay ints (never through float)."""
+    kind = field.types[0]
+    if kind == GGUFValueType.ARRAY:
+        if field.types[-1] == GGUFValueType.STRING:
+            return [None] * len(field.data)  # only the count is ever needed
+        values = field.contents()
+        return [int(v) for v in values] if field.types[-1] in INTEGER_TYPES else values
+    value = field.contents()
+    return int(value) if kind in INTEGER_TYPES else value
+
+
+def _check_tensors(reader: GGUFReader, path: Path, file_size: int) -> list[GGUFTensor]:
+    """Every tensor's offset and length against the file, before any tensor byte is read."""
+    tensors, problems = [], []
+    for tensor in reader.tensors:
+        dims = tuple(int(d) for d in tensor.shape)
+        start, nbytes = int(tensor.data_offset), int(tensor.n_bytes)
+        if start < reader.data_offset or start % reader.alignment:
+            problems.append(f"{tensor.name} starts at byte {start}, not an aligned offset in the "
+                            f"data region (from {reader.data_offset})")
+        elif start + nbytes > file_size:
+            problems.append(f"{tensor.name} ends at byte {start + nbytes}, past the end of the "
+                            f"{file_size}-byte file (truncated?)")
+        tensors.append(GGUFTensor(tensor.name, path, GGMLQuantizationType(tensor.tensor_type), dims,
+                                  start, nbytes))
+    position, previous = 0, None
+    for tensor in sorted(tensors, key=lambda t: t.offset):
+        if tensor.offset < position:
+            problems.append(f"{tensor.name} overlaps {previous}")
+        position, previous = max(position, tensor.offset + tensor.nbytes), tensor.name
+    if problems:
+        raise BadInput(f"{path.name}: {'; '.join(problems[:5])}"
+                       + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
+    return tensors
+
+
+def _read_files(files: list[Path]) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
+    metadata: dict[str, Any] = {}
+    tensors: dict[str, GGUFTensor] = {}
+    for number, path in enumerate(files):
+        reader = _open_reader(path)
+        if reader.byte_order != "I":
+            raise BadInput(f"{path.name} is a big-endian GGUF; convert it to little-endian first")
+        for key, field in reader.fields.items():
+            if key.startswith("GGUF."):
+                continue
+            value = _field_value(field)
+            if key.startswith("split."):
+                _check_split_key(path, key, value, number, len(files))
+            elif key in metadata and metadata[key] != value:
+                raise BadInput(f"{path.name} sets {key} to {value!r}, another file of the set to "
+                               f"{metadata[key]!r}")
+            else:
+                metadata[key] = value
+        for tensor in _check_tensors(reader, path, path.stat().st_size):
+            if tensor.name in tensors:
+                raise BadInput(f"tensor {tensor.name} is in both {tensors[tensor.name].path.name} "
+                               f"and {path.name}")
+            tensors[tensor.name] = tensor
+        del reader  # drops the file mapping; rows are read with positioned reads later
+    return metadata, tensors
+
+
+def _check_split_key(path: Path, key: str, value: Any, number: int, count: int) -> None:
+    expected = {"split.no": number, "split.count": count}.get(key)
+    if expected is not None and value != expected:
+        raise BadInput(f"{path.name}: {key} is {value} but the file is number {number} of "
+                       f"{count} found; a split file is missing or misnamed")
+
+
+def _encoding_of(tensors: list[GGUFTensor]) -> Encoding:
+    kinds = sorted({t.ggml_type.name for t in tensors})
+    if len(kinds) > 1:
+        raise BadInput(f"the table's tensors mix GGML types {', '.join(kinds)}")
+    ggml_type = tensors[0].ggml_type
+    supported = _supported()
+    if ggml_type in ENCODINGS:
+        return ENCODINGS[ggml_type]
+    if GGML_QUANT_SIZES.get(ggml_type, (0, 0))[0] == QK_K:
+        raise BadInput(f"the table is {ggml_type.name}, a K-quant: its {QK_K}-value blocks cannot "
+                       f"hold a 160-value row; use a GGUF quantised to {supported}")
+    raise BadInput(f"the table is GGML type {ggml_type.name}, unsupported; expected one of {supported}")
+
+
+def _check_dims(tensor: GGUFTensor, width: int, rows: int | None, encoding: Encoding) -> int:
+    """The tensor's row count, after checking it is [width, rows] of whole blocks."""
+    if len(tensor.dims) != 2 or tensor.dims[0] != width:
+        raise BadInput(f"{tensor.name} has ggml dims {list(tensor.dims)}; expected [{width}, rows] "
+                       f"({width} values a row, from embedding_length_per_layer_input)")
+    try:
+        row_bytes_for(encoding, width)
+    except ValueError as exc:
+        raise BadInput(f"{tensor.name}: a row is not a whole number of blocks: {exc}") from None
+    if rows is not None and tensor.dims[1] != rows:
+        raise BadInput(f"{tensor.name} has {tensor.dims[1]} rows; the metadata's head size is {rows}")
+    return tensor.dims[1]
+
+
+def open_gguf(path: str | Path) -> TableSource:
+    """Find and validate the n-gram table of a GGUF model (a .gguf file, split set, or folder)."""
+    path = Path(path)
+    files = gguf_files(path)
+    metadata, tensors = _read_files(files)
+    architecture = metadata.get("general.architecture")
+    if architecture != GGUF_ARCHITECTURE:
+        raise BadInput(f"general.architecture is {architecture!r}, expected {GGUF_ARCHITECTURE!r} "
+                       f"(Gemma 3n/4 use the same tensor names for a different table)")
+    if f"{GGUF_ARCHITECTURE}.vocab_size" not in metadata and "tokenizer.ggml.tokens" in metadata:
+        metadata[f"{GGUF_ARCHITECTURE}.vocab_size"] = len(metadata["tokenizer.ggml.tokens"])
+    spec = NgramSpec.from_gguf_metadata(metadata, GGUF_ARCHITECTURE)
+    width = spec.values_per_row
+
+    joined = tensors.get(GGUF_JOINED_TENSOR)
+    heads = {int(m.group(1)): t for name, t in tensors.items() if (m := HEAD_NAME.match(name))}
+    if joined is not None and heads:
+        raise BadInput(f"both {GGUF_JOINED_TENSOR} and {len(heads)} ple_ngram_embd head tensors; "
+                       f"a model holds one table")
+    if joined is None and not heads:
+        raise BadInput(f"no n-gram PLE table ({GGUF_JOINED_TENSOR} or ple_ngram_embd.{{h}}.weight) "
+                       f"in {', '.join(f.name for f in files)}")
+    if joined is not None:
+        encoding = _encoding_of([joined])
+        num_rows = _check_dims(joined, width, None, encoding)
+        if num_rows < spec.rows_used:
+            raise BadInput(f"{joined.name} has {num_rows} rows but the hash reaches row "
+                           f"{spec.rows_used - 1}")
+        row_bytes = row_bytes_for(encoding, width)
+        segments = [Segment(joined.path, joined.offset, 0, num_rows, row_bytes)]
+        table_tensors = [joined]
+    else:
+        wrong = sorted(set(heads) ^ set(range(spec.heads)))
+        if wrong:
+            raise BadInput(f"split table: head tensors {', '.join(map(str, wrong))} missing or "
+                           f"extra; expected ple_ngram_embd.0-{spec.heads - 1}.weight")
+        table_tensors = [heads[h] for h in range(spec.heads)]
+        encoding = _encoding_of(table_tensors)
+        row_bytes = row_bytes_for(encoding, width)
+        segments = []
+        for head, tensor in enumerate(table_tensors):
+            _check_dims(tensor, width, spec.head_sizes[head], encoding)
+            segments.append(Segment(tensor.path, tensor.offset, spec.head_offsets[head],
+                                    spec.head_sizes[head], row_bytes))
+        if spec.rows_stored > spec.rows_used:
+            segments.append(Segment(None, 0, spec.rows_used, spec.rows_stored - spec.rows_used,
+                                    row_bytes))
+    for tensor in table_tensors:
+        if tensor.nbytes != tensor.dims[1] * row_bytes:
+            raise BadInput(f"{tensor.name}: {tensor.nbytes} bytes do not hold {tensor.dims[1]} "
+                           f"rows of {row_bytes}")
+    name, type_id = GGML_TYPES[encoding]
+    extra = {"ggml_type": name, "ggml_type_id": type_id,
+             "table_layout": "joined" if joined is not None else "split-heads",
+             "tensors": [t.name for t in table_tensors],
+             "zero_rows": [spec.rows_used, spec.rows_stored] if joined is None else None}
+    return TableSource(format="gguf", model_dir=path, encoding=encoding, values_per_row=width,
+                       parts=[segments], spec=spec,
+                       files=[SourceFile(f.name, f.stat().st_size) for f in files], extra=extra)

@@ -1,0 +1,181 @@
+"""CLI: GGUF and NVFP4 input end to end, and every bad input as one `error:` line, exit 2, no files."""
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+
+import pytest
+
+from ple_prep.cli import cli
+from ple_prep.fixtures import make_gguf
+
+
+def patch_tensor_info(path, name: str, *, dims=None, type_id=None, new_name=None) -> None:
+    """Rewrite one tensor-info record of a GGUF file in place (hostile files, hand-packed)."""
+    data = bytearray(path.read_bytes())
+    key = struct.pack("<Q", len(name)) + name.encode()
+    start = data.index(key) + len(key)
+    if new_name is not None:
+        assert len(new_name) == len(name)
+        data[start - len(name):start] = new_name.encode()
+    (n_dims,) = struct.unpack_from("<I", data, start)
+    if dims is not None:
+        assert len(dims) == n_dims
+        struct.pack_into(f"<{n_dims}Q", data, start + 4, *dims)
+    if type_id is not None:
+        struct.pack_into("<I", data, start + 4 + 8 * n_dims, type_id)
+    path.write_bytes(bytes(data))
+
+
+def run_convert(runner, model, out_dir):
+    return runner.invoke(cli, ["convert", "--model", str(model), "--out", str(out_dir / "t.bin"),
+                               "--json", "--quiet"])
+
+
+def assert_bad_input(result, out_dir, *fragments):
+    assert result.exit_code == 2, (result.output, result.exception)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert "Traceback" not in result.output
+    assert list(out_dir.iterdir()) == [], "a bad input left files behind"
+
+
+def test_convert_gguf_cli_converts_and_verifies(runner, tmp_path):
+    model = make_gguf(tmp_path / "m", "iq4_nl", layout="split", num_files=2)
+    out = tmp_path / "out"
+    out.mkdir()
+    result = run_convert(runner, model / "model-00002-of-00002.gguf", out)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["encoding"] == "gguf_iq4_nl"
+    result = runner.invoke(cli, ["verify", str(out / "t.bin"), "--model", str(model), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["rows_compared"] == 16896
+    result = runner.invoke(cli, ["inspect", str(out / "t.bin"), "--json"])
+    assert json.loads(result.stdout)["ggml_type"] == {"name": "IQ4_NL", "id": 20}
+
+
+@pytest.mark.parametrize("variant,layout", [("gguf-q5_1", "joined"), ("gguf-bf16", "split")])
+def test_make_fixture_writes_gguf(runner, tmp_path, variant, layout):
+    result = runner.invoke(cli, ["make-fixture", str(tmp_path / "m"), "--variant", variant,
+                                 "--gguf-layout", layout, "--gguf-files", "2"])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == [
+        "model-00001-of-00002.gguf", "model-00002-of-00002.gguf"]
+    out = tmp_path / "out"
+    out.mkdir()
+    assert run_convert(runner, tmp_path / "m", out).exit_code == 0
+
+
+def _wrong_arch(tmp_path):
+    return make_gguf(tmp_path, "q8_0", arch="gemma3n") / "model.gguf"
+
+
+def _k_quant(tmp_path):
+    path = make_gguf(tmp_path, "q8_0") / "model.gguf"
+    patch_tensor_info(path, "per_layer_token_embd.weight", type_id=12)  # Q4_K
+    return path
+
+
+def _unknown_type(tmp_path):
+    path = make_gguf(tmp_path, "q8_0") / "model.gguf"
+    patch_tensor_info(path, "per_layer_token_embd.weight", type_id=99)
+    return path
+
+
+def _unsupported_type(tmp_path):
+    path = make_gguf(tmp_path, "f16") / "model.gguf"
+    patch_tensor_info(path, "per_layer_token_embd.weight", type_id=25)  # I16: same size, not a table type
+    return path
+
+
+def _partial_block(tmp_path):
+    path = make_gguf(tmp_path, "q8_0") / "model.gguf"
+    patch_tensor_info(path, "per_layer_token_embd.weight", dims=(150, 16896))
+    return path
+
+
+def _wrong_width(tmp_path):
+    path = make_gguf(tmp_path, "f32") / "model.gguf"
+    patch_tensor_info(path, "per_layer_token_embd.weight", dims=(128, 16896))
+    return path
+
+
+def _truncated(tmp_path):
+    path = make_gguf(tmp_path, "q4_1") / "model.gguf"
+    with open(path, "r+b") as handle:
+        handle.truncate(path.stat().st_size - 5000)
+    return path
+
+
+def _truncated_header(tmp_path):
+    path = make_gguf(tmp_path, "q4_1") / "model.gguf"
+    with open(path, "r+b") as handle:
+        handle.truncate(200)
+    return path
+
+
+def _not_gguf(tmp_path):
+    path = tmp_path / "model.gguf"
+    tmp_path.mkdir()
+    path.write_bytes(b"not a gguf file at all" * 10)
+    return path
+
+
+def _missing_split(tmp_path):
+    folder = make_gguf(tmp_path, "q5_0", layout="split", num_files=3)
+    (folder / "model-00002-of-00003.gguf").unlink()
+    return folder / "model-00001-of-00003.gguf"
+
+
+def _missing_head(tmp_path):
+    path = make_gguf(tmp_path, "q4_0", layout="split") / "model.gguf"
+    patch_tensor_info(path, "ple_ngram_embd.5.weight", new_name="ple_ngram_embq.5.weight")
+    return path
+
+
+def _head_rows(tmp_path):
+    path = make_gguf(tmp_path, "q4_0", layout="split") / "model.gguf"
+    patch_tensor_info(path, "ple_ngram_embd.15.weight", dims=(160, 1096))
+    return path
+
+
+def _two_models(tmp_path):
+    folder = make_gguf(tmp_path, "q8_0")
+    shutil.copy(make_gguf(tmp_path.with_name("other"), "q4_0") / "model.gguf", folder / "q4.gguf")
+    return folder
+
+
+def _no_table(tmp_path):
+    path = make_gguf(tmp_path, "q8_0") / "model.gguf"
+    patch_tensor_info(path, "per_layer_token_embd.weight", new_name="per_layer_token_embq.weight")
+    return path
+
+
+BAD_GGUF = {
+    "wrong architecture": (_wrong_arch, ["general.architecture is 'gemma3n'", "qwen4exp"]),
+    "k-quant": (_k_quant, ["Q4_K", "K-quant"]),
+    "unknown type": (_unknown_type, ["unknown GGML type"]),
+    "unsupported type": (_unsupported_type, ["I16", "unsupported"]),
+    "partial block": (_partial_block, ["not a whole number of blocks"]),
+    "wrong width": (_wrong_width, ["[128, 16896]", "expected [160, rows]"]),
+    "truncated": (_truncated, ["truncated"]),
+    "truncated header": (_truncated_header, ["truncated"]),
+    "not gguf": (_not_gguf, ["not a readable GGUF file"]),
+    "missing split": (_missing_split, ["model-00002-of-00003.gguf", "missing"]),
+    "missing head": (_missing_head, ["head tensors 5 missing"]),
+    "head rows": (_head_rows, ["ple_ngram_embd.15.weight has 1096 rows", "1097"]),
+    "two models": (_two_models, ["2 GGUF models"]),
+    "no table": (_no_table, ["no n-gram PLE table"]),
+}
+
+
+@pytest.mark.parametrize("case", BAD_GGUF)
+def test_convert_gguf_bad_input_exits_2(runner, tmp_path, case):
+    build, fragments = BAD_GGUF[case]
+    model = build(tmp_path / "model")
+    out = tmp_path / "out"
+    out.mkdir()
+    assert_bad_input(run_convert(runner, model, out), out, *fragments)

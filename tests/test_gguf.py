@@ -1,0 +1,134 @@
+"""GGUF input: every type and layout converts with each row's bytes kept and values bit-exact."""
+from __future__ import annotations
+
+import itertools
+
+import gguf
+import numpy as np
+import pytest
+
+from ple_prep.constants import ENCODING_BLOCKS, GGML_TYPES, Encoding
+from ple_prep.converters import open_source
+from ple_prep.converters.gguf import gguf_files, open_gguf
+from ple_prep.errors import BadInput
+from ple_prep.fixtures import GGUF_TYPES, fixture_config, make_gguf
+from ple_prep.layouts.writer import convert
+from ple_prep.ngram import NgramSpec, row_ids
+from ple_prep.runtime import open_table
+from ple_prep.verify import verify
+
+SPEC = NgramSpec.from_config(fixture_config())
+CASES = list(itertools.product(GGUF_TYPES, ("joined", "split"), (1, 3)))
+
+
+def expected_table(folder, ggml_type: str, layout: str) -> np.ndarray:
+    """The table's rows straight from the files through gguf's own reader, padded as documented."""
+    rows = []
+    for path in gguf_files(folder):
+        for tensor in gguf.GGUFReader(path).tensors:
+            if tensor.name.startswith(("per_layer_token_embd", "ple_ngram_embd")):
+                rows.append((tensor.name, np.array(tensor.data).view(np.uint8).reshape(
+                    int(tensor.shape[1]), -1)))
+    if layout == "joined":
+        assert len(rows) == 1
+        return rows[0][1]
+    heads = dict(rows)
+    table = np.zeros((SPEC.rows_stored, heads["ple_ngram_embd.0.weight"].shape[1]), dtype=np.uint8)
+    for head, (offset, size) in enumerate(zip(SPEC.head_offsets, SPEC.head_sizes)):
+        table[offset:offset + size] = heads[f"ple_ngram_embd.{head}.weight"]
+    return table
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    return {case: make_gguf(root / "-".join(map(str, case)), case[0], layout=case[1],
+                            num_files=case[2], seed=len(case[0]))
+            for case in CASES}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_convert_gguf_keeps_row_bytes_and_values(case, models, tmp_path):
+    ggml_type, layout, num_files = case
+    folder = models[case]
+    assert len(gguf_files(folder)) == num_files
+    expected = expected_table(folder, ggml_type, layout)
+    with open_source(folder) as source:
+        assert source.num_rows == SPEC.rows_stored and source.row_bytes == expected.shape[1]
+        assert np.array_equal(source.read_rows(0, source.num_rows), expected)
+        manifest = convert(source, tmp_path / "t.bin")
+    assert manifest["encoding"] == f"gguf_{ggml_type}"
+    assert manifest["ggml_type"] == {"name": ggml_type.upper(),
+                                     "id": int(gguf.GGMLQuantizationType[ggml_type.upper()])}
+    assert manifest["source"]["table_layout"] == ("joined" if layout == "joined" else "split-heads")
+    with open_table(tmp_path / "t.bin") as table:
+        ids = np.random.default_rng(1).permutation(table.num_rows)
+        assert np.array_equal(table.gather(ids), expected[ids])
+        reference = gguf.quants.dequantize(expected[ids], gguf.GGMLQuantizationType[ggml_type.upper()])
+        values = table.values(ids)
+        assert values.dtype == np.float32
+        assert np.array_equal(values.view(np.uint32), reference.reshape(values.shape).view(np.uint32))
+    assert verify(tmp_path / "t.bin", folder).ok
+
+
+def test_convert_gguf_split_heads_pad_with_zero_rows(models, tmp_path):
+    folder = models[("q8_0", "split", 1)]
+    with open_source(folder) as source:
+        assert source.extra["zero_rows"] == [SPEC.rows_used, SPEC.rows_stored]
+        convert(source, tmp_path / "t.bin")
+    with open_table(tmp_path / "t.bin") as table:
+        padding = np.arange(SPEC.rows_used, SPEC.rows_stored)
+        assert not table.gather(padding).any()
+        assert not table.values(padding).any()
+
+
+def test_convert_gguf_spec_from_metadata_hashes_like_config(models):
+    with open_source(models[("iq4_nl", "joined", 1)]) as source:
+        spec = source.spec
+    for field in ("multipliers", "head_sizes", "head_offsets", "eos_token_id", "vocab_size",
+                  "rows_used", "rows_stored", "values_per_row"):
+        assert getattr(spec, field) == getattr(SPEC, field)
+    tokens = [9707, 11, 1879, 248044, 40]
+    assert np.array_equal(row_ids(tokens, spec), row_ids(tokens, SPEC))
+
+
+@pytest.mark.parametrize("pick", ["folder", "first", "middle"])
+def test_convert_gguf_split_files_found_from_any_member(models, pick):
+    folder = models[("q4_0", "split", 3)]
+    files = sorted(folder.glob("*.gguf"))
+    path = {"folder": folder, "first": files[0], "middle": files[1]}[pick]
+    with open_gguf(path) as source:
+        assert [f.name for f in source.files] == [f.name for f in files]
+        assert len({s.path for s in source.parts[0] if s.path is not None}) > 1
+
+
+def test_convert_gguf_spec_rejects_inconsistent_metadata():
+    good = {"qwen4exp.ple.layer_multipliers": list(SPEC.multipliers),
+            "qwen4exp.ple.head_offsets": list(SPEC.head_offsets),
+            "qwen4exp.ple.head_vocab_sizes": list(SPEC.head_sizes),
+            "qwen4exp.ple.ngram_size": 3, "qwen4exp.ple.heads_per_ngram": 8,
+            "qwen4exp.ple.eos_token_id": 248044, "qwen4exp.embedding_length_per_layer_input": 160,
+            "qwen4exp.vocab_size": 248320}
+    assert NgramSpec.from_gguf_metadata(good).multipliers == SPEC.multipliers
+    bad = {
+        "lacks": {"qwen4exp.ple.head_offsets": None},
+        "integers": {"qwen4exp.ple.layer_multipliers": [float(m) for m in SPEC.multipliers]},
+        "running sums": {"qwen4exp.ple.head_offsets": [0] + list(SPEC.head_offsets[2:]) + [1]},
+        "consecutive primes": {"qwen4exp.ple.head_vocab_sizes": [1009] * 16,
+                               "qwen4exp.ple.head_offsets": [1009 * h for h in range(16)]},
+        "disagree": {"qwen4exp.vocab_size": 151936},
+        "odd": {"qwen4exp.ple.layer_multipliers": [2, 4, 6]},
+        "expected 3": {"qwen4exp.ple.layer_multipliers": list(SPEC.multipliers[:2])},
+    }
+    for message, change in bad.items():
+        metadata = {k: v for k, v in (good | change).items() if v is not None}
+        with pytest.raises(BadInput, match=message):
+            NgramSpec.from_gguf_metadata(metadata)
+
+
+def test_convert_gguf_encoding_table_matches_gguf_package():
+    for encoding, (name, type_id) in GGML_TYPES.items():
+        qtype = gguf.GGMLQuantizationType[name]
+        assert int(qtype) == type_id
+        assert ENCODING_BLOCKS[encoding] == gguf.GGML_QUANT_SIZES[qtype]
+    assert {e for e in Encoding if e.label.startswith("gguf_")} == set(GGML_TYPES)
