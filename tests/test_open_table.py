@@ -1,10 +1,24 @@
 """open_table: placed rows, refusals at open (other conversion, truncated, wrong size), staleness."""
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+from ple_prep.cli import cli
+from ple_prep.constants import HEADER_SIZE, SCALE_SUFFIX
 from ple_prep.converters import open_source
+from ple_prep.converters.safetensors import read_header
+from ple_prep.errors import BadInput
+from ple_prep.fixtures import make_checkpoint
+from ple_prep.layouts.manifest import manifest_path
 from ple_prep.layouts.order import RowOrder
 from ple_prep.layouts.writer import convert
 from ple_prep.runtime import open_table
@@ -19,3 +33,116 @@ def test_open_table_placed_rows_read_back_exact(fp8_checkpoint, tmp_path):
         ids = np.random.default_rng(2).permutation(table.num_rows)
         assert np.array_equal(table.gather(ids), expected[ids])
         assert table.slot_of(np.array([500, 3, 77])).tolist() == [0, 1, 2]
+
+
+@pytest.fixture
+def table_path(fp8_checkpoint, tmp_path):
+    with open_source(fp8_checkpoint) as source:
+        convert(source, tmp_path / "t.bin")
+    return tmp_path / "t.bin"
+
+
+def test_open_table_refuses_manifest_of_another_conversion(fp8_checkpoint, table_path):
+    with open_source(fp8_checkpoint) as source:
+        convert(source, table_path.with_name("other.bin"))
+    shutil.copy(table_path.with_name("other.bin.json"), manifest_path(table_path))
+    with pytest.raises(BadInput, match="come from different conversions"):
+        open_table(table_path)
+
+
+@pytest.mark.parametrize("new_size", [0, 100, HEADER_SIZE, "minus_page", "minus_byte", "plus_byte",
+                                      "plus_page"])
+def test_open_table_refuses_truncated_or_extended_file(table_path, new_size):
+    size = table_path.stat().st_size
+    new_size = {"minus_page": size - 4096, "minus_byte": size - 1, "plus_byte": size + 1,
+                "plus_page": size + 4096}.get(new_size, new_size)
+    os.truncate(table_path, new_size)
+    with pytest.raises(BadInput, match="too short|truncated or extended"):
+        open_table(table_path)
+
+
+def test_open_table_refuses_missing_manifest_and_missing_file(table_path):
+    manifest_path(table_path).rename(table_path.with_name("elsewhere.json"))
+    with pytest.raises(BadInput, match="manifest .* not found"):
+        open_table(table_path)
+    with pytest.raises(BadInput, match="cannot open"):
+        open_table(table_path.with_name("absent.bin"), manifest=table_path.with_name("elsewhere.json"))
+
+
+def test_open_table_with_unchanged_source_opens(fp8_checkpoint, table_path):
+    with open_table(table_path, source=fp8_checkpoint) as table:
+        assert table.num_rows == 16_896
+
+
+def _copy_checkpoint(checkpoint, destination):
+    shutil.copytree(checkpoint, destination)
+    return destination
+
+
+def test_open_table_refuses_source_with_same_sizes_other_values(table_path, tmp_path):
+    other = make_checkpoint(tmp_path / "reexport", "fp8", seed=7)
+    with pytest.raises(BadInput, match="stale: .* sampled rows differ"):
+        open_table(table_path, source=other)
+
+
+def test_open_table_refuses_source_with_other_files(table_path, tmp_path):
+    other = make_checkpoint(tmp_path / "refiled", "fp8", num_files=4)
+    with pytest.raises(BadInput, match="stale: .*model-00001-of-00003.safetensors is gone; model-00001-of-00004.safetensors is new"):
+        open_table(table_path, source=other)
+    resharded = make_checkpoint(tmp_path / "resharded", "fp8", num_shards=64)
+    with pytest.raises(BadInput, match="stale: .* bytes, now"):
+        open_table(table_path, source=resharded)
+
+
+def test_open_table_refuses_source_with_other_scale(fp8_checkpoint, table_path, tmp_path):
+    copy = _copy_checkpoint(fp8_checkpoint, tmp_path / "rescaled")
+    tensors = {}
+    for path in copy.glob("*.safetensors"):
+        tensors.update(read_header(path))
+    scale = next(t for name, t in tensors.items() if name.endswith(SCALE_SUFFIX))
+    with open(scale.path, "r+b") as handle:
+        handle.seek(scale.offset)
+        handle.write(np.array([0x3954], dtype="<u2").tobytes())
+    with pytest.raises(BadInput, match="stale: .*the scale was 5339, now 5439"):
+        open_table(table_path, source=copy)
+
+
+def test_verify_reports_changed_source(runner, table_path, tmp_path):
+    other = make_checkpoint(tmp_path / "reexport", "fp8", seed=7)
+    result = runner.invoke(cli, ["verify", str(table_path), "--model", str(other), "--json"])
+    assert result.exit_code == 1
+    report = json.loads(result.output[:result.output.rindex("}") + 1])
+    assert report["source_problems"] == [
+        "changed since conversion: the 256 sampled rows differ (same sizes, other values)"]
+    assert report["rows_compared"] == 0
+
+
+def test_open_table_keeps_old_rows_after_convert_force_replaced_it(tmp_path, runner):
+    old_source = make_checkpoint(tmp_path / "old", "fp8", seed=1)
+    new_source = make_checkpoint(tmp_path / "new", "fp8", seed=2)
+    out = tmp_path / "t.bin"
+    assert runner.invoke(cli, ["convert", "--model", str(old_source), "--out", str(out)]).exit_code == 0
+    with open_source(old_source) as source:
+        old_rows = source.read_rows(0, source.num_rows)
+    with open_source(new_source) as source:
+        new_rows = source.read_rows(0, source.num_rows)
+    ids = np.random.default_rng(3).permutation(len(old_rows))
+    with open_table(out) as serving:
+        # No page is touched before the replacement: every fault is served after it.
+        result = runner.invoke(cli, ["convert", "--model", str(new_source), "--out", str(out), "--force"])
+        assert result.exit_code == 0, result.output
+        assert np.array_equal(serving.gather(ids), old_rows[ids])
+        with open_table(out) as reopened:
+            assert np.array_equal(reopened.gather(ids), new_rows[ids])
+
+
+def test_open_table_in_place_truncation_is_sigbus_that_rename_avoids(table_path):
+    # What ple-prep cannot prevent: someone truncating the mapped file in place (docs/RELIABILITY.md).
+    script = ("import os, sys, numpy as np\n"
+              "from ple_prep.runtime import open_table\n"
+              "t = open_table(sys.argv[1])\n"
+              "os.truncate(sys.argv[1], 4096)\n"
+              "t.gather(np.arange(t.num_rows))\n")
+    done = subprocess.run([sys.executable, "-c", script, str(table_path)], capture_output=True,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == -signal.SIGBUS, done.stderr

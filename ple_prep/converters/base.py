@@ -21,7 +21,7 @@ from ..errors import BadInput
 from ..ngram import NgramSpec
 
 # Rows read to fingerprint a source: enough to touch every shard, cheap enough for open time.
-FINGERPRINT_SAMPLE_ROWS = 1024
+FINGERPRINT_SAMPLE_ROWS = 256
 
 
 @dataclasses.dataclass(frozen=True)
