@@ -220,7 +220,8 @@ def open_checkpoint(model_dir: str | Path) -> TableSource:
     elif scale_info is not None:
         raise BadInput(f"{dtype} table with a scale tensor {scale_info.name}: unsupported combination")
     if encoding is Encoding.NVFP4_PACKED:
-        scale = _nvfp4_scales(shards, len(ordered), values_per_row // values_per_block, parts)
+        scale = _nvfp4_scales(shards, len(ordered), values_per_row // values_per_block, parts,
+                              tensors)
 
     constants = {suffix: _find_one(tensors, suffix)
                  for suffix in (MULTIPLIERS_SUFFIX, HEAD_OFFSETS_SUFFIX, HEAD_SIZES_SUFFIX)}
@@ -265,7 +266,7 @@ def _segments(ordered: list[TensorInfo]) -> list[Segment]:
 
 
 def _nvfp4_scales(shards: dict[str, dict[int, TensorInfo]], count: int, blocks_per_row: int,
-                  parts: list[list[Segment]]) -> Scale:
+                  parts: list[list[Segment]], tensors: dict[str, TensorInfo]) -> Scale:
     """Add the block-scale part to `parts` and return the one global scale."""
     block_scales = shards.get("weight_scale", {})
     if sorted(block_scales) != list(range(count)):
@@ -282,6 +283,9 @@ def _nvfp4_scales(shards: dict[str, dict[int, TensorInfo]], count: int, blocks_p
     parts.append(_segments(ordered))
     globals_found = {kind: shards.get(kind, {}) for kind in NVFP4_GLOBAL_SCALE_SUFFIXES}
     infos = [info for found in globals_found.values() for info in found.values()]
+    # Some exports keep the one global scale beside the shards instead of in each of them.
+    infos += [info for kind in NVFP4_GLOBAL_SCALE_SUFFIXES
+              if (info := _find_one(tensors, f".ple.ple_embedding.ngram_embedding.{kind}"))]
     if not infos:
         raise BadInput("NVFP4 table without a global scale (weight_scale_2 or weight_global_scale)")
     values = {_read_scalar(info, "NVFP4 global scale").raw for info in infos}
