@@ -38,6 +38,18 @@ def _is_prime(number: int) -> bool:
     return True
 
 
+# Far above the model's 16 heads and 320M rows, far below what would make the prime search hang.
+MAX_HEADS = 4096
+MAX_TABLE_ROWS = 2**32 - 1
+
+
+def _check_table_bounds(heads: int, rows: int, where: str) -> None:
+    """Refuse hostile geometry before the prime search, whose cost grows with both."""
+    if heads > MAX_HEADS or not 0 < rows <= MAX_TABLE_ROWS:
+        raise BadInput(f"{where}: {heads} hash heads and {rows} rows are beyond any PLE table "
+                       f"(at most {MAX_HEADS} heads and {MAX_TABLE_ROWS} rows)")
+
+
 def _primes_from(start: int, count: int) -> list[int]:
     primes, candidate = [], start
     while len(primes) < count:
@@ -113,12 +125,13 @@ class NgramSpec:
             base = int(config["ngram_vocab_size_base"])
             divisible_by = int(config["make_ngram_vocab_size_divisible_by"])
             embed_dim = int(config["ple_embed_dim"])
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             raise BadInput(f"config.json has a non-integer hash field: {exc}") from None
         if not (vocab_size > 0 and ngram_size >= 2 and heads_per_ngram > 0 and base > 1
                 and divisible_by > 0 and seed >= 0):
             raise BadInput("config.json hash fields out of range")
         heads = (ngram_size - 1) * heads_per_ngram
+        _check_table_bounds((ple_ordinal + 1) * heads, heads * base, "config.json")
         if embed_dim % heads:
             raise BadInput(f"ple_embed_dim {embed_dim} is not a multiple of {heads} heads")
         half_bound = max(1, ((2**63 - 1) // vocab_size) // 2)
@@ -153,8 +166,10 @@ class NgramSpec:
         if missing:
             raise BadInput(f"GGUF metadata lacks {', '.join(missing)}: not a {arch} n-gram PLE model")
         values = {name: metadata.get(key) for name, key in keys.items()}
+        values["seed"] = metadata.get(prefix + "seed", DEFAULT_SEED)
         integers = all(type(v) is int for n, v in values.items()
-                       if n not in ("multipliers", "offsets", "sizes") and v is not None)
+                       if n not in ("multipliers", "offsets", "sizes")
+                       and not (n == "vocab_size" and v is None))
         lists = all(isinstance(values[n], (list, tuple)) and all(type(v) is int for v in values[n])
                     for n in ("multipliers", "offsets", "sizes"))
         if not (integers and lists):
@@ -169,6 +184,7 @@ class NgramSpec:
         if len(multipliers) != ngram_size or len(offsets) != heads or len(sizes) != heads:
             raise BadInput(f"GGUF metadata: {len(multipliers)} multipliers, {len(offsets)} head "
                            f"offsets and {len(sizes)} head sizes; expected {ngram_size}, {heads}, {heads}")
+        _check_table_bounds(heads, sum(sizes), "GGUF metadata")
         if any(m <= 0 or m % 2 == 0 or m >= 2**63 for m in multipliers):
             raise BadInput(f"GGUF metadata multipliers {list(multipliers)} must be odd and positive")
         running = tuple(int(x) for x in np.concatenate([[0], np.cumsum(sizes)[:-1]]))
@@ -178,7 +194,7 @@ class NgramSpec:
         if sizes[0] < 2 or tuple(_primes_from(sizes[0], heads)) != sizes:
             raise BadInput(f"GGUF metadata head sizes {list(sizes)} are not consecutive primes")
         vocab_size = values["vocab_size"]
-        seed = int(metadata.get(prefix + "seed", DEFAULT_SEED))
+        seed = values["seed"]
         if vocab_size is not None:
             derived = cls.from_config({
                 "vocab_size": vocab_size, "eos_token_id": values["eos"], "ple_layer_ids": [],

@@ -1,0 +1,342 @@
+"""Hostile input: random and mutated headers, metadata and manifests give BadInput and nothing else.
+
+Property-based (hypothesis) over the four parsers that see untrusted bytes: the safetensors header,
+the GGUF metadata (file parse and NgramSpec.from_gguf_metadata), the prepared file's header, and the
+manifest. Example counts are fixed per test (EXAMPLES below; docs/RELIABILITY.md sums them).
+"""
+from __future__ import annotations
+
+import json
+import re
+import struct
+import tempfile
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ple_prep.constants import HEADER_SIZE, HEADER_STRUCT, MAGIC, Encoding
+from ple_prep.converters.gguf import open_gguf
+from ple_prep.converters.safetensors import DTYPE_SIZES, read_header
+from ple_prep.errors import BadInput
+from ple_prep.fixtures import add_gguf_metadata, fixture_config, write_safetensors
+from ple_prep.layouts.format import Header
+from ple_prep.layouts.manifest import load_manifest, validate_manifest
+from ple_prep.ngram import NgramSpec
+
+EXAMPLES = {"safetensors_random": 300, "safetensors_structured": 200, "safetensors_mutated": 300,
+            "gguf_metadata": 200, "gguf_file_mutated": 300, "header_random": 300,
+            "header_fields": 300, "manifest_random": 200, "manifest_mutated": 300,
+            "manifest_bytes": 200}
+FAST = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SCRATCH = Path(tempfile.mkdtemp(prefix="ple-fuzz-"))
+U64 = st.integers(0, 2**64 - 1)
+HOSTILE_INTS = st.one_of(st.integers(-2**70, 2**70), st.sampled_from(
+    [0, 1, -1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 10**30]))
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | HOSTILE_INTS | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
+    max_leaves=10)
+
+
+def _mutate(data: bytes, draw_ops) -> bytes:
+    """Apply (kind, position, value) edits: flip a byte, write a hostile u64, cut, or insert."""
+    buffer = bytearray(data)
+    for kind, position, value in draw_ops:
+        position %= max(1, len(buffer))
+        if kind == "flip" and buffer:
+            buffer[position] ^= (value % 255) + 1
+        elif kind == "u64" and len(buffer) >= 8:
+            position = min(position, len(buffer) - 8)
+            buffer[position:position + 8] = struct.pack("<Q", value % 2**64)
+        elif kind == "cut":
+            del buffer[position:]
+        elif kind == "insert":
+            buffer[position:position] = value.to_bytes(8, "little", signed=False)[: 1 + value % 8]
+    return bytes(buffer)
+
+
+MUTATIONS = st.lists(st.tuples(st.sampled_from(["flip", "flip", "u64", "cut", "insert"]),
+                               st.integers(0, 2**20), st.sampled_from(
+                                   [0, 1, 255, 2**31, 2**32 - 1, 2**63 - 1, 2**64 - 1]) | U64),
+                     min_size=1, max_size=4)
+
+
+def _write(name: str, data: bytes) -> Path:
+    path = SCRATCH / name
+    path.write_bytes(data)
+    return path
+
+
+# --- safetensors header ---------------------------------------------------------------------------
+
+def _read_header_bytes(data: bytes) -> None:
+    try:
+        tensors = read_header(_write("fuzz.safetensors", data))
+    except BadInput:
+        return
+    # Accepted: every tensor lies inside the file, exactly sized.
+    for info in tensors.values():
+        assert 0 <= info.offset and info.offset + info.nbytes <= len(data)
+
+
+@settings(max_examples=EXAMPLES["safetensors_random"], **FAST)
+@given(st.binary(max_size=512))
+def test_read_header_random_bytes_give_bad_input(data):
+    _read_header_bytes(data)
+
+
+ENTRY = st.fixed_dictionaries({}, optional={
+    "dtype": st.sampled_from(sorted(DTYPE_SIZES)) | st.text(max_size=6) | HOSTILE_INTS,
+    "shape": st.lists(HOSTILE_INTS, max_size=4) | JSON_VALUES,
+    "data_offsets": st.lists(HOSTILE_INTS, min_size=0, max_size=3) | JSON_VALUES,
+})
+
+
+@settings(max_examples=EXAMPLES["safetensors_structured"], **FAST)
+@given(st.dictionaries(st.text(max_size=12), ENTRY | JSON_VALUES, max_size=4),
+       st.integers(-8, 8), st.binary(max_size=64))
+def test_read_header_hostile_json_entries_give_bad_input(header, length_error, data):
+    raw = json.dumps(header).encode()
+    _read_header_bytes(struct.pack("<Q", max(0, len(raw) + length_error)) + raw + data)
+
+
+def _real_safetensors() -> bytes:
+    path = SCRATCH / "real.safetensors"
+    write_safetensors(path, {
+        "a.ple.ple_embedding.ngram_embedding.shard_0.weight": ("float8_e4m3fn", np.zeros((4, 160), np.uint8)),
+        "a.ple.ple_embedding.ngram_embedding.weight_scale": ("bfloat16", np.array([0x3953], np.uint16)),
+        "a.ple.ple_embedding.layer_multipliers": ("int64", np.array([1, 3, 5], np.int64)),
+    })
+    return path.read_bytes()
+
+
+REAL_SAFETENSORS = _real_safetensors()
+
+
+@settings(max_examples=EXAMPLES["safetensors_mutated"], **FAST)
+@given(MUTATIONS)
+def test_read_header_mutated_real_file_gives_bad_input(ops):
+    _read_header_bytes(_mutate(REAL_SAFETENSORS, ops))
+
+
+def test_read_header_refuses_absurd_lengths_before_allocating():
+    # Claims of a 99 MB header or a 2**63-byte one, in files of a few bytes.
+    for claimed in (99_000_000, 2**63, 2**64 - 1):
+        path = _write("claim.safetensors", struct.pack("<Q", claimed) + b"{}")
+        tracemalloc.start()
+        with pytest.raises(BadInput, match="limit|past the end"):
+            read_header(path)
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+        tracemalloc.stop()
+    deep = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(BadInput, match="not JSON"):
+        read_header(_write("deep.safetensors", struct.pack("<Q", len(deep)) + deep))
+    huge_shape = json.dumps({"t": {"dtype": "F32", "shape": [2**40, 2**40], "data_offsets": [0, 16]}}).encode()
+    with pytest.raises(BadInput, match="do not hold"):
+        read_header(_write("shape.safetensors", struct.pack("<Q", len(huge_shape)) + huge_shape + bytes(16)))
+
+
+# --- GGUF metadata --------------------------------------------------------------------------------
+
+SPEC = NgramSpec.from_config(fixture_config())
+GGUF_KEYS = {
+    "qwen4exp.vocab_size": 248320, "qwen4exp.embedding_length_per_layer_input": 160,
+    "qwen4exp.ple.ngram_size": 3, "qwen4exp.ple.heads_per_ngram": 8,
+    "qwen4exp.ple.eos_token_id": 248044, "qwen4exp.ple.layer_multipliers": list(SPEC.multipliers),
+    "qwen4exp.ple.head_offsets": list(SPEC.head_offsets),
+    "qwen4exp.ple.head_vocab_sizes": list(SPEC.head_sizes),
+}
+
+
+@settings(max_examples=EXAMPLES["gguf_metadata"], **FAST)
+@given(st.dictionaries(st.sampled_from(sorted(GGUF_KEYS) + ["qwen4exp.ple.seed"]),
+                       JSON_VALUES | st.lists(HOSTILE_INTS, max_size=17), max_size=3),
+       st.sets(st.sampled_from(sorted(GGUF_KEYS)), max_size=2))
+def test_from_gguf_metadata_hostile_values_give_bad_input(changes, dropped):
+    metadata = {k: v for k, v in GGUF_KEYS.items() if k not in dropped} | changes
+    try:
+        spec = NgramSpec.from_gguf_metadata(metadata)
+    except BadInput:
+        return
+    assert spec.rows_used == sum(spec.head_sizes)
+
+
+def test_from_gguf_metadata_refuses_absurd_sizes_quickly():
+    # Head sizes near 2**63 would make the consecutive-prime check run for hours.
+    for first in (10**17, 2**62):
+        sizes = [first + 2 * i for i in range(16)]
+        offsets = [sum(sizes[:i]) for i in range(16)]
+        with pytest.raises(BadInput):
+            NgramSpec.from_gguf_metadata(GGUF_KEYS | {"qwen4exp.ple.head_vocab_sizes": sizes,
+                                                      "qwen4exp.ple.head_offsets": offsets})
+    many = 100_000
+    with pytest.raises(BadInput):
+        NgramSpec.from_gguf_metadata(GGUF_KEYS | {
+            "qwen4exp.ple.heads_per_ngram": many // 2, "qwen4exp.ple.head_vocab_sizes": [3] * many,
+            "qwen4exp.ple.head_offsets": [3 * i for i in range(many)]})
+
+
+def _real_gguf() -> bytes:
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    path = SCRATCH / "real.gguf"
+    writer = GGUFWriter(path, "qwen4exp")
+    add_gguf_metadata(writer, SPEC)
+    writer.add_tensor("per_layer_token_embd.weight", np.zeros((4, 170), np.uint8),
+                      raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path.read_bytes()
+
+
+REAL_GGUF = _real_gguf()
+
+
+def test_open_gguf_real_small_file_parses_then_refuses_its_short_table():
+    with pytest.raises(BadInput, match="has 4 rows but the hash reaches row"):
+        open_gguf(_write("model.gguf", REAL_GGUF))
+
+
+@settings(max_examples=EXAMPLES["gguf_file_mutated"], **FAST)
+@given(MUTATIONS)
+def test_open_gguf_mutated_file_gives_bad_input(ops):
+    with pytest.raises(BadInput):
+        open_gguf(_write("model.gguf", _mutate(REAL_GGUF, ops)))
+
+
+# --- prepared-file header -------------------------------------------------------------------------
+
+VALID_HEADER = Header.for_table(page_size=4096, row_bytes=160, encoding=Encoding.FP8_E4M3,
+                                values_per_row=160, num_rows=16896, first_row=0, num_placed=300,
+                                file_id=bytes(range(16)))
+
+
+def _unpack(raw: bytes, file_size: int) -> None:
+    try:
+        header = Header.unpack(raw, file_size)
+    except BadInput:
+        return
+    assert header.file_size == file_size and header.rows_per_page * header.row_bytes <= header.page_size
+    assert header.first_row + header.num_rows <= 2**32 - 1
+
+
+@settings(max_examples=EXAMPLES["header_random"], **FAST)
+@given(st.binary(min_size=0, max_size=HEADER_SIZE + 8), st.integers(0, 2**64))
+def test_header_unpack_random_bytes_give_bad_input(raw, file_size):
+    _unpack(MAGIC + raw[8:] if raw[:1] == b"\x00" else raw, file_size)
+
+
+FIELD_INTS = st.one_of(st.sampled_from([0, 1, 160, 4096, 2**31, 2**32 - 1]), st.integers(0, 2**32 - 1))
+FIELD_U64 = st.one_of(st.sampled_from([0, 1, 4096, 16896, 2**32, 2**63, 2**64 - 1]), U64)
+
+
+@settings(max_examples=EXAMPLES["header_fields"], **FAST)
+@given(st.integers(0, 10), st.tuples(FIELD_INTS, FIELD_INTS, FIELD_INTS, FIELD_INTS, FIELD_INTS,
+                                     FIELD_INTS, FIELD_U64, FIELD_U64, FIELD_U64, FIELD_U64, FIELD_U64),
+       st.booleans(), st.integers(-8192, 8192))
+def test_header_unpack_hostile_fields_give_bad_input(keep, fields, size_from_header, size_error):
+    valid = HEADER_STRUCT.unpack(VALID_HEADER.pack()[:HEADER_STRUCT.size])
+    # Keep some of the valid fields so that deep checks (geometry, file size) are reached too.
+    mixed = [valid[1 + i] if i < keep else fields[i] for i in range(11)]
+    raw = HEADER_STRUCT.pack(MAGIC, *mixed, bytes(16)).ljust(HEADER_SIZE, b"\0")
+    file_size = (VALID_HEADER.file_size if size_from_header else 0) + size_error
+    _unpack(raw, max(0, file_size))
+
+
+# --- manifest -------------------------------------------------------------------------------------
+
+def _valid_manifest() -> dict:
+    return {
+        "format": "ple-prep-table", "format_version": 1, "file_id": "00" * 16, "tool_version": "0.1.0",
+        "data_file": "t.bin", "file_size": VALID_HEADER.file_size, "page_size": 4096,
+        "rows_per_page": 25, "data_offset": VALID_HEADER.data_offset, "encoding": "fp8_e4m3",
+        "row_bytes": 160, "values_per_row": 160, "num_rows": 16896, "first_row": 0,
+        "total_rows": 16896, "scale": {"dtype": "BF16", "hex": "5339", "value": 2.0e-4},
+        "ngram": SPEC.to_json(), "source": {"format": "safetensors", "files": []},
+        "checksums": {"algorithm": "crc32", "block_bytes": 64 << 20, "header_crc32": 0, "blocks": [0]},
+        "layout": {"kind": "source-order", "num_placed": 0}, "residency": [],
+    }
+
+
+def test_valid_manifest_fixture_is_valid():
+    validate_manifest(_valid_manifest())
+
+
+@settings(max_examples=EXAMPLES["manifest_random"], **FAST)
+@given(JSON_VALUES)
+def test_validate_manifest_random_values_give_bad_input(value):
+    with pytest.raises(BadInput):
+        validate_manifest(value)
+
+
+PATHS = st.lists(st.sampled_from(sorted(_valid_manifest()) + ["scale.value", "scale.hex",
+                                 "checksums.blocks", "checksums.block_bytes", "checksums.algorithm",
+                                 "tensor_parallel"]), min_size=1, max_size=3)
+
+
+@settings(max_examples=EXAMPLES["manifest_mutated"], **FAST)
+@given(PATHS, st.lists(JSON_VALUES | HOSTILE_INTS, min_size=3, max_size=3), st.booleans())
+def test_validate_manifest_mutated_fields_give_bad_input(paths, values, delete):
+    manifest = _valid_manifest()
+    for path, value in zip(paths, values):
+        parent, _, key = path.rpartition(".")
+        target = manifest[parent] if parent else manifest
+        if not isinstance(target, dict):
+            continue
+        if delete:
+            target.pop(key, None)
+        else:
+            target[key] = value
+    try:
+        validate_manifest(manifest)
+    except BadInput:
+        return
+    # Accepted: what a reader relies on still holds.
+    assert isinstance(manifest["num_rows"], int) and isinstance(manifest["checksums"]["blocks"], list)
+    if manifest["scale"] is not None:
+        assert np.isfinite(float(manifest["scale"]["value"]))
+
+
+@settings(max_examples=EXAMPLES["manifest_bytes"], **FAST)
+@given(MUTATIONS)
+def test_load_manifest_mutated_bytes_give_bad_input(ops):
+    raw = json.dumps(_valid_manifest(), indent=2).encode()
+    try:
+        load_manifest(_write("t.bin.json", _mutate(raw, ops)))
+    except BadInput:
+        pass
+
+
+def test_load_manifest_refuses_huge_or_deep_files_before_reading():
+    huge = SCRATCH / "huge.json"
+    with open(huge, "wb") as handle:
+        handle.truncate((64 << 20) + 1)  # sparse: costs no disk
+    tracemalloc.start()
+    with pytest.raises(BadInput, match="too large"):
+        load_manifest(huge)
+    assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    tracemalloc.stop()
+    huge.unlink()
+    with pytest.raises(BadInput, match="not JSON"):
+        load_manifest(_write("deep.json", b"{\"a\":" * 50_000 + b"1" + b"}" * 50_000))
+
+
+# --- no pickle ------------------------------------------------------------------------------------
+
+def test_package_never_unpickles():
+    package = Path(__file__).resolve().parent.parent / "ple_prep"
+    offenders = []
+    for path in package.rglob("*.py"):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#")[0]
+            if (re.search(r"\bimport pickle|\bpickle\.|\bcPickle|\bdill\b|\bjoblib\b", code)
+                    or "allow_pickle=True" in code or re.search(r"torch\.load\((?!.*weights_only=True)", code)
+                    or (re.search(r"\bnp\.load\(", code) and "allow_pickle=False" not in code)):
+                offenders.append(f"{path.relative_to(package)}:{number}: {line.strip()}")
+    assert offenders == []
