@@ -1,0 +1,91 @@
+"""Concurrency: 8 threads and 2 processes gathering from one table at once get bit-exact rows."""
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import multiprocessing
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from ple_prep.converters import open_source
+from ple_prep.layouts.order import RowOrder
+from ple_prep.layouts.writer import convert
+from ple_prep.runtime import open_table
+
+THREADS = 8
+PROCESSES = 2
+ROUNDS = 40
+BATCH = 4096
+
+
+@pytest.fixture(scope="module")
+def shared_table(fp8_checkpoint, tmp_path_factory):
+    """A table with placed rows (so lookups go through the order map) and its source rows."""
+    out = tmp_path_factory.mktemp("concurrent") / "t.bin"
+    with open_source(fp8_checkpoint) as source:
+        placed = np.random.default_rng(6).choice(source.num_rows, 2000, replace=False)
+        convert(source, out, order=RowOrder.from_placed(placed, source.num_rows))
+        return out, source.read_rows(0, source.num_rows)
+
+
+def _evict(path) -> None:
+    """Drop the file's pages from the page cache, so the first gathers take the cold path."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(descriptor)
+
+
+def _ids(worker: int, round_number: int, num_rows: int) -> np.ndarray:
+    return np.random.default_rng([worker, round_number]).integers(0, num_rows, BATCH)
+
+
+def _gather_digests(path: str, worker: int, num_rows: int) -> list[str]:
+    """In a child process: open the table itself and hash every round's rows."""
+    with open_table(path) as table:
+        return [hashlib.sha256(table.gather(_ids(worker, r, num_rows))).hexdigest()
+                for r in range(ROUNDS)]
+
+
+def _threads_gather(table, expected: np.ndarray) -> list[int]:
+    """Rows that differ from the source, per thread, with THREADS threads sharing one Table."""
+    start = threading.Barrier(THREADS)
+
+    def work(worker: int) -> int:
+        start.wait()
+        wrong = 0
+        for r in range(ROUNDS):
+            ids = _ids(worker, r, len(expected))
+            wrong += int(np.count_nonzero(np.any(table.gather(ids) != expected[ids], axis=1)))
+        return wrong
+
+    with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
+        return list(pool.map(work, range(THREADS)))
+
+
+def test_gather_from_eight_threads_and_two_processes_at_once_is_bit_exact(shared_table):
+    path, expected = shared_table
+    _evict(path)
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(PROCESSES, mp_context=context) as processes:
+        futures = [processes.submit(_gather_digests, str(path), 100 + p, len(expected))
+                   for p in range(PROCESSES)]
+        with open_table(path) as table:
+            wrong = _threads_gather(table, expected)
+        digests = [future.result() for future in futures]
+    assert wrong == [0] * THREADS
+    for p, worker_digests in enumerate(digests):
+        assert worker_digests == [hashlib.sha256(expected[_ids(100 + p, r, len(expected))]).hexdigest()
+                                  for r in range(ROUNDS)]
+
+
+def test_gather_from_eight_threads_without_read_ahead_advice_is_bit_exact(shared_table):
+    path, expected = shared_table
+    _evict(path)
+    with open_table(path, window_pages=0) as table:
+        assert _threads_gather(table, expected) == [0] * THREADS
