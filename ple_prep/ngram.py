@@ -210,10 +210,11 @@ class NgramSpec:
 
     @classmethod
     def from_checkpoint(cls, model_dir: str | Path) -> "NgramSpec":
-        """The spec of a safetensors checkpoint, its stored constant tensors checked against config."""
-        from .converters.safetensors import open_checkpoint
+        """The spec of a checkpoint: a safetensors folder (its stored constant tensors checked
+        against config.json) or a GGUF model (from its metadata)."""
+        from .converters import open_source
 
-        with open_checkpoint(model_dir) as source:
+        with open_source(model_dir) as source:
             return source.spec
 
     def check_constants(self, multipliers: Sequence[int] | None, head_offsets: Sequence[int] | None,

@@ -88,6 +88,7 @@ def test_convert_gguf_spec_from_metadata_hashes_like_config(models):
     for field in ("multipliers", "head_sizes", "head_offsets", "eos_token_id", "vocab_size",
                   "rows_used", "rows_stored", "values_per_row"):
         assert getattr(spec, field) == getattr(SPEC, field)
+    assert NgramSpec.from_checkpoint(models[("iq4_nl", "joined", 1)] / "model.gguf") == spec
     tokens = [9707, 11, 1879, 248044, 40]
     assert np.array_equal(row_ids(tokens, spec), row_ids(tokens, SPEC))
 
