@@ -35,7 +35,7 @@ def table_path(request, fp8_checkpoint, tmp_path_factory):
 @pytest.fixture(params=["cold", "cached"])
 def table(request, table_path, monkeypatch):
     """The table with the page-cache probe forced, so both copy paths run whatever the cache holds."""
-    monkeypatch.setattr(Gatherer, "_cached", lambda self, pages: request.param == "cached")
+    monkeypatch.setattr(Gatherer, "_cached", lambda self, slots: request.param == "cached")
     with open_table(table_path) as opened:
         yield opened
 
@@ -76,6 +76,14 @@ def test_gather_refuses_bad_out(table):
         table.gather(np.arange(4), out=np.zeros((4, 3), dtype=np.uint8))
 
 
+def test_gather_into_a_strided_out(table, source_rows):
+    wide = np.full((600, table.row_bytes + 8), POISON, dtype=np.uint8)
+    ids = real_like_ids(table.num_rows, 300, 4)
+    table.gather(ids, out=wide[::2, 4:4 + table.row_bytes])
+    assert np.array_equal(wide[::2, 4:4 + table.row_bytes], source_rows[ids])
+    assert np.all(wide[1::2] == POISON) and np.all(wide[::2, :4] == POISON)
+
+
 def test_gather_byte_cap_of_zero_turns_advice_off(table):
     table.window_bytes = 0
     assert table._gatherer.window == 0
@@ -86,28 +94,29 @@ def test_gather_byte_cap_of_zero_turns_advice_off(table):
 class _Recorder:
     """Stands in for the mapping and the rows view, logging advice and copies in order."""
 
-    def __init__(self, rows, page_size, data_offset):
-        self.rows, self.page_size, self.data_offset = rows, page_size, data_offset
+    def __init__(self, units, units_per_page, page_size, data_offset):
+        self.units, self.units_per_page = units, units_per_page
+        self.page_size, self.data_offset = page_size, data_offset
         self.events: list[tuple[str, list[int]]] = []
 
     def madvise(self, option, start, length):
         first = (start - self.data_offset) // self.page_size
         self.events.append(("advise", list(range(first, first + -(-length // self.page_size)))))
 
-    def __getitem__(self, index):
-        pages, positions = index
-        self.events.append(("copy", sorted(set(np.asarray(pages).tolist()))))
-        return self.rows[pages, positions]
+    def __getitem__(self, units):
+        self.events.append(("copy", sorted(set((np.asarray(units) // self.units_per_page).tolist()))))
+        return self.units[units]
 
 
 @pytest.mark.parametrize("window_pages", [1, 4, 16])
 def test_gather_advice_stays_within_the_window_ahead_of_the_copy(table_path, source_rows,
                                                                  window_pages, monkeypatch):
-    monkeypatch.setattr(Gatherer, "_cached", lambda self, pages: False)
+    monkeypatch.setattr(Gatherer, "_cached", lambda self, slots: False)
     with open_table(table_path, window_pages=window_pages) as table:
         gatherer = table._gatherer
-        recorder = _Recorder(gatherer._rows, table.page_size, table.header.data_offset)
-        gatherer._mapping = gatherer._rows = recorder
+        recorder = _Recorder(gatherer._units, gatherer._units_per_page, table.page_size,
+                             table.header.data_offset)
+        gatherer._mapping = gatherer._units = recorder
         ids = real_like_ids(table.num_rows, 3000, 1)
         assert np.array_equal(table.gather(ids), source_rows[ids])
     advised: list[int] = []
@@ -175,3 +184,15 @@ def test_lookup_refuses_a_numpy_out_with_the_tier_elsewhere(table):
     with pytest.raises(ValueError, match="resident tier on 'cpu'"):
         table.lookup(np.arange(10), out=np.zeros((10, table.row_bytes), dtype=np.uint8))
     assert torch  # the tensor branch is covered above
+
+
+@pytest.mark.parametrize("page_size", [1024, 16384])
+@pytest.mark.parametrize("cached", [False, True])
+def test_gather_other_page_sizes(fp8_checkpoint, source_rows, tmp_path, monkeypatch, page_size,
+                                 cached):
+    monkeypatch.setattr(Gatherer, "_cached", lambda self, slots: cached)
+    with open_source(fp8_checkpoint) as source:
+        convert(source, tmp_path / "t.bin", page_size=page_size)
+    with open_table(tmp_path / "t.bin", window_pages=2) as table:
+        ids = real_like_ids(table.num_rows, 2000, 6)
+        assert np.array_equal(table.gather(ids), source_rows[ids])

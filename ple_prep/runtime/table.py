@@ -49,8 +49,7 @@ class Table:
         self._rows = np.lib.stride_tricks.as_strided(
             data, shape=(header.num_pages, header.rows_per_page, header.row_bytes),
             strides=(header.page_size, header.row_bytes, 1), writeable=False)
-        self._gatherer = Gatherer(mapping, self._rows, header.data_offset, header.page_size,
-                                  window_pages, window_bytes)
+        self._gatherer = Gatherer(mapping, header, window_pages, window_bytes)
         self._resident: Resident | None = None
 
     def __enter__(self) -> "Table":

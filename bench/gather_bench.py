@@ -1,0 +1,122 @@
+"""Issue 4's gather targets on a table of at least 6 GiB, side by side in one run.
+
+    flock /tmp/ple-bench.lock python bench/gather_bench.py /work/bigdata/issue4/ple-6g.bin
+
+1. fio 4 KiB random reads at queue depth 64 on the file (direct I/O): the disk's ceiling.
+2. Cold gather of 18,000 distinct rows (real text through the table's hash) for several advice
+   windows, and a plain numpy fancy index over the MADV_RANDOM mapping, each after evicting the file.
+3. Warm gather of the same rows against np.take on an in-memory copy holding those rows.
+4. Decode-sized warm gathers (16, 32 and 64 rows): p50 and p99.
+Prints one JSON object; BENCHMARKS.md records it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ple_prep.benchmark import (cached_fraction, evict, fio_random_read, major_faults,  # noqa: E402
+                                time_requests)
+from ple_prep.ngram import NgramSpec  # noqa: E402
+from ple_prep.realtext import real_text_row_ids  # noqa: E402
+from ple_prep.runtime import open_table  # noqa: E402
+
+DISTINCT_ROWS = 18_000
+
+
+def distinct_request(row_ids: np.ndarray, count: int, start_token: int) -> np.ndarray:
+    """The distinct rows of consecutive real-text tokens from `start_token`, until `count`."""
+    seen: dict[int, None] = {}
+    for row in row_ids[start_token:].reshape(-1).tolist():
+        seen.setdefault(row, None)
+        if len(seen) == count:
+            return np.fromiter(seen, dtype=np.int64, count=count)
+    raise ValueError("not enough real text")
+
+
+def cold(path: Path, run, **options) -> dict:
+    evict(path)
+    left = cached_fraction(path)
+    with open_table(path, **options) as table:
+        faults = major_faults()
+        started = time.perf_counter()
+        result = run(table)
+        seconds = time.perf_counter() - started
+        faults = major_faults() - faults
+        del result
+    return {"seconds": round(seconds, 4), "rows_per_s": round(DISTINCT_ROWS / seconds),
+            "major_faults": faults, "cached_before": left}
+
+
+def in_memory_copy(table, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """An anonymous (num_rows, row_bytes) array holding the requested rows at their slots.
+
+    Only the pages of requested rows are written (so memory stays small), each row at its slot's
+    place in a table-sized array: np.take then walks the same spread of pages a full copy would.
+    Huge pages are refused so the copy has the file mapping's 4 KiB pages.
+    """
+    slots = table.slot_of(ids)
+    buffer = mmap.mmap(-1, table.num_rows * table.row_bytes)
+    buffer.madvise(mmap.MADV_NOHUGEPAGE)
+    copy = np.frombuffer(buffer, dtype=np.uint8).reshape(table.num_rows, table.row_bytes)
+    copy[slots] = table.gather(ids)
+    return copy, slots
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("table", type=Path)
+    parser.add_argument("--windows", default="0,8,16,32,64,128,256")
+    parser.add_argument("--fio-seconds", type=float, default=8)
+    args = parser.parse_args()
+    path = args.table
+    report: dict = {"table": str(path), "file_bytes": path.stat().st_size}
+    with open_table(path) as table:
+        spec = NgramSpec.from_json(table.manifest["ngram"])
+        report["rows"] = table.num_rows
+    row_ids = real_text_row_ids(spec, 40_000)
+    ids = distinct_request(row_ids, DISTINCT_ROWS, 0)
+    evict(path)
+    report["fio"] = fio_random_read(path, args.fio_seconds)
+
+    report["cold_fancy_index"] = cold(
+        path, lambda t: t._rows[np.divmod(t.slot_of(ids), t.rows_per_page)])
+    report["cold_gather"] = {}
+    for window in [int(w) for w in args.windows.split(",")]:
+        report["cold_gather"][window] = cold(path, lambda t: t.gather(ids), window_pages=window)
+    iops = report["fio"]["iops"] if report["fio"] else None
+    if iops:
+        report["cold_vs_fio"] = {w: round(r["rows_per_s"] / iops, 3)
+                                 for w, r in report["cold_gather"].items()}
+        report["fancy_index_vs_fio"] = round(report["cold_fancy_index"]["rows_per_s"] / iops, 3)
+
+    with open_table(path) as table:
+        table.gather(ids)
+        copy, slots = in_memory_copy(table, ids)
+        assert np.array_equal(np.take(copy, slots, axis=0), table.gather(ids))
+        repeats = [ids] * 30
+        report["warm_gather"] = time_requests(table.gather, repeats)
+        report["warm_np_take"] = time_requests(lambda _: np.take(copy, slots, axis=0), repeats)
+        report["warm_fancy_index"] = time_requests(
+            lambda _: table._rows[np.divmod(slots, table.rows_per_page)], repeats)
+        report["warm_vs_np_take"] = round(report["warm_gather"]["p50_us"]
+                                          / report["warm_np_take"]["p50_us"], 3)
+        del copy
+        for tokens in (1, 2, 4):
+            requests = [row_ids[i:i + tokens].reshape(-1) for i in range(0, 3000 * tokens, tokens)]
+            for request in requests:
+                table.gather(request)
+            report[f"warm_decode_{16 * tokens}"] = time_requests(table.gather, requests)
+    evict(path)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""`ple-prep bench`: how fast this host's disk serves a prepared table, measured with real text.
+
+Cold requests run against a page cache emptied of the table (`posix_fadvise(DONTNEED)` after the
+mapping is closed); warm ones repeat the same requests with the rows cached. Requests are real-sized
+(a prefill chunk of 4,096 tokens, decode steps of 1 and 4 tokens: 16 and 64 rows), their ids from
+real text through the table's own hash. When `fio` is installed, its 4 KiB random-read rate at
+queue depth 64 on the same file is the ceiling the cold gathers are compared with.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import resource
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from .errors import BadInput
+from .ngram import NgramSpec
+from .runtime import open_table
+from .runtime.gather import _MINCORE
+
+PREFILL_TOKENS = 4096
+DECODE_TOKENS = (1, 4)
+
+
+def evict(path: str | Path) -> None:
+    """Drop a file's clean pages from the page cache (pages mapped by a live process stay)."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(descriptor)
+
+
+def cached_fraction(path: str | Path) -> float | None:
+    """Share of a file's pages in the page cache (mincore over a fresh mapping); None if unknown."""
+    size = os.path.getsize(path)
+    if _MINCORE is None or size == 0:
+        return None
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        mapping = mmap.mmap(descriptor, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(descriptor)
+    try:
+        vector = np.zeros(-(-size // mmap.PAGESIZE), dtype=np.uint8)
+        view = np.frombuffer(mapping, dtype=np.uint8, count=1)
+        result = _MINCORE(view.ctypes.data, size, vector.ctypes.data)
+        del view
+        return None if result else float(np.mean(vector & 1))
+    finally:
+        mapping.close()
+
+
+def fio_random_read(path: str | Path, seconds: float = 8, queue_depth: int = 64,
+                    block_size: int = 4096) -> dict[str, Any] | None:
+    """fio's direct random-read rate on `path` (read-only); None when fio is not installed."""
+    fio = shutil.which("fio")
+    if fio is None:
+        return None
+    command = [fio, "--name=ple-prep-bench", f"--filename={path}", "--readonly", "--rw=randread",
+               f"--bs={block_size}", f"--iodepth={queue_depth}", "--ioengine=libaio", "--direct=1",
+               f"--runtime={seconds:g}", "--time_based", "--output-format=json"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise BadInput(f"fio failed on {path}: {done.stderr.strip().splitlines()[-1:]}")
+    read = json.loads(done.stdout[done.stdout.index("{"):])["jobs"][0]["read"]
+    return {"iops": round(read["iops"]), "queue_depth": queue_depth, "block_size": block_size,
+            "mean_latency_us": round(read["clat_ns"]["mean"] / 1e3, 1),
+            "command": " ".join(command)}
+
+
+def major_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+
+
+def time_requests(gather: Callable[[np.ndarray], Any], requests: list[np.ndarray],
+                  before_each: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Time `gather` on each request: p50/p99 seconds, rows/s, distinct rows, major faults."""
+    seconds, faults = [], 0
+    for ids in requests:
+        if before_each is not None:
+            before_each()
+        faults_before = major_faults()
+        started = time.perf_counter()
+        gather(ids)
+        seconds.append(time.perf_counter() - started)
+        faults += major_faults() - faults_before
+    total_rows = sum(len(ids) for ids in requests)
+    distinct = sum(len(np.unique(ids)) for ids in requests)
+    return {"requests": len(requests), "rows_per_request": round(total_rows / len(requests), 1),
+            "distinct_rows_per_request": round(distinct / len(requests), 1),
+            "p50_us": round(float(np.percentile(seconds, 50)) * 1e6, 1),
+            "p99_us": round(float(np.percentile(seconds, 99)) * 1e6, 1),
+            "rows_per_s": round(total_rows / sum(seconds)),
+            "distinct_rows_per_s": round(distinct / sum(seconds)),
+            "major_faults": faults}
+
+
+def _requests(row_ids: np.ndarray, tokens: int, count: int, first_row: int,
+              stop_row: int) -> list[np.ndarray]:
+    """`count` requests of `tokens` consecutive tokens each, keeping the rows this file holds."""
+    requests = []
+    for index in range(count):
+        ids = row_ids[index * tokens:(index + 1) * tokens].reshape(-1)
+        requests.append(ids[(ids >= first_row) & (ids < stop_row)])
+    return requests
+
+
+def run_bench(path: str | Path, *, prefill_requests: int = 4, decode_requests: int = 500,
+              fio_seconds: float = 8, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Cold and warm gathers of real-text requests on the table at `path`, with fio beside them."""
+    path = Path(path)
+    say = progress or (lambda message: None)
+    with open_table(path) as table:
+        spec = NgramSpec.from_json(table.manifest["ngram"])
+        first_row, stop_row = table.row_range
+        window = {"window_pages": table.window_pages, "window_bytes": table.window_bytes}
+    from .realtext import real_text_row_ids
+
+    say("tokenising real text")
+    longest = max(prefill_requests * PREFILL_TOKENS, decode_requests * max(DECODE_TOKENS))
+    row_ids = real_text_row_ids(spec, longest)
+    prefill = _requests(row_ids, PREFILL_TOKENS, prefill_requests, first_row, stop_row)
+    decodes = {tokens: _requests(row_ids, tokens, decode_requests, first_row, stop_row)
+               for tokens in DECODE_TOKENS}
+    results: dict[str, Any] = {"table": str(path), "file_bytes": path.stat().st_size, **window}
+
+    say("cold prefill chunks")
+    table = None
+
+    def reopen_cold() -> None:
+        nonlocal table
+        if table is not None:
+            table.close()
+        evict(path)
+        table = open_table(path)
+
+    reopen_cold()
+    results["cached_after_evict"] = cached_fraction(path)
+    results["cold_prefill"] = time_requests(lambda ids: table.gather(ids), prefill, reopen_cold)
+    reopen_cold()
+    results["cold_decode_16"] = time_requests(lambda ids: table.gather(ids), decodes[1][:100])
+    say("warm requests")
+    for ids in prefill + decodes[1] + decodes[4]:
+        table.gather(ids)
+    results["warm_prefill"] = time_requests(lambda ids: table.gather(ids), prefill)
+    for tokens in DECODE_TOKENS:
+        results[f"warm_decode_{tokens * 16}"] = time_requests(lambda ids: table.gather(ids),
+                                                              decodes[tokens])
+    table.close()
+    evict(path)
+    say("fio random reads")
+    results["fio"] = fio_random_read(path, fio_seconds)
+    if results["fio"] is not None:
+        results["cold_vs_fio"] = round(results["cold_prefill"]["distinct_rows_per_s"]
+                                       / results["fio"]["iops"], 3)
+    return results
