@@ -63,8 +63,9 @@ def model_option(help: str = "Source checkpoint.", required: bool = True) -> Cal
     """The one --model option of every command that reads a checkpoint: a path or a cached model name."""
     return click.option(
         "--model", "model", required=required, type=_ModelPath(),
-        help=f"{help} A folder, or a model name from the Hugging Face cache: OWNER/NAME, NAME, "
-             "NAME@REVISION (offline; HF_HUB_CACHE and HF_HOME are respected).")
+        help=f"{help} A folder or file, or a model name from the Hugging Face cache: OWNER/NAME "
+             "or NAME, then optionally @REVISION and :QUANT for a GGUF file (offline; HF_HUB_CACHE "
+             "and HF_HOME are respected).")
 
 
 def quiet_option(command: Callable) -> Callable:

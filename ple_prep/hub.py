@@ -11,8 +11,11 @@ from pathlib import Path
 
 from .errors import BadInput
 
-# OWNER/NAME or NAME, optionally @REVISION (a branch, tag or commit hash), as the hub spells them.
-_NAME = re.compile(r"^(?:(?P<owner>[\w.-]+)/)?(?P<name>[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
+# OWNER/NAME or NAME as the hub spells them, then optionally @REVISION (a branch, tag or commit
+# hash) and :QUANT (a GGUF file of the repo, as llama.cpp's `-hf OWNER/NAME:QUANT` picks one).
+_NAME = re.compile(r"^(?:(?P<owner>[\w.-]+)/)?(?P<name>[\w.-]+)"
+                   r"(?:@(?P<revision>[\w./-]+))?(?::(?P<quant>[\w.-]+))?$")
+_SPLIT_GGUF = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 _LISTED = 8
 
 
@@ -42,7 +45,9 @@ def resolve_model(name_or_path: str | Path, *, cache_dir: str | Path | None = No
     cached repo whose name is NAME (any owner), or failing that the one named `NAME-<variant>`
     (so `Qwen3.8-Flash-Next` finds a lone cached `Qwen/Qwen3.8-Flash-Next-FP8`). `@REVISION` picks
     a branch, tag or commit; the default is `main`, or the only snapshot when refs/main is absent.
-    Raises BadInput when nothing or more than one repo matches, naming the cache it read.
+    `:QUANT` picks the GGUF file (or the first file of a split set) whose path in the snapshot
+    names that quantisation, e.g. `unsloth/Qwen3.8-Flash-Next-GGUF:IQ4_NL`.
+    Raises BadInput when nothing or more than one repo or file matches, naming the cache it read.
     """
     text = str(name_or_path)
     path = Path(text).expanduser()
@@ -67,7 +72,8 @@ def resolve_model(name_or_path: str | Path, *, cache_dir: str | Path | None = No
         ids = ", ".join(sorted(repo.repo_id for repo in found))
         raise BadInput(f"{name} matches {len(found)} models in the Hugging Face cache at {cache}: "
                        f"{ids}; name one in full")
-    return _snapshot(found[0], revision)
+    snapshot = _snapshot(found[0], revision)
+    return snapshot if match["quant"] is None else _gguf_file(found[0].repo_id, snapshot, match["quant"])
 
 
 def _cached_models(cache: Path) -> tuple[list, int]:
@@ -115,3 +121,26 @@ def _snapshot(repo, revision: str | None) -> Path:
     known = ", ".join(sorted(refs) + sorted(r.commit_hash[:12] for r in repo.revisions))
     raise BadInput(f"{repo.repo_id} has no cached revision {revision} in {repo.repo_path} "
                    f"(cached: {known or 'none'})")
+
+
+def _gguf_file(repo_id: str, snapshot: Path, quant: str) -> Path:
+    """The one GGUF model in `snapshot` named by `quant`: its file, or the first of its split set."""
+    files = sorted(snapshot.rglob("*.gguf"))
+    named = re.compile(rf"(?<![a-z0-9]){re.escape(quant.lower())}(?![a-z0-9])")
+    models: dict[str, Path] = {}
+    for file in files:
+        if not named.search(file.relative_to(snapshot).as_posix().lower()):
+            continue
+        split = _SPLIT_GGUF.match(file.name)
+        key = str(file.parent / split["stem"]) if split else str(file)
+        if key not in models or (split is not None and int(split["index"]) == 1):
+            models[key] = file
+    if not models:
+        available = ", ".join(f.relative_to(snapshot).as_posix() for f in files[:_LISTED]) or "none"
+        raise BadInput(f"no GGUF file of {repo_id} in {snapshot} is named {quant} "
+                       f"(.gguf files: {available})")
+    if len(models) > 1:
+        listed = ", ".join(sorted(p.relative_to(snapshot).as_posix() for p in models.values()))
+        raise BadInput(f"{quant} names {len(models)} GGUF models of {repo_id}: {listed}; "
+                       "give a longer QUANT")
+    return next(iter(models.values()))

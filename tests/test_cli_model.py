@@ -68,3 +68,26 @@ def test_convert_model_name_matching_none_exits_2(runner, hub, tmp_path):
     assert result.exit_code == 2
     assert result.stderr.startswith(f"error: no model Llama-9 in the Hugging Face cache at {hub}; cached: ")
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.output
+
+
+def test_convert_gguf_quant_from_hf_cache(runner, tmp_path):
+    from hubcache import add_snapshot
+    from ple_prep.fixtures import make_gguf
+
+    q8 = make_gguf(tmp_path / "q8", "q8_0", num_files=2)
+    iq4 = make_gguf(tmp_path / "iq4", "iq4_nl")
+    files = {f"Q8_0/Qwen3.8-Flash-Next-Q8_0-0000{i}-of-00002.gguf":
+             (q8 / f"model-0000{i}-of-00002.gguf").read_bytes() for i in (1, 2)}
+    files["Qwen3.8-Flash-Next-IQ4_NL.gguf"] = (iq4 / "model.gguf").read_bytes()
+    cache = tmp_path / "hub"
+    add_snapshot(cache, "unsloth/Qwen3.8-Flash-Next-GGUF", commit_hash("gguf"), files)
+    for quant, encoding in (("Q8_0", "gguf_q8_0"), ("IQ4_NL", "gguf_iq4_nl")):
+        out = tmp_path / f"{quant}.bin"
+        result = runner.invoke(cli, ["convert", "--model", f"unsloth/Qwen3.8-Flash-Next-GGUF:{quant}",
+                                     "--out", str(out), "--json"], env={"HF_HUB_CACHE": str(cache)})
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["encoding"] == encoding
+        result = runner.invoke(cli, ["verify", str(out), "--model", f"Qwen3.8-Flash-Next:{quant}", "--json"],
+                               env={"HF_HUB_CACHE": str(cache)})
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["rows_compared"] == 16896

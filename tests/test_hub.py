@@ -123,3 +123,35 @@ def test_resolve_model_reads_hf_home(cache, tmp_path, monkeypatch):
     monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # the fixture's cache is tmp_path/hub
     assert resolve_model("Qwen/Qwen3.8-Flash-Next-FP8").name == commit_hash("fp8")
+
+
+@pytest.fixture
+def gguf_cache(tmp_path) -> Path:
+    hub = tmp_path / "hub"
+    stem = "Qwen3.8-Flash-Next"
+    add_snapshot(hub, "unsloth/Qwen3.8-Flash-Next-GGUF", commit_hash("gguf"), {
+        f"{stem}-Q8_0.gguf": b"q8", f"{stem}-IQ4_NL.gguf": b"iq4", f"{stem}-Q4_K_S.gguf": b"k_s",
+        f"Q4_K_M/{stem}-Q4_K_M-00002-of-00002.gguf": b"k_m2",
+        f"Q4_K_M/{stem}-Q4_K_M-00001-of-00002.gguf": b"k_m1", "README.md": b"readme"})
+    return hub
+
+
+def test_resolve_model_quant_picks_a_gguf_file(gguf_cache):
+    snapshot = gguf_cache / "models--unsloth--Qwen3.8-Flash-Next-GGUF" / "snapshots" / commit_hash("gguf")
+    assert resolve_model("unsloth/Qwen3.8-Flash-Next-GGUF:q8_0", cache_dir=gguf_cache) == \
+        snapshot / "Qwen3.8-Flash-Next-Q8_0.gguf"
+    assert resolve_model("Qwen3.8-Flash-Next-GGUF@main:IQ4_NL", cache_dir=gguf_cache).read_bytes() == b"iq4"
+    # A split set is named by its first file, whatever order the folder lists them in.
+    assert resolve_model("Qwen3.8-Flash-Next:Q4_K_M", cache_dir=gguf_cache) == \
+        snapshot / "Q4_K_M" / "Qwen3.8-Flash-Next-Q4_K_M-00001-of-00002.gguf"
+
+
+def test_resolve_model_quant_matching_two_or_none(gguf_cache):
+    with pytest.raises(BadInput, match=r"Q4_K names 2 GGUF models of unsloth/Qwen3.8-Flash-Next-GGUF: "
+                                       r"Q4_K_M/Qwen3.8-Flash-Next-Q4_K_M-00001-of-00002.gguf, "
+                                       r"Qwen3.8-Flash-Next-Q4_K_S.gguf; give a longer QUANT"):
+        resolve_model("unsloth/Qwen3.8-Flash-Next-GGUF:Q4_K", cache_dir=gguf_cache)
+    # Q4_NL is not IQ4_NL: a quant name matches whole, not inside another.
+    with pytest.raises(BadInput, match=r"no GGUF file of unsloth/Qwen3.8-Flash-Next-GGUF in .* is named "
+                                       r"Q4_NL \(.gguf files: Q4_K_M/"):
+        resolve_model("unsloth/Qwen3.8-Flash-Next-GGUF:Q4_NL", cache_dir=gguf_cache)
