@@ -133,3 +133,44 @@ def test_convert_gguf_encoding_table_matches_gguf_package():
         assert int(qtype) == type_id
         assert ENCODING_BLOCKS[encoding] == gguf.GGML_QUANT_SIZES[qtype]
     assert {e for e in Encoding if e.label.startswith("gguf_")} == set(GGML_TYPES)
+
+
+def write_with_vocabulary(path, tokens: int, keep_vocab_size: bool) -> np.ndarray:
+    from gguf import GGUFValueType, GGUFWriter
+
+    from ple_prep.fixtures import add_gguf_metadata, gguf_table_bytes
+
+    writer = GGUFWriter(path, "qwen4exp")
+    add_gguf_metadata(writer, SPEC)
+    if not keep_vocab_size:
+        del writer.kv_data[0]["qwen4exp.vocab_size"]
+    writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(tokens)])
+    writer.add_key_value("tokenizer.ggml.scores", [0.5] * 1000, GGUFValueType.ARRAY,
+                         sub_type=GGUFValueType.FLOAT32)
+    table = gguf_table_bytes("q4_0", SPEC.rows_stored, np.random.default_rng(0))
+    writer.add_tensor("per_layer_token_embd.weight", table, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return table
+
+
+def test_convert_gguf_reader_reads_metadata_arrays_like_gguf(tmp_path):
+    from ple_prep.converters.gguf import _field_value, _Reader
+
+    write_with_vocabulary(tmp_path / "v.gguf", 5000, keep_vocab_size=True)
+    fast, stock = _Reader(tmp_path / "v.gguf"), gguf.GGUFReader(tmp_path / "v.gguf")
+    assert fast.fields.keys() == stock.fields.keys()
+    for key in fast.fields:
+        assert _field_value(fast.fields[key]) == _field_value(stock.fields[key]), key
+    assert len(fast.fields["tokenizer.ggml.tokens"].data) == 5000
+    assert [(t.name, t.data_offset, t.n_bytes) for t in fast.tensors] == \
+        [(t.name, t.data_offset, t.n_bytes) for t in stock.tensors]
+
+
+def test_convert_gguf_vocab_size_from_token_count(tmp_path):
+    table = write_with_vocabulary(tmp_path / "v.gguf", 248320, keep_vocab_size=False)
+    with open_gguf(tmp_path / "v.gguf") as source:
+        assert source.spec.vocab_size == 248320
+        assert np.array_equal(source.read_rows(0, source.num_rows), table)
