@@ -77,7 +77,7 @@ def progress_bar(total: int, description: str, quiet: bool, unit: str = "B") -> 
     """A tqdm bar on stderr; off with --quiet or when stderr is not a terminal."""
     from tqdm import tqdm
 
-    with tqdm(total=total, desc=description, unit=unit, unit_scale=True, unit_divisor=1024 if unit == "B" else 1000,
+    with tqdm(total=total or None, desc=description, unit=unit, unit_scale=True, unit_divisor=1024 if unit == "B" else 1000,
               disable=True if quiet else None, file=sys.stderr, leave=False) as bar:
         yield bar.update
 
@@ -111,6 +111,10 @@ def cli() -> None:
 @click.option("--out", required=True, type=click.Path(path_type=Path),
               help="Prepared table to write; the manifest goes to OUT.json.")
 @click.option("--page-size", default=4096, show_default=True, help="Page size in bytes.")
+@click.option("--profile", "profile_path", type=click.Path(path_type=Path),
+              help="Profile (ple-prep profile) to lay the rows out by access; hints go to the manifest.")
+@click.option("--map-fraction", default=0.005, show_default=True, type=float,
+              help="With --profile: most RAM the row-order map may cost, as a fraction of the table.")
 @click.option("--force", is_flag=True, help="Replace an existing table.")
 @click.option("--tp-size", type=click.IntRange(min=1),
               help="Split for T tensor-parallel ranks: one file per rank, OUT with .tp{r}of{T} "
@@ -118,14 +122,18 @@ def cli() -> None:
 @click.option("--tp-rank", type=click.IntRange(min=0), help="With --tp-size: write only this rank's file.")
 @json_option
 @quiet_option
-def convert(model: Path, out: Path, page_size: int, force: bool, tp_size: int | None,
-            tp_rank: int | None, as_json: bool, quiet: bool) -> None:
+def convert(model: Path, out: Path, page_size: int, profile_path: Path | None, map_fraction: float,
+            force: bool, tp_size: int | None, tp_rank: int | None, as_json: bool, quiet: bool) -> None:
     """Rewrite the table of a checkpoint into one page-aligned prepared file (or one per TP rank).
+
+    With --profile, rows are laid out by access (hottest n-grams first, each n-gram's rows on one
+    page) and the manifest gets residency hints measured on the profile's held-out requests.
 
     \b
     Example:
         ple-prep convert --model ./Qwen3.8-Flash-Next-FP8 --out /nvme/ple.bin
         ple-prep convert --model ./Qwen3.8-Flash-Next-FP8 --out /nvme/ple.bin --tp-size 2
+        ple-prep convert --model ./Qwen3.8-Flash-Next-FP8 --profile chats.prof --out /nvme/ple.bin
     """
     from .converters import open_source
     from .layouts.writer import convert as write_table
@@ -133,12 +141,26 @@ def convert(model: Path, out: Path, page_size: int, force: bool, tp_size: int | 
     if tp_rank is not None and tp_size is None:
         raise BadInput("--tp-rank needs --tp-size")
     started = time.perf_counter()
+    profile = None
+    if profile_path is not None:
+        from .layouts.planner import check_map_fraction
+        from .profile import load_profile
+
+        check_map_fraction(map_fraction)
+        profile = load_profile(profile_path)
     if tp_size is not None:
-        _convert_ranks(model, out, page_size, force, tp_size, tp_rank, as_json, quiet)
+        _convert_ranks(model, out, page_size, force, tp_size, tp_rank, as_json, quiet, profile,
+                       map_fraction)
         return
     with open_source(model) as source:
+        layout = {}
+        if profile is not None:
+            from .layouts.planner import plan_for_source
+
+            layout = plan_for_source(source, profile, page_size=page_size, map_fraction=map_fraction)
         with progress_bar(source.num_rows * source.row_bytes, "convert", quiet) as advance:
-            manifest = write_table(source, out, page_size=page_size, force=force, progress=advance)
+            manifest = write_table(source, out, page_size=page_size, force=force, progress=advance,
+                                   **layout)
     seconds = time.perf_counter() - started
     summary = {"out": str(out), "rows": manifest["num_rows"], "encoding": manifest["encoding"],
                "file_size": manifest["file_size"], "seconds": round(seconds, 3)}
@@ -150,7 +172,8 @@ def convert(model: Path, out: Path, page_size: int, force: bool, tp_size: int | 
 
 
 def _convert_ranks(model: Path, out: Path, page_size: int, force: bool, tp_size: int,
-                   tp_rank: int | None, as_json: bool, quiet: bool) -> None:
+                   tp_rank: int | None, as_json: bool, quiet: bool, profile: Any = None,
+                   map_fraction: float = 0.0) -> None:
     from .converters import open_source
     from .layouts.ranks import convert_ranks
 
@@ -158,9 +181,16 @@ def _convert_ranks(model: Path, out: Path, page_size: int, force: bool, tp_size:
     ranks = None if tp_rank is None else [tp_rank]
     with open_source(model) as source:
         rows = source.num_rows if ranks is None else source.num_rows // tp_size
+        layout_for = None
+        if profile is not None:
+            from .layouts.planner import plan_for_source
+
+            def layout_for(first_row: int, num_rows: int) -> dict[str, Any]:
+                return plan_for_source(source, profile, page_size=page_size, map_fraction=map_fraction,
+                                       first_row=first_row, num_rows=num_rows)
         with progress_bar(rows * source.row_bytes, "convert", quiet) as advance:
             written = convert_ranks(source, out, tp_size, ranks, page_size=page_size, force=force,
-                                    progress=advance)
+                                    progress=advance, layout_for=layout_for)
     seconds = time.perf_counter() - started
     files = [{"out": str(path), "tp_rank": m["tensor_parallel"]["rank"], "first_row": m["first_row"],
               "rows": m["num_rows"], "file_size": m["file_size"]} for path, m in written]
@@ -219,17 +249,24 @@ def verify(table: Path, model: Path | None, sample: int | None, seed: int, as_js
 
 @cli.command()
 @click.argument("table", type=click.Path(path_type=Path))
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path),
+              help="Draw the residency curve to this PNG (needs matplotlib: the 'plot' extra).")
 @json_option
-def inspect(table: Path, as_json: bool) -> None:
-    """Print a prepared table's manifest.
+def inspect(table: Path, plot_path: Path | None, as_json: bool) -> None:
+    """Print a prepared table's manifest, and its residency curve when it has one.
 
     \b
     Example:
         ple-prep inspect /nvme/ple.bin --json
+        ple-prep inspect /nvme/ple.bin --plot residency.png
     """
     from .layouts.manifest import load_manifest, manifest_path
 
     manifest = load_manifest(manifest_path(table))
+    if plot_path is not None:
+        from .plot import plot_residency
+
+        plot_residency(manifest, plot_path, title=table.name)
     if as_json:
         echo_json(manifest)
         return
@@ -251,7 +288,23 @@ def inspect(table: Path, as_json: bool) -> None:
         f"{manifest['checksums']['block_bytes'] // 2**20} MiB",
         f"file id:    {manifest['file_id']} (ple-prep {manifest['tool_version']})",
     ]
+    lines += _residency_lines(manifest)
+    if plot_path is not None:
+        lines.append(f"plot:       {plot_path}")
     click.echo("\n".join(lines))
+
+
+def _residency_lines(manifest: dict[str, Any]) -> list[str]:
+    """The residency curve as a table: leading rows to keep in RAM and the held-out hits they buy."""
+    hints = manifest["residency"]
+    if not hints:
+        return ["residency:  no hints (convert with --profile to measure them)"]
+    lines = ["residency:  budget      resident rows     pages        held-out hits"]
+    for hint in hints:
+        fraction = hint.get("hit_fraction")
+        hits = "n/a (no held-out requests)" if fraction is None else f"{fraction:.2%}"
+        lines.append(f"            {hint['budget']:<10}  {hint['rows']:>14,}  {hint['pages']:>11,}  {hits:>12}")
+    return lines
 
 
 @cli.command("make-fixture")
@@ -314,6 +367,98 @@ def demo(folder: Path | None, variant: str, as_json: bool, quiet: bool) -> None:
         click.echo("\n".join(f"{key}: {value}" for key, value in summary.items()))
     if not summary["verified"]:
         raise CheckFailed("the demo table does not match its source")
+
+
+class _DefaultGroup(click.Group):
+    """A group that runs its default command when the first argument is not a command's name."""
+
+    default_command = "run"
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args or (args[0] not in self.commands and args[0] not in ("--help", "-h")):
+            args = [self.default_command, *args]
+        return super().parse_args(ctx, args)
+
+
+@cli.group(cls=_DefaultGroup)
+def profile() -> None:
+    """Count which table rows real prompts read, for an access-ordered layout.
+
+    \b
+    ple-prep profile --model DIR --prompts FILE... --out PROFILE [--json] [--quiet]
+    ple-prep profile merge A B -o C
+
+    Prompt files: .txt (one request), .jsonl (one request a line: "text", "prompt", chat
+    "messages" rendered with the checkpoint's chat template, or "token_ids"), .npy (token ids,
+    one request). A tenth of the requests (chosen by content) is held out for residency hints.
+
+    \b
+    Example:
+        ple-prep profile --model ./Qwen3.8-Flash-Next-FP8 --prompts chats.jsonl docs/*.txt --out p.prof
+        ple-prep profile merge shard0.prof shard1.prof -o all.prof
+    """
+
+
+@profile.command("run", hidden=True)
+@click.option("--model", "model", required=True, type=click.Path(path_type=Path),
+              help="Checkpoint folder (its config, hash constants and tokenizer).")
+@click.option("--prompts", "prompts", multiple=True, type=click.Path(path_type=Path),
+              help="Prompt file; more files may follow (--prompts a.jsonl b.txt).")
+@click.argument("more_prompts", nargs=-1, type=click.Path(path_type=Path))
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Profile file to write.")
+@click.option("--force", is_flag=True, help="Replace an existing profile.")
+@json_option
+@quiet_option
+def profile_run(model: Path, prompts: tuple[Path, ...], more_prompts: tuple[Path, ...], out: Path,
+                force: bool, as_json: bool, quiet: bool) -> None:
+    """Profile prompt files through the model's hash.
+
+    \b
+    Example:
+        ple-prep profile --model ./Qwen3.8-Flash-Next-FP8 --prompts chats.jsonl --out p.prof
+    """
+    from .profile import profile_files, save_profile
+
+    files = list(prompts) + list(more_prompts)
+    if not files:
+        raise BadInput("give prompt files with --prompts")
+    if out.exists() and not force:
+        raise BadInput(f"{out} exists; pass --force to replace it")
+    started = time.perf_counter()
+    with progress_bar(0, "profile", quiet, unit="tok") as advance:
+        result = profile_files(model, files, progress=advance)
+    save_profile(result, out, force=force)
+    seconds = time.perf_counter() - started
+    summary = {"out": str(out), "seconds": round(seconds, 3), **result.summary()}
+    if as_json:
+        echo_json(summary)
+    else:
+        click.echo(f"wrote {out}: {summary['requests']:,} requests, {summary['tokens']:,} tokens "
+                   f"({summary['heldout']['requests']:,} requests held out) in {seconds:.1f} s")
+
+
+@profile.command("merge")
+@click.argument("profiles", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("-o", "--out", required=True, type=click.Path(path_type=Path), help="Merged profile.")
+@click.option("--force", is_flag=True, help="Replace an existing profile.")
+@json_option
+def profile_merge(profiles: tuple[Path, ...], out: Path, force: bool, as_json: bool) -> None:
+    """Combine profiles of shards of a corpus; the result equals profiling it all at once.
+
+    \b
+    Example:
+        ple-prep profile merge shard0.prof shard1.prof -o all.prof
+    """
+    from .profile import load_profile, merge_profiles, save_profile
+
+    merged = merge_profiles([load_profile(path) for path in profiles])
+    save_profile(merged, out, force=force)
+    summary = {"out": str(out), **merged.summary()}
+    if as_json:
+        echo_json(summary)
+    else:
+        click.echo(f"wrote {out}: {len(profiles)} profiles, {summary['requests']:,} requests, "
+                   f"{summary['tokens']:,} tokens")
 
 
 if __name__ == "__main__":

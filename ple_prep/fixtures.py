@@ -70,12 +70,14 @@ _SHARD_STREAM, _FILLER_STREAM = 1, 2
 
 def make_checkpoint(out: str | Path, variant: str = "fp8", *, base: int = 1000,
                     num_shards: int = 128, num_files: int = 3, with_index: bool = True,
-                    seed: int = 0, prefix: str = PREFIX) -> Path:
+                    seed: int = 0, prefix: str = PREFIX, with_tokenizer: bool = True) -> Path:
     """Write a checkpoint folder; returns its path. Deterministic for a given seed.
 
     Shard i goes to file i % num_files; the hash constants sit in the first file and the FP8 scale
     in the last, away from most shards. Files are generated one at a time, so a large table
-    (a big `base`) needs memory for one file only: raise `num_files` to shrink it.
+    (a big `base`) needs memory for one file only: raise `num_files` to shrink it. With
+    `with_tokenizer`, also a trained `tokenizer.json` and a `tokenizer_config.json` with a chat
+    template (`write_tokenizer`), so text prompts can be profiled.
     """
     if variant not in VARIANTS:
         raise BadInput(f"unknown fixture variant {variant!r}; choose from {', '.join(VARIANTS)}")
@@ -123,7 +125,54 @@ def make_checkpoint(out: str | Path, variant: str = "fp8", *, base: int = 1000,
     if with_index:
         index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    if with_tokenizer:
+        write_tokenizer(out, config["eos_token_id"])
     return out
+
+
+# ChatML, as the Qwen family's templates render a plain conversation.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+_TRAINING_WORDS = (
+    "the a of to and in is it that for on with as was by this be are from at or an which not "
+    "table row page read disk cache token model prompt request layer hash head gram value file "
+    "memory serve fast storage quick brown fox jumps over lazy dog def return import class self "
+    "print if else for while None True False numpy array index order slot").split()
+
+
+def write_tokenizer(out: Path, eos_token_id: int, vocab_size: int = 800) -> None:
+    """Train a small byte-level BPE tokenizer with `tokenizers` on fixed text; deterministic.
+
+    The chat markers sit at the real model's ids (`<|im_end|>` is the EOS id), so a rendered
+    conversation's turn ends cut the n-gram windows as they do in the model.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    rng = np.random.default_rng(1234)
+    lines = [" ".join(rng.choice(_TRAINING_WORDS, size=12)) + "." for _ in range(400)]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(lines, trainer)
+    data = json.loads(tokenizer.to_str())
+    special = {"<|im_start|>": eos_token_id - 1, "<|im_end|>": eos_token_id,
+               "<|endoftext|>": eos_token_id + 1}
+    # In the model vocabulary too, so the added tokens keep these ids instead of being renumbered.
+    data["model"]["vocab"].update(special)
+    data["added_tokens"] = [{"id": token_id, "content": content, "single_word": False,
+                             "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+                            for content, token_id in special.items()]
+    (out / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+              "pad_token": "<|endoftext|>", "bos_token": None, "model_max_length": 262144,
+              "chat_template": CHAT_TEMPLATE}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
 def write_safetensors(path: Path, tensors: dict[str, tuple[str, np.ndarray]]) -> None:

@@ -245,6 +245,23 @@ def row_ids(tokens: Sequence[int] | np.ndarray, spec: NgramSpec,
     with EOS); None starts a new request. Hashing a request in chunks, each with the last tokens
     of the one before as context, gives the same ids as hashing it whole.
     """
+    mixed = mixed_values(tokens, spec, context)
+    ids = np.empty((len(mixed), spec.heads), dtype=np.int64)
+    for column, order in enumerate(range(2, spec.ngram_size + 1)):
+        first = (order - 2) * spec.heads_per_ngram
+        ids[:, first:first + spec.heads_per_ngram] = rows_of_mixed(mixed[:, column], order, spec)
+    return ids
+
+
+def mixed_values(tokens: Sequence[int] | np.ndarray, spec: NgramSpec,
+                 context: Sequence[int] | np.ndarray | None = None,
+                 request_starts: np.ndarray | None = None) -> np.ndarray:
+    """The mixed hash of each position's n-gram, uint64 `(len(tokens), ngram_size - 1)`.
+
+    Column j is order j + 2. One mixed value decides all `heads_per_ngram` rows of that order
+    (`rows_of_mixed`), so it names the group of rows one n-gram reads. `request_starts` (sorted
+    positions) hashes several new requests laid end to end in one call; it excludes `context`.
+    """
     tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
     history = spec.ngram_size - 1
     eos = spec.eos_token_id
@@ -256,26 +273,33 @@ def row_ids(tokens: Sequence[int] | np.ndarray, spec: NgramSpec,
     padded = np.concatenate([previous, tokens]).astype(np.uint64)
     count = len(tokens)
     eos64 = np.uint64(eos)
-    # window[s] holds ctx[s] for every position: the token s steps back, EOS once a cut is seen.
-    window = [padded[history:]]
+    starts = None if request_starts is None else np.asarray(request_starts, dtype=np.int64)
+    mixed = np.empty((count, history), dtype=np.uint64)
+    # ctx[s] for every position: the token s steps back, EOS once a cut (or the request start) is seen.
     cut = np.zeros(count, dtype=bool)
-    for step in range(1, spec.ngram_size):
-        earlier = padded[history - step: history - step + count]
-        value = np.where(cut, eos64, earlier)
-        cut |= value == eos64
-        window.append(value)
-    ids = np.empty((count, spec.heads), dtype=np.int64)
-    mixed = np.zeros(count, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        for order_index, order in enumerate(range(1, spec.ngram_size + 1)):
-            mixed ^= window[order_index] * np.uint64(spec.multipliers[order_index])
-            if order < 2:
-                continue
-            for k in range(spec.heads_per_ngram):
-                head = (order - 2) * spec.heads_per_ngram + k
-                ids[:, head] = (mixed % np.uint64(spec.head_sizes[head])).astype(np.int64)
-                ids[:, head] += spec.head_offsets[head]
-    return ids
+        running = padded[history:] * np.uint64(spec.multipliers[0])
+        for step in range(1, spec.ngram_size):
+            earlier = padded[history - step: history - step + count]
+            value = np.where(cut, eos64, earlier)
+            if starts is not None:
+                before_start = (starts[:, None] + np.arange(step)).reshape(-1)
+                value[before_start[before_start < count]] = eos64
+            cut |= value == eos64
+            running = running ^ (value * np.uint64(spec.multipliers[step]))
+            mixed[:, step - 1] = running
+    return mixed
+
+
+def rows_of_mixed(mixed: np.ndarray, order: int, spec: NgramSpec) -> np.ndarray:
+    """Global row ids, int64 `(len(mixed), heads_per_ngram)`, of n-grams of `order` by mixed hash."""
+    mixed = np.asarray(mixed, dtype=np.uint64).reshape(-1)
+    first = (order - 2) * spec.heads_per_ngram
+    rows = np.empty((len(mixed), spec.heads_per_ngram), dtype=np.int64)
+    for k in range(spec.heads_per_ngram):
+        head = first + k
+        rows[:, k] = (mixed % np.uint64(spec.head_sizes[head])).astype(np.int64) + spec.head_offsets[head]
+    return rows
 
 
 def load_config(model_dir: str | Path) -> dict[str, Any]:

@@ -24,6 +24,11 @@ from ..ngram import NgramSpec
 FINGERPRINT_SAMPLE_ROWS = 256
 
 
+# Rows this close in a file are fetched by one read; rows per batch of a gather (bounds its buffer).
+GATHER_GAP_BYTES = 4096
+GATHER_BATCH = 1 << 14
+
+
 @dataclasses.dataclass(frozen=True)
 class Segment:
     """`num_rows` rows of `row_bytes` each, stored back to back at `offset` in `path`.
@@ -132,22 +137,48 @@ class TableSource:
         return out
 
     def gather_rows(self, ids: np.ndarray) -> np.ndarray:
-        """Rows at arbitrary source ids, in request order (one positioned read per run of rows)."""
+        """Rows at arbitrary source ids, in request order.
+
+        Ids are sorted and rows closer than `GATHER_GAP_BYTES` share one positioned read (the disk
+        reads whole pages anyway), in batches of `GATHER_BATCH` distinct rows to bound memory.
+        """
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if len(ids) and (ids.min() < 0 or ids.max() >= self.num_rows):
             raise IndexError(f"row id outside the table of {self.num_rows} rows")
         out = np.empty((len(ids), self.row_bytes), dtype=np.uint8)
-        order = np.argsort(ids, kind="stable")
-        sorted_ids = ids[order]
-        # Group consecutive ids into runs so neighbouring rows cost one read.
-        breaks = np.flatnonzero(np.diff(sorted_ids) != 1) + 1
-        for run in np.split(np.arange(len(ids)), breaks):
-            if not len(run):
-                continue
-            first, last = int(sorted_ids[run[0]]), int(sorted_ids[run[-1]])
-            rows = self.read_rows(first, last + 1)
-            out[order[run]] = rows[sorted_ids[run] - first]
+        distinct, inverse = np.unique(ids, return_inverse=True)
+        rows = np.empty((len(distinct), self.row_bytes), dtype=np.uint8)
+        for first in range(0, len(distinct), GATHER_BATCH):
+            batch = distinct[first:first + GATHER_BATCH]
+            column = 0
+            for index, width in enumerate(self.part_bytes):
+                rows[first:first + len(batch), column:column + width] = self._gather_part(index, batch)
+                column += width
+        out[:] = rows[inverse.reshape(-1)]
         return out
+
+    def _gather_part(self, index: int, ids: np.ndarray) -> np.ndarray:
+        """One column part of sorted distinct rows: coalesced reads into one buffer, then a take."""
+        part, width = self.parts[index], self.part_bytes[index]
+        segment_of = np.searchsorted(self._segment_starts[index], ids, side="right") - 1
+        offsets = (np.array([s.offset for s in part], dtype=np.int64)[segment_of]
+                   + (ids - self._segment_starts[index][segment_of]) * width)
+        # A new read starts where the segment changes or the gap to the previous row is large.
+        gap = np.diff(offsets) - width
+        starts_read = np.concatenate([[True], (np.diff(segment_of) != 0) | (gap > GATHER_GAP_BYTES)])
+        read_first = np.flatnonzero(starts_read)
+        read_last = np.concatenate([read_first[1:], [len(ids)]]) - 1
+        read_offset = offsets[read_first]
+        read_length = offsets[read_last] + width - read_offset
+        buffer_start = np.concatenate([[0], np.cumsum(read_length)[:-1]])
+        buffer = np.empty(int(read_length.sum()), dtype=np.uint8)
+        view = memoryview(buffer)
+        for segment, offset, length, start in zip(segment_of[read_first].tolist(), read_offset.tolist(),
+                                                  read_length.tolist(), buffer_start.tolist()):
+            self._pread_into(part[segment].path, view[start:start + length], offset)
+        read_of_row = np.cumsum(starts_read) - 1
+        positions = buffer_start[read_of_row] + offsets - read_offset[read_of_row]
+        return buffer[positions[:, None] + np.arange(width)]
 
     def fingerprint(self) -> dict[str, Any]:
         """What identifies this source: its files' names and sizes, and a digest of sampled rows.

@@ -37,8 +37,12 @@ def rank_path(out: str | Path, tp_rank: int, tp_size: int) -> Path:
 def convert_ranks(source: TableSource, out: str | Path, tp_size: int,
                   tp_ranks: list[int] | None = None, *,
                   progress: Callable[[int], None] | None = None,
+                  layout_for: Callable[[int, int], dict[str, Any]] | None = None,
                   **options: Any) -> list[tuple[Path, dict[str, Any]]]:
     """Write one prepared file per rank in `tp_ranks` (all ranks by default); returns (path, manifest).
+
+    `layout_for(first_row, num_rows)`, when given, returns a rank's row order and layout arguments
+    for `convert` (`layouts.planner.plan_for_source`).
 
     Every rank file is atomic on its own; free space for all of them is checked before the first.
     """
@@ -55,7 +59,8 @@ def convert_ranks(source: TableSource, out: str | Path, tp_size: int,
     written = []
     for rank, (first_row, num_rows) in zip(ranks, ranges):
         path = rank_path(out, rank, tp_size)
+        layout = layout_for(first_row, num_rows) if layout_for is not None else {}
         manifest = convert(source, path, first_row=first_row, num_rows=num_rows, progress=progress,
-                           tensor_parallel={"rank": rank, "size": tp_size}, **options)
+                           tensor_parallel={"rank": rank, "size": tp_size}, **options, **layout)
         written.append((path, manifest))
     return written

@@ -1,0 +1,502 @@
+"""Profile prompts through the model's hash: which rows real requests read, and which together.
+
+A profile counts, for every n-gram group a token reads (the `heads_per_ngram` rows one order's
+mixed hash selects, `ngram.rows_of_mixed`), how many tokens read it; per-row hit counts follow from
+the groups. Requests are split by content: a request whose blake2b-64 of its int64 token ids is
+0 mod `HELDOUT_EVERY` is held out, so the layout is built from the training part and residency is
+measured on the held-out part; shards of a corpus split exactly as one run does, and a request
+repeated in the corpus always lands on the same side.
+
+Profile file: zstandard-compressed plain data, no pickle. Decompressed it is
+    MAGIC (8 bytes) | u64 little-endian header length | header JSON (UTF-8) | .npy records
+and the header's `arrays` names the .npy records in order. For each part P (train, heldout):
+    P.groups.N        uint64, sorted distinct mixed hashes of the order-N n-grams seen (N = 2..ngram_size)
+    P.group_counts.N  uint64, tokens that read each group
+    P.rows            int64, sorted distinct global rows read
+    P.row_counts      uint64, tokens that read each row
+The header also holds the hash spec, the tokenizer's sha256, the token and request counts per part,
+and each input file (name, bytes, sha256, requests, tokens).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+
+from .errors import BadInput
+from .ngram import NgramSpec, mixed_values, rows_of_mixed
+
+MAGIC = b"PLEPROF\x00"
+PROFILE_FORMAT = "ple-prep-profile"
+PROFILE_VERSION = 1
+HELDOUT_EVERY = 10
+PARTS = ("train", "heldout")
+MAX_HEADER_BYTES = 64 << 20
+# Tokens hashed per vectorised batch; requests are laid end to end to amortise numpy overhead.
+BATCH_TOKENS = 1 << 20
+# Texts per tokenizer call (the `tokenizers` library encodes a batch on all cores).
+TEXT_BATCH = 256
+ZSTD_LEVEL = 3
+
+
+@dataclasses.dataclass
+class PartCounts:
+    """The counts of one part: requests, tokens, and per order the groups seen with their counts."""
+
+    requests: int
+    tokens: int
+    groups: dict[int, tuple[np.ndarray, np.ndarray]]
+
+    def rows(self, spec: NgramSpec) -> tuple[np.ndarray, np.ndarray]:
+        """Sorted distinct global rows read, and how many tokens read each (uint64)."""
+        ids, counts = [], []
+        for order, (values, group_counts) in self.groups.items():
+            ids.append(rows_of_mixed(values, order, spec).reshape(-1))
+            counts.append(np.repeat(group_counts, spec.heads_per_ngram))
+        if not ids:
+            return np.zeros(0, np.int64), np.zeros(0, np.uint64)
+        return _sum_by_key(np.concatenate(ids), np.concatenate(counts))
+
+
+@dataclasses.dataclass
+class Profile:
+    spec: NgramSpec
+    tokenizer_sha256: str | None
+    model: str
+    inputs: list[dict[str, Any]]
+    parts: dict[str, PartCounts]
+    heldout_every: int = HELDOUT_EVERY
+
+    @property
+    def tokens(self) -> int:
+        return sum(part.tokens for part in self.parts.values())
+
+    @property
+    def requests(self) -> int:
+        return sum(part.requests for part in self.parts.values())
+
+    def summary(self) -> dict[str, Any]:
+        return {"requests": self.requests, "tokens": self.tokens,
+                "train": {"requests": self.parts["train"].requests, "tokens": self.parts["train"].tokens,
+                          "groups": sum(len(v) for v, _ in self.parts["train"].groups.values())},
+                "heldout": {"requests": self.parts["heldout"].requests,
+                            "tokens": self.parts["heldout"].tokens},
+                "inputs": len(self.inputs)}
+
+
+def _sum_by_key(keys: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct sorted keys and the sum of their counts (exact integer sums)."""
+    if not len(keys):
+        return keys.copy(), counts.astype(np.uint64)
+    order = np.argsort(keys, kind="stable")
+    keys, counts = keys[order], counts[order].astype(np.uint64)
+    starts = np.concatenate([[0], np.flatnonzero(keys[1:] != keys[:-1]) + 1])
+    return keys[starts], np.add.reduceat(counts, starts)
+
+
+class _KeyCounter:
+    """Counts uint64 keys arriving in batches; pending batches are merged when they outgrow the total."""
+
+    def __init__(self) -> None:
+        self.keys = np.zeros(0, np.uint64)
+        self.counts = np.zeros(0, np.uint64)
+        self.pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self.pending_size = 0
+
+    def add(self, values: np.ndarray) -> None:
+        keys, counts = np.unique(values, return_counts=True)
+        self.add_counted(keys, counts.astype(np.uint64))
+
+    def add_counted(self, keys: np.ndarray, counts: np.ndarray) -> None:
+        self.pending.append((keys, counts))
+        self.pending_size += len(keys)
+        if self.pending_size > max(len(self.keys), BATCH_TOKENS):
+            self._compact()
+
+    def _compact(self) -> None:
+        if self.pending:
+            self.keys, self.counts = _sum_by_key(
+                np.concatenate([self.keys] + [k for k, _ in self.pending]),
+                np.concatenate([self.counts] + [c for _, c in self.pending]))
+            self.pending, self.pending_size = [], 0
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        self._compact()
+        return self.keys, self.counts
+
+
+def is_heldout(tokens: np.ndarray, every: int = HELDOUT_EVERY) -> bool:
+    digest = hashlib.blake2b(np.ascontiguousarray(tokens, dtype="<i8").tobytes(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") % every == 0
+
+
+class Profiler:
+    """Feeds requests (token id arrays) through the hash and counts the groups they read."""
+
+    def __init__(self, spec: NgramSpec, heldout_every: int = HELDOUT_EVERY):
+        self.spec = spec
+        self.heldout_every = heldout_every
+        self.orders = tuple(range(2, spec.ngram_size + 1))
+        self._counters = {part: {order: _KeyCounter() for order in self.orders} for part in PARTS}
+        self._requests = {part: 0 for part in PARTS}
+        self._tokens = {part: 0 for part in PARTS}
+        self._buffer: dict[str, list[np.ndarray]] = {part: [] for part in PARTS}
+        self._buffered = 0
+
+    def add_request(self, tokens: np.ndarray) -> None:
+        """One new request; empty requests read nothing and are not counted."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if not len(tokens):
+            return
+        part = "heldout" if is_heldout(tokens, self.heldout_every) else "train"
+        self._buffer[part].append(tokens)
+        self._requests[part] += 1
+        self._tokens[part] += len(tokens)
+        self._buffered += len(tokens)
+        if self._buffered >= BATCH_TOKENS:
+            self.flush()
+
+    def flush(self) -> None:
+        for part, requests in self._buffer.items():
+            if not requests:
+                continue
+            lengths = np.fromiter((len(r) for r in requests), dtype=np.int64, count=len(requests))
+            starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+            mixed = mixed_values(np.concatenate(requests), self.spec, request_starts=starts)
+            for column, order in enumerate(self.orders):
+                self._counters[part][order].add(mixed[:, column])
+            requests.clear()
+        self._buffered = 0
+
+    def finish(self, *, model: str, tokenizer_sha256: str | None,
+               inputs: list[dict[str, Any]]) -> Profile:
+        self.flush()
+        parts = {part: PartCounts(self._requests[part], self._tokens[part],
+                                  {order: self._counters[part][order].result() for order in self.orders})
+                 for part in PARTS}
+        return Profile(self.spec, tokenizer_sha256, model, inputs, parts, self.heldout_every)
+
+
+# --- Reading prompts -------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Text:
+    text: str
+    add_special_tokens: bool
+
+
+class PromptReader:
+    """Turns prompt files into requests of token ids, tokenising text with the checkpoint's tokenizer."""
+
+    def __init__(self, model_dir: Path, spec: NgramSpec):
+        self.model_dir = model_dir
+        self.spec = spec
+        self._tokenizer = None
+        self._template = None
+        self._tokenizer_config: dict[str, Any] | None = None
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from tokenizers import Tokenizer
+
+            path = self.model_dir / "tokenizer.json"
+            if not path.is_file():
+                raise BadInput(f"{path} not found: text prompts need the checkpoint's tokenizer.json "
+                               f"(or give token ids as .npy or .jsonl with token_ids)")
+            try:
+                self._tokenizer = Tokenizer.from_file(str(path))
+            except Exception as exc:  # the binding raises plain Exception on a bad file
+                raise BadInput(f"{path} is not a tokenizers file: {exc}") from None
+        return self._tokenizer
+
+    @property
+    def tokenizer_config(self) -> dict[str, Any]:
+        if self._tokenizer_config is None:
+            path = self.model_dir / "tokenizer_config.json"
+            try:
+                self._tokenizer_config = json.loads(path.read_text()) if path.is_file() else {}
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise BadInput(f"{path} is not JSON: {exc}") from None
+        return self._tokenizer_config
+
+    def render_chat(self, messages: Any, where: str) -> str:
+        from .chat import render_chat
+
+        return render_chat(self.model_dir, self.tokenizer_config, messages, where)
+
+    def requests(self, path: Path) -> Iterator[np.ndarray]:
+        """The requests of one prompt file, as int64 token id arrays, in file order."""
+        suffix = path.suffix.lower()
+        if not path.is_file():
+            raise BadInput(f"prompt file {path} not found")
+        if suffix == ".npy":
+            yield self._checked(self._load_npy(path), str(path))
+        elif suffix == ".txt":
+            try:
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError as exc:
+                raise BadInput(f"{path} is not UTF-8 text: {exc}") from None
+            yield from self._tokenised([(str(path), _Text(text, True))])
+        elif suffix == ".jsonl":
+            yield from self._tokenised(self._jsonl_items(path))
+        else:
+            raise BadInput(f"{path}: prompt files must be .txt, .jsonl or .npy, not {suffix or 'no suffix'!r}")
+
+    def _load_npy(self, path: Path) -> np.ndarray:
+        try:
+            array = np.load(path, allow_pickle=False)
+        except (ValueError, OSError) as exc:
+            raise BadInput(f"{path} is not a numpy .npy array of token ids: {exc}") from None
+        if array.ndim != 1 or array.dtype.kind not in "iu":
+            raise BadInput(f"{path}: expected a 1-D integer array of token ids, got "
+                           f"{array.dtype} of shape {array.shape}")
+        return array
+
+    def _jsonl_items(self, path: Path) -> Iterator[tuple[str, np.ndarray | _Text]]:
+        with open(path, "rb") as handle:
+            for number, line in enumerate(handle, 1):
+                where = f"{path}:{number}"
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    raise BadInput(f"{where}: not JSON: {exc}") from None
+                if not isinstance(record, dict):
+                    raise BadInput(f"{where}: each line must be a JSON object")
+                if "token_ids" in record:
+                    ids = record["token_ids"]
+                    if not isinstance(ids, list) or not all(
+                            isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                        raise BadInput(f"{where}: token_ids must be a list of integers")
+                    yield where, np.array(ids, dtype=np.int64)
+                elif isinstance(record.get("text"), str):
+                    yield where, _Text(record["text"], True)
+                elif isinstance(record.get("prompt"), str):
+                    yield where, _Text(record["prompt"], True)
+                elif "messages" in record:
+                    # Rendered text already holds the template's special tokens.
+                    yield where, _Text(self.render_chat(record["messages"], where), False)
+                else:
+                    raise BadInput(f"{where}: expected a string 'text' or 'prompt', chat "
+                                   f"'messages', or 'token_ids'")
+
+    def _tokenised(self, items: Iterable[tuple[str, np.ndarray | _Text]]) -> Iterator[np.ndarray]:
+        pending: list[tuple[str, np.ndarray | _Text]] = []
+
+        def drain() -> Iterator[np.ndarray]:
+            texts = [item for _, item in pending if isinstance(item, _Text)]
+            encoded = iter(self._encode(texts))
+            for where, item in pending:
+                yield self._checked(next(encoded) if isinstance(item, _Text) else item, where)
+            pending.clear()
+
+        for entry in items:
+            pending.append(entry)
+            if len(pending) >= TEXT_BATCH:
+                yield from drain()
+        yield from drain()
+
+    def _encode(self, texts: list[_Text]) -> list[np.ndarray]:
+        out: list[np.ndarray] = []
+        for flag in (True, False):
+            chosen = [i for i, t in enumerate(texts) if t.add_special_tokens is flag]
+            if chosen:
+                encodings = self.tokenizer.encode_batch([texts[i].text for i in chosen],
+                                                        add_special_tokens=flag)
+                out.extend(zip(chosen, (np.array(e.ids, dtype=np.int64) for e in encodings)))
+        return [ids for _, ids in sorted(out, key=lambda pair: pair[0])]
+
+    def _checked(self, tokens: np.ndarray, where: str) -> np.ndarray:
+        tokens = np.asarray(tokens).astype(np.int64, copy=False)
+        if len(tokens) and (tokens.min() < 0 or tokens.max() >= self.spec.vocab_size):
+            raise BadInput(f"{where}: token ids must be in [0, {self.spec.vocab_size}); "
+                           f"found {int(tokens.min())}..{int(tokens.max())}")
+        return tokens
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def tokenizer_fingerprint(model_dir: Path) -> str | None:
+    path = model_dir / "tokenizer.json"
+    return _file_sha256(path) if path.is_file() else None
+
+
+def profile_files(model: str | Path, prompt_files: Iterable[str | Path], *,
+                  progress: Callable[[int], None] | None = None,
+                  spec: NgramSpec | None = None) -> Profile:
+    """Profile prompt files against a checkpoint (its hash spec and tokenizer)."""
+    model_dir = Path(model)
+    if spec is None:
+        from .converters import open_source
+
+        with open_source(model_dir) as source:
+            spec = source.spec
+    if model_dir.is_file():
+        model_dir = model_dir.parent
+    paths = [Path(p) for p in prompt_files]
+    if not paths:
+        raise BadInput("give at least one prompt file")
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise BadInput(f"prompt file{'s' if len(missing) > 1 else ''} not found: {', '.join(missing)}")
+    reader = PromptReader(model_dir, spec)
+    profiler = Profiler(spec)
+    inputs = []
+    for path in paths:
+        requests = tokens = 0
+        for request in reader.requests(path):
+            profiler.add_request(request)
+            requests += bool(len(request))
+            tokens += len(request)
+            if progress is not None:
+                progress(len(request))
+        inputs.append({"name": path.name, "bytes": path.stat().st_size, "sha256": _file_sha256(path),
+                       "requests": requests, "tokens": tokens})
+    return profiler.finish(model=model_dir.name, tokenizer_sha256=tokenizer_fingerprint(model_dir),
+                           inputs=inputs)
+
+
+def merge_profiles(profiles: list[Profile]) -> Profile:
+    """One profile of everything the given ones profiled; equal to profiling it all in one run."""
+    if not profiles:
+        raise BadInput("nothing to merge")
+    first = profiles[0]
+    for other in profiles[1:]:
+        if other.spec != first.spec:
+            raise BadInput("the profiles were made with different hash specs (different models)")
+        if other.tokenizer_sha256 != first.tokenizer_sha256:
+            raise BadInput("the profiles were made with different tokenizers")
+        if other.heldout_every != first.heldout_every:
+            raise BadInput("the profiles hold out different fractions of requests")
+    parts = {}
+    for part in PARTS:
+        groups = {}
+        for order in first.parts[part].groups:
+            keys = np.concatenate([p.parts[part].groups[order][0] for p in profiles])
+            counts = np.concatenate([p.parts[part].groups[order][1] for p in profiles])
+            groups[order] = _sum_by_key(keys, counts)
+        parts[part] = PartCounts(sum(p.parts[part].requests for p in profiles),
+                                 sum(p.parts[part].tokens for p in profiles), groups)
+    return Profile(first.spec, first.tokenizer_sha256, first.model,
+                   [entry for p in profiles for entry in p.inputs], parts, first.heldout_every)
+
+
+# --- The file ---------------------------------------------------------------------------------------
+
+def save_profile(profile: Profile, out: str | Path, *, force: bool = False) -> None:
+    """Write the profile under a temporary name and rename it when complete."""
+    import zstandard
+
+    from .layouts.writer import partial_name
+
+    out = Path(out)
+    if not out.parent.is_dir():
+        raise BadInput(f"output folder {out.parent} does not exist")
+    if out.exists() and not force:
+        raise BadInput(f"{out} exists; pass --force to replace it")
+    arrays: dict[str, np.ndarray] = {}
+    for part in PARTS:
+        counts = profile.parts[part]
+        for order, (keys, group_counts) in sorted(counts.groups.items()):
+            arrays[f"{part}.groups.{order}"] = keys.astype(np.uint64)
+            arrays[f"{part}.group_counts.{order}"] = group_counts.astype(np.uint64)
+        rows, row_counts = counts.rows(profile.spec)
+        arrays[f"{part}.rows"] = rows.astype(np.int64)
+        arrays[f"{part}.row_counts"] = row_counts.astype(np.uint64)
+    header = {
+        "format": PROFILE_FORMAT, "version": PROFILE_VERSION, "model": profile.model,
+        "spec": profile.spec.to_json(), "tokenizer_sha256": profile.tokenizer_sha256,
+        "heldout_every": profile.heldout_every, "inputs": profile.inputs,
+        "parts": {part: {"requests": profile.parts[part].requests, "tokens": profile.parts[part].tokens}
+                  for part in PARTS},
+        "arrays": list(arrays),
+    }
+    header_bytes = json.dumps(header, sort_keys=True).encode()
+    temporary = partial_name(out)
+    try:
+        with open(temporary, "wb") as handle:
+            with zstandard.ZstdCompressor(level=ZSTD_LEVEL).stream_writer(handle, closefd=False) as stream:
+                stream.write(MAGIC + struct.pack("<Q", len(header_bytes)) + header_bytes)
+                for array in arrays.values():
+                    np.lib.format.write_array(stream, np.ascontiguousarray(array), allow_pickle=False)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, out)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read a profile file, checking its structure; BadInput on anything malformed."""
+    import zstandard
+
+    path = Path(path)
+    if not path.is_file():
+        raise BadInput(f"profile {path} not found")
+    try:
+        with open(path, "rb") as handle, zstandard.ZstdDecompressor().stream_reader(handle) as stream:
+            if _read_exact(stream, len(MAGIC)) != MAGIC:
+                raise BadInput(f"{path} is not a ple-prep profile")
+            (length,) = struct.unpack("<Q", _read_exact(stream, 8))
+            if length > MAX_HEADER_BYTES:
+                raise BadInput(f"{path}: profile header of {length} bytes is too large")
+            header = json.loads(_read_exact(stream, length))
+            arrays = {name: np.lib.format.read_array(stream, allow_pickle=False)
+                      for name in header["arrays"]}
+    except zstandard.ZstdError as exc:
+        raise BadInput(f"{path} is not a ple-prep profile (zstandard: {exc})") from None
+    except (struct.error, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise BadInput(f"{path}: corrupt profile ({exc})") from None
+    return _from_parts(header, arrays, path)
+
+
+def _read_exact(stream: Any, size: int) -> bytes:
+    """`size` bytes from a stream that may return fewer per read; short at the end of data."""
+    chunks, remaining = [], size
+    while remaining:
+        chunk = stream.read(remaining)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+def _from_parts(header: Any, arrays: dict[str, np.ndarray], path: Path) -> Profile:
+    if not isinstance(header, dict) or header.get("format") != PROFILE_FORMAT:
+        raise BadInput(f"{path} is not a ple-prep profile")
+    if header.get("version") != PROFILE_VERSION:
+        raise BadInput(f"{path}: profile version {header.get('version')} is not {PROFILE_VERSION}")
+    try:
+        spec = NgramSpec.from_json(header["spec"])
+        parts = {}
+        for part in PARTS:
+            groups = {}
+            for order in range(2, spec.ngram_size + 1):
+                keys = arrays[f"{part}.groups.{order}"]
+                counts = arrays[f"{part}.group_counts.{order}"]
+                if (keys.dtype != np.uint64 or counts.dtype != np.uint64 or keys.shape != counts.shape
+                        or keys.ndim != 1 or np.any(keys[1:] <= keys[:-1])):
+                    raise BadInput(f"{path}: corrupt profile (groups of order {order})")
+                groups[order] = (keys, counts)
+            parts[part] = PartCounts(int(header["parts"][part]["requests"]),
+                                     int(header["parts"][part]["tokens"]), groups)
+        return Profile(spec, header["tokenizer_sha256"], str(header["model"]), list(header["inputs"]),
+                       parts, int(header["heldout_every"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BadInput(f"{path}: corrupt profile ({exc})") from None

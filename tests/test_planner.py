@@ -1,0 +1,185 @@
+"""Access-ordered layouts: rows stay reachable by global id, groups share pages, hints are honest."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from ple_prep.converters import open_source
+from ple_prep.errors import BadInput
+from ple_prep.layouts.format import ORDER_BYTES_PER_PLACED
+from ple_prep.layouts.planner import (_pack, max_placed_rows, plan_for_source, plan_order,
+                                      residency_hints)
+from ple_prep.layouts.writer import convert
+from ple_prep.ngram import rows_of_mixed
+from ple_prep.profile import Profiler, profile_files
+from ple_prep.runtime import open_table
+
+EOS = 248044
+
+
+def corpus_profile(spec, seed=0, requests=400):
+    """Zipf-like token streams, so some n-grams are hot and most are rare."""
+    rng = np.random.default_rng(seed)
+    profiler = Profiler(spec)
+    for _ in range(requests):
+        length = int(rng.integers(5, 60))
+        tokens = np.minimum(rng.zipf(1.3, size=length), 5000) + 100
+        tokens[rng.random(length) < 0.05] = EOS
+        profiler.add_request(tokens)
+    return profiler.finish(model="zipf", tokenizer_sha256=None, inputs=[])
+
+
+@pytest.fixture(scope="module")
+def source_and_profile(fp8_checkpoint):
+    with open_source(fp8_checkpoint) as source:
+        yield source, corpus_profile(source.spec)
+
+
+@pytest.mark.parametrize("variant", ["fp8_checkpoint", "bf16_checkpoint", "nvfp4_checkpoint"])
+def test_convert_profile_gather_and_values_by_global_id(variant, request, tmp_path):
+    checkpoint = request.getfixturevalue(variant)
+    with open_source(checkpoint) as source:
+        profile = corpus_profile(source.spec)
+        plan = plan_for_source(source, profile, page_size=4096, map_fraction=0.019)
+        assert plan["order"].num_placed > 0
+        convert(source, tmp_path / "t.bin", **plan)
+        reference = tmp_path / "ref.bin"
+        convert(source, reference)
+        expected = source.read_rows(0, source.num_rows)
+    ids = np.random.default_rng(2).permutation(len(expected))
+    with open_table(tmp_path / "t.bin") as table, open_table(reference) as plain:
+        assert np.array_equal(table.gather(ids), expected[ids])
+        assert np.array_equal(table.values(ids), plain.values(ids), equal_nan=True)
+        slots = table.slot_of(ids)
+        assert np.array_equal(np.sort(slots), np.arange(table.num_rows))
+        assert np.array_equal(table.page_of(ids), slots // table.rows_per_page)
+        placed = plan["order"].slot_rows
+        assert np.array_equal(table.slot_of(placed), np.arange(len(placed)))
+
+
+def test_plan_places_hottest_first_and_groups_on_one_page(source_and_profile):
+    source, profile = source_and_profile
+    rows_per_page = 25
+    plan = plan_order(profile, source.num_rows, rows_per_page, max_placed=source.num_rows)
+    order = plan.order
+    # Every seen row is placed (no cap); rows never seen follow in source order.
+    seen, _ = profile.parts["train"].rows(profile.spec)
+    assert np.array_equal(np.sort(order.slot_rows.astype(np.int64)), seen)
+    unseen = np.setdiff1d(np.arange(source.num_rows), seen)
+    assert np.array_equal(order.slot_of(unseen), len(seen) + np.arange(len(unseen)))
+    # A group whose rows were all new at its turn (hotness order) sits on one page, except the
+    # few cut to fill a page's end.
+    pages_of_new_groups = []
+    taken: set[int] = set()
+    groups = [(int(count), order_n, int(key), rows)
+              for order_n, (keys, counts) in profile.parts["train"].groups.items()
+              for key, count, rows in zip(keys, counts, rows_of_mixed(keys, order_n, profile.spec))]
+    for _, _, _, rows in sorted(groups, key=lambda g: (-g[0], g[1], g[2])):
+        if not taken & set(rows.tolist()):
+            pages_of_new_groups.append(len(set((order.slot_of(rows) // rows_per_page).tolist())))
+        taken.update(rows.tolist())
+    assert plan.groups_split < 0.15 * plan.groups_placed
+    assert np.mean(np.array(pages_of_new_groups) == 1) > 0.9
+    # The hottest group is in the first page.
+    train = profile.parts["train"].groups[2]
+    hottest = rows_of_mixed(train[0][[np.argmax(train[1])]], 2, profile.spec)[0]
+    assert set((order.slot_of(hottest) // rows_per_page).tolist()) == {0}
+
+
+def test_plan_real_geometry_puts_each_seen_ngram_on_one_page():
+    """At the model's 320M rows collisions are rare: a seen n-gram's 8 rows share one page."""
+    from ple_prep.fixtures import fixture_config
+    from ple_prep.ngram import NgramSpec
+
+    spec = NgramSpec.from_config(fixture_config(base=20_000_000))
+    profile = corpus_profile(spec, seed=4, requests=300)
+    plan = plan_order(profile, spec.rows_stored, 25, max_placed=spec.rows_stored)
+    one_page, counts, every_row = [], [], []
+    for order_n, (keys, group_counts) in profile.parts["train"].groups.items():
+        rows = rows_of_mixed(keys, order_n, spec)
+        slots = plan.order.slot_of(rows.reshape(-1)).reshape(-1, 8)
+        one_page.append(np.ptp(slots // 25, axis=1) == 0)
+        counts.append(group_counts)
+        every_row.append(rows.reshape(-1))
+    one_page, counts = np.concatenate(one_page), np.concatenate(counts)
+    # Only the coldest groups (seen once) are cut to fill the page ends 8-row groups leave.
+    assert np.all(one_page[counts >= 2])
+    assert np.mean(one_page) > 0.95
+    assert plan.order.num_placed == len(np.unique(np.concatenate(every_row)))
+
+
+def test_plan_respects_the_map_cap(source_and_profile):
+    source, profile = source_and_profile
+    limit = max_placed_rows(source.num_rows, source.row_bytes, 0.01)
+    assert limit == int(0.01 * source.num_rows * 160) // ORDER_BYTES_PER_PLACED
+    plan = plan_order(profile, source.num_rows, 25, max_placed=limit)
+    assert 0 < plan.order.num_placed <= limit
+    assert ORDER_BYTES_PER_PLACED * plan.order.num_placed < 0.02 * source.num_rows * source.row_bytes
+    with pytest.raises(BadInput, match="below 2%"):
+        max_placed_rows(source.num_rows, source.row_bytes, 0.05)
+
+
+def test_plan_for_a_rank_slice_keeps_its_rows(source_and_profile):
+    source, profile = source_and_profile
+    half = source.num_rows // 2
+    plan = plan_order(profile, half, 25, max_placed=half, first_row=half)
+    seen, _ = profile.parts["train"].rows(profile.spec)
+    assert np.array_equal(np.sort(plan.order.slot_rows.astype(np.int64)), seen[seen >= half] - half)
+
+
+def test_pack_keeps_groups_whole_and_fills_pages():
+    rng = np.random.default_rng(0)
+    sizes = rng.choice([8, 7, 5, 3, 1], size=2000, p=[0.7, 0.1, 0.1, 0.05, 0.05]).tolist()
+    pieces = _pack(sizes, 25)
+    placed = np.zeros(len(sizes), dtype=int)
+    slot, pages = 0, {}
+    for group, first, stop in pieces:
+        assert first == placed[group]
+        placed[group] = stop
+        pages.setdefault(group, set()).update(range(slot // 25, (slot + stop - first - 1) // 25 + 1))
+        slot += stop - first
+    assert placed.tolist() == sizes
+    whole = sum(len(p) == 1 for p in pages.values())
+    assert whole >= 0.95 * len(sizes)
+    # The hottest groups are placed first and whole.
+    assert [p[0] for p in pieces[:3]] == [0, 1, 2]
+
+
+def test_residency_hints_measured_on_heldout_only(source_and_profile):
+    source, profile = source_and_profile
+    plan = plan_order(profile, source.num_rows, 25, max_placed=source.num_rows)
+    hints = residency_hints(plan.order, profile, row_bytes=160, rows_per_page=25, page_size=4096)
+    assert [h["budget"] for h in hints] == ["0.25 GiB", "0.5 GiB", "1 GiB", "2 GiB", "4 GiB", "8 GiB",
+                                            "16 GiB", "1%", "2%", "5%", "10%", "20%"]
+    rows, counts = profile.parts["heldout"].rows(profile.spec)
+    slots = plan.order.slot_of(rows)
+    for hint in hints:
+        expected = counts[slots < hint["rows"]].sum() / counts.sum()
+        assert hint["hit_fraction"] == pytest.approx(expected, abs=1e-6)
+    ten = next(h for h in hints if h["budget"] == "10%")
+    assert ten["rows"] == (source.num_rows * 160 // 10) // 4096 * 25
+    fractions = [h["hit_fraction"] for h in hints[7:]]
+    assert fractions == sorted(fractions) and fractions[0] > 0.01
+
+
+def test_plan_refuses_another_models_profile(fp8_checkpoint, tmp_path):
+    from ple_prep.fixtures import make_checkpoint
+
+    other = make_checkpoint(tmp_path / "other", base=2000, num_shards=4)
+    (tmp_path / "a.txt").write_text("the table")
+    profile = profile_files(other, [tmp_path / "a.txt"])
+    with open_source(fp8_checkpoint) as source, pytest.raises(BadInput, match="another model"):
+        plan_for_source(source, profile, page_size=4096)
+
+
+@pytest.mark.parametrize("variant", ["fp8_checkpoint", "nvfp4_checkpoint"])
+def test_gather_rows_equals_read_rows(variant, request):
+    checkpoint = request.getfixturevalue(variant)
+    with open_source(checkpoint) as source:
+        everything = source.read_rows(0, source.num_rows)
+        rng = np.random.default_rng(5)
+        for ids in (rng.integers(0, source.num_rows, size=5000), np.arange(source.num_rows)[::-1],
+                    np.array([0, 0, source.num_rows - 1, 5, 5]), np.zeros(0, dtype=np.int64)):
+            assert np.array_equal(source.gather_rows(ids), everything[ids])
