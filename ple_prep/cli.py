@@ -379,6 +379,15 @@ class _DefaultGroup(click.Group):
             args = [self.default_command, *args]
         return super().parse_args(ctx, args)
 
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The default command's options (what `GROUP --option ...` takes), then the commands."""
+        default = self.commands[self.default_command]
+        records = [param.get_help_record(ctx) for param in default.get_params(ctx)
+                   if isinstance(param, click.Option)]
+        with formatter.section("Options"):
+            formatter.write_dl([record for record in records if record])
+        self.format_commands(ctx, formatter)
+
 
 @cli.group(cls=_DefaultGroup)
 def profile() -> None:
@@ -400,8 +409,7 @@ def profile() -> None:
 
 
 @profile.command("run", hidden=True)
-@click.option("--model", "model", required=True, type=click.Path(path_type=Path),
-              help="Checkpoint folder (its config, hash constants and tokenizer).")
+@model_option("Checkpoint whose hash and tokenizer to use.")
 @click.option("--prompts", "prompts", multiple=True, type=click.Path(path_type=Path),
               help="Prompt file; more files may follow (--prompts a.jsonl b.txt).")
 @click.argument("more_prompts", nargs=-1, type=click.Path(path_type=Path))
@@ -432,7 +440,7 @@ def profile_run(model: Path, prompts: tuple[Path, ...], more_prompts: tuple[Path
     summary = {"out": str(out), "seconds": round(seconds, 3), **result.summary()}
     if as_json:
         echo_json(summary)
-    else:
+    elif not quiet:
         click.echo(f"wrote {out}: {summary['requests']:,} requests, {summary['tokens']:,} tokens "
                    f"({summary['heldout']['requests']:,} requests held out) in {seconds:.1f} s")
 

@@ -24,7 +24,7 @@ def test_make_fixture_writes_real_layout(variant, encoding, runner, tmp_path):
     names = sorted(p.name for p in out.iterdir())
     assert names == ["config.json", "model-00001-of-00003.safetensors",
                      "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors",
-                     "model.safetensors.index.json"]
+                     "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"]
     config = json.loads((out / "config.json").read_text())
     assert config["ngram_vocab_size_base"] == 1000 and config["split_ngram_parts"] == 128
     index = json.loads((out / "model.safetensors.index.json").read_text())

@@ -175,7 +175,10 @@ class TableSource:
         view = memoryview(buffer)
         for segment, offset, length, start in zip(segment_of[read_first].tolist(), read_offset.tolist(),
                                                   read_length.tolist(), buffer_start.tolist()):
-            self._pread_into(part[segment].path, view[start:start + length], offset)
+            if part[segment].path is None:  # rows no file stores (padding) read as zeros
+                buffer[start:start + length] = 0
+            else:
+                self._pread_into(part[segment].path, view[start:start + length], offset)
         read_of_row = np.cumsum(starts_read) - 1
         positions = buffer_start[read_of_row] + offsets - read_offset[read_of_row]
         return buffer[positions[:, None] + np.arange(width)]
