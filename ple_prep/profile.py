@@ -7,7 +7,7 @@ the groups. Requests are split by content: a request whose blake2b-64 of its int
 measured on the held-out part; shards of a corpus split exactly as one run does, and a request
 repeated in the corpus always lands on the same side.
 
-Profile file: zstandard-compressed plain data, no pickle. Decompressed it is
+Profile file: zstandard-compressed plain data (nothing pickled). Decompressed it is
     MAGIC (8 bytes) | u64 little-endian header length | header JSON (UTF-8) | .npy records
 and the header's `arrays` names the .npy records in order. For each part P (train, heldout):
     P.groups.N        uint64, sorted distinct mixed hashes of the order-N n-grams seen (N = 2..ngram_size)

@@ -286,7 +286,7 @@ def test_validate_manifest_mutated_fields_give_bad_input(paths, values, delete):
     manifest = _valid_manifest()
     for path, value in zip(paths, values):
         parent, _, key = path.rpartition(".")
-        target = manifest[parent] if parent else manifest
+        target = manifest.get(parent) if parent else manifest
         if not isinstance(target, dict):
             continue
         if delete:
