@@ -51,7 +51,7 @@ def load_resident(table: "Table", budget_bytes: int, device: str = "cpu") -> Res
         def put_in_memory(start: int, chunk: np.ndarray) -> None:
             rows[start:start + len(chunk)] = chunk
 
-        _read_leading_slots(table, num_slots, put_in_memory)
+        read_leading_slots(table, num_slots, put_in_memory)
         return Resident(num_slots, rows, device)
     import torch
 
@@ -60,11 +60,11 @@ def load_resident(table: "Table", budget_bytes: int, device: str = "cpu") -> Res
     def put(start: int, chunk: np.ndarray) -> None:
         rows[start:start + len(chunk)].copy_(torch.from_numpy(chunk))
 
-    _read_leading_slots(table, num_slots, put)
+    read_leading_slots(table, num_slots, put)
     return Resident(num_slots, rows, str(rows.device))
 
 
-def _read_leading_slots(table: "Table", num_slots: int, put) -> None:
+def read_leading_slots(table: "Table", num_slots: int, put) -> None:
     """Read slots [0, num_slots) page-chunk by chunk, dropping page padding, and `put` them."""
     pages_per_chunk = max(1, LOAD_CHUNK_BYTES // table.page_size)
     rows_per_chunk = pages_per_chunk * table.rows_per_page
