@@ -190,7 +190,10 @@ def _read_files(files: list[Path]) -> tuple[dict[str, Any], dict[str, GGUFTensor
         for key, field in reader.fields.items():
             if key.startswith("GGUF."):
                 continue
-            value = _field_value(field)
+            try:
+                value = _field_value(field)
+            except (ValueError, IndexError, OverflowError, UnicodeDecodeError) as exc:
+                raise BadInput(f"{path.name}: metadata {key!r} cannot be read ({exc})") from None
             if key.startswith("split."):
                 _check_split_key(path, key, value, number, len(files))
             elif key in metadata and metadata[key] != value:
