@@ -62,7 +62,7 @@ def fio_random_read(path: str | Path, seconds: float = 8, queue_depth: int = 64,
                     block_size: int = 4096) -> dict[str, Any] | None:
     """fio's direct random-read rate on `path` (read-only); None when fio is not installed."""
     fio = shutil.which("fio")
-    if fio is None:
+    if fio is None or seconds <= 0:
         return None
     command = [fio, "--name=ple-prep-bench", f"--filename={path}", "--readonly", "--rw=randread",
                f"--bs={block_size}", f"--iodepth={queue_depth}", "--ioengine=libaio", "--direct=1",

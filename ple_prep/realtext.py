@@ -7,6 +7,7 @@ needs no download. Tokens come from a byte-level BPE trained with `tokenizers` o
 """
 from __future__ import annotations
 
+import functools
 import sysconfig
 from pathlib import Path
 from typing import Iterator
@@ -34,8 +35,9 @@ def _texts(paths: list[Path]) -> Iterator[str]:
             continue
 
 
+@functools.lru_cache(maxsize=2)
 def train_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):
-    """A byte-level BPE trained on the first TRAIN_BYTES of the sources."""
+    """A byte-level BPE trained on the first TRAIN_BYTES of the sources (once per process)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     texts, total = [], 0

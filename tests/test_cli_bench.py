@@ -1,0 +1,62 @@
+"""`ple-prep bench`: real-text requests, cold and warm, with and without fio."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from ple_prep.cli import cli
+from ple_prep.converters import open_source
+from ple_prep.layouts.writer import convert
+
+SCENARIOS = ("cold_prefill", "cold_decode_16", "warm_prefill", "warm_decode_16", "warm_decode_64")
+
+
+@pytest.fixture(scope="module")
+def table_path(fp8_checkpoint, tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "t.bin"
+    with open_source(fp8_checkpoint) as source:
+        convert(source, path)
+    return path
+
+
+def test_bench_json_reports_every_scenario_without_fio(runner, table_path):
+    result = runner.invoke(cli, ["bench", str(table_path), "--json", "--prefill-requests", "1",
+                                 "--decode-requests", "20"], env={"PATH": "/nonexistent"})
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["fio"] is None and "cold_vs_fio" not in report
+    for key in SCENARIOS:
+        row = report[key]
+        assert row["p50_us"] > 0 and row["p99_us"] >= row["p50_us"] and row["rows_per_s"] > 0
+        assert row["major_faults"] >= 0
+    assert report["warm_prefill"]["rows_per_request"] == 4096 * 16
+    assert report["warm_decode_16"]["rows_per_request"] == 16
+    assert report["warm_decode_64"]["rows_per_request"] == 64
+    # Real text repeats n-grams: a prefill chunk reads far fewer distinct rows than ids.
+    assert report["warm_prefill"]["distinct_rows_per_request"] < 4096 * 16 * 0.8
+
+
+def test_bench_text_says_when_fio_did_not_run(runner, table_path):
+    result = runner.invoke(cli, ["bench", str(table_path), "--prefill-requests", "1",
+                                 "--decode-requests", "5", "--fio-seconds", "0", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "warm decode, 1 token" in result.output
+    assert "fio: not run (not installed, or --fio-seconds 0)" in result.output
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
+def test_bench_runs_fio_beside_the_gathers(runner, table_path):
+    result = runner.invoke(cli, ["bench", str(table_path), "--json", "--prefill-requests", "1",
+                                 "--decode-requests", "5", "--fio-seconds", "1"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["fio"]["iops"] > 0 and report["fio"]["queue_depth"] == 64
+    assert report["cold_vs_fio"] > 0
+
+
+def test_bench_missing_table_is_bad_input(runner, tmp_path):
+    result = runner.invoke(cli, ["bench", str(tmp_path / "absent.bin")])
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1
