@@ -68,3 +68,22 @@ def test_round_to_bf16_subnormals_match_torch():
     values = bits.view(np.float32)
     expected = torch_bits(torch.from_numpy(values).to(torch.bfloat16))
     assert np.array_equal(reference_bits(values), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_source_serves_gguf_tokens(device, tmp_path):
+    """The torch serving path on a split-head IQ4_NL table (zero padding rows included)."""
+    from ple_prep.ngram import row_ids
+    from ple_prep.runtime.torch import EmbeddingSource
+
+    model = make_gguf(tmp_path / "m", "iq4_nl", layout="split", num_files=2)
+    with open_source(model) as source:
+        spec = source.spec
+        convert(source, tmp_path / "t.bin")
+    with open_table(tmp_path / "t.bin") as table:
+        ids = row_ids(np.random.default_rng(3).integers(0, 248320, 64), spec)
+        serving = EmbeddingSource(table, device=device, resident_bytes=table.row_bytes * 4000,
+                                  max_tokens=64)
+        got = serving(torch.from_numpy(ids).to(device))
+        expected = reference_bits(table.values(ids.reshape(-1))).reshape(64, -1)
+        assert np.array_equal(torch_bits(got), expected)
