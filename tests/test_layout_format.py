@@ -1,7 +1,10 @@
 """The prepared file v1 on disk: header bytes, page geometry, row-order map, manifest, writing."""
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import os
 import shutil
 import struct
 import uuid
@@ -106,10 +109,39 @@ def test_convert_checksum_blocks_span_chunks(fp8_checkpoint, tmp_path, monkeypat
     monkeypatch.setattr("ple_prep.layouts.writer.CHECKSUM_BLOCK_BYTES", 64 << 10)
     with open_source(fp8_checkpoint) as source:
         manifest = convert(source, tmp_path / "t.bin")
+        rows = source.read_rows(0, source.num_rows)
     data = (tmp_path / "t.bin").read_bytes()[4096:]
     assert manifest["checksums"]["block_bytes"] == 64 << 10
     assert manifest["checksums"]["blocks"] == [zlib.crc32(data[i:i + (64 << 10)])
                                                for i in range(0, len(data), 64 << 10)]
+    # 169 chunks of 4 pages through the reused buffers: every row in place, every padding zero.
+    pages = np.frombuffer(data, dtype=np.uint8).reshape(-1, 4096)
+    assert not pages[:, 4000:].any() and not pages[-1, 21 * 160:].any()
+    with open_table(tmp_path / "t.bin") as table:
+        assert np.array_equal(table.gather(np.arange(16896)), rows)
+
+
+def test_convert_falls_back_when_direct_io_refused(fp8_checkpoint, tmp_path, monkeypatch):
+    real_write, refused = os.write, []
+
+    def write(descriptor, data):
+        if fcntl.fcntl(descriptor, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
+            refused.append(len(data))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(descriptor, data)
+
+    monkeypatch.setattr(os, "write", write)
+    with open_source(fp8_checkpoint) as source:
+        manifest = convert(source, tmp_path / "t.bin")
+        rows = source.read_rows(0, source.num_rows)
+    monkeypatch.undo()
+    if not refused:
+        pytest.skip("this filesystem takes no O_DIRECT, so there is nothing to fall back from")
+    assert refused == [4096]  # the first write, then the descriptor went back to buffered writes
+    data = (tmp_path / "t.bin").read_bytes()
+    assert manifest["checksums"]["header_crc32"] == zlib.crc32(data[:4096])
+    with open_table(tmp_path / "t.bin") as table:
+        assert np.array_equal(table.gather(np.arange(16896)), rows)
 
 
 def test_convert_manifest_fields(converted, fp8_checkpoint):

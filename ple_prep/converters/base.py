@@ -136,6 +136,22 @@ class TableSource:
             column += width
         return out
 
+    def prefetch(self, start: int, stop: int) -> None:
+        """Ask the kernel to start reading rows [start, stop) in the background; only a hint.
+
+        A streaming reader calls it for the chunk after the one it reads next, so the disk always
+        has a request queued while the reader and its consumers are busy.
+        """
+        start, stop = max(0, start), min(stop, self.num_rows)
+        for part, width in zip(self.parts, self.part_bytes):
+            for segment in part:
+                low = max(start, segment.first_row)
+                high = min(stop, segment.first_row + segment.num_rows)
+                if low < high and segment.path is not None:
+                    os.posix_fadvise(self._descriptor(segment.path),
+                                     segment.offset + (low - segment.first_row) * width,
+                                     (high - low) * width, os.POSIX_FADV_WILLNEED)
+
     def gather_rows(self, ids: np.ndarray) -> np.ndarray:
         """Rows at arbitrary source ids, in request order.
 

@@ -1,11 +1,14 @@
 """Write a prepared table: stream rows from a source into pages, checksum, and publish atomically."""
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import errno
+import fcntl
 import glob
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import uuid
@@ -27,6 +30,14 @@ from .order import RowOrder
 # Pages per write: a quarter checksum block (16 MiB of 4 KiB pages) keeps memory small and the
 # disk busy; it divides the checksum block so each block's CRC is accumulated over whole chunks.
 CHUNKS_PER_CHECKSUM_BLOCK = 4
+# Chunks read ahead of the packing thread and written behind it: slack so that a stall in one
+# stage does not stop the others. Memory: (READ_AHEAD + 2 + WRITE_BEHIND + 1) chunks of 16 MiB.
+READ_AHEAD = 3
+WRITE_BEHIND = 2
+# O_DIRECT needs buffers, offsets and lengths aligned to the device's logical block; 4 KiB covers
+# every common device, and pages that size or larger keep every write aligned.
+DIRECT_IO_ALIGNMENT = 4096
+O_DIRECT = getattr(os, "O_DIRECT", 0)
 # Slack beyond the file size so the free-space check does not pass with zero bytes to spare.
 FREE_SPACE_MARGIN = 16 << 20
 
@@ -148,78 +159,163 @@ def convert(source: TableSource, out: str | Path, *, order: RowOrder | None = No
 
 
 def _read_slots(source: TableSource, order: RowOrder, first_row: int, start: int,
-                stop: int) -> np.ndarray:
+                stop: int, out: np.ndarray) -> np.ndarray:
+    """Rows of slots [start, stop), read into `out` when they are one run of source rows."""
     if start >= order.num_placed:
         # Unplaced slots hold rows in source order: one sequential read when no placed row interrupts.
         rows = order.rows_at(start, stop)
         if rows[-1] - rows[0] == stop - start - 1:
-            return source.read_rows(first_row + int(rows[0]), first_row + int(rows[-1]) + 1)
+            return source.read_rows(first_row + int(rows[0]), first_row + int(rows[-1]) + 1,
+                                    out=out[:stop - start])
         return source.gather_rows(first_row + rows)
     return source.gather_rows(first_row + order.rows_at(start, stop))
 
 
+def _prefetch_slots(source: TableSource, order: RowOrder, first_row: int, start: int,
+                    stop: int) -> None:
+    """Hint the kernel to read the source rows of slots [start, stop) when they are unplaced."""
+    if start >= order.num_placed:
+        first, last = order.rows_at(start, start + 1)[0], order.rows_at(stop - 1, stop)[0]
+        source.prefetch(first_row + int(first), first_row + int(last) + 1)
+
+
+class _PageBuffer:
+    """One chunk of output pages, reused: rows go to each page's head, the padding stays zero."""
+
+    def __init__(self, header: Header, pages: int):
+        self.header = header
+        self.pages = _aligned_zeros(pages * header.page_size).reshape(pages, header.page_size)
+        self.used_bytes = header.rows_per_page * header.row_bytes
+
+    def pack(self, rows: np.ndarray) -> np.ndarray:
+        """The pages holding `rows` (a view of this buffer)."""
+        rows_per_page, row_bytes = self.header.rows_per_page, self.header.row_bytes
+        full_pages, leftover = divmod(len(rows), rows_per_page)
+        pages = self.pages[:full_pages + bool(leftover)]
+        pages[:full_pages, :self.used_bytes] = rows[:full_pages * rows_per_page].reshape(
+            full_pages, self.used_bytes)
+        if leftover:
+            # Only the table's last chunk ends in a partial page; clear what earlier chunks left.
+            pages[full_pages] = 0
+            pages[full_pages, :leftover * row_bytes] = rows[full_pages * rows_per_page:].reshape(-1)
+        return pages
+
+
 def _write_data(source: TableSource, header: Header, order: RowOrder, path: Path,
                 progress: Callable[[int], None] | None) -> tuple[dict[str, Any], str]:
+    """Stream the rows into `path`; returns the checksums and the sha256 of the table bytes read.
+
+    Four stages overlap, each on its own thread so each stays in order: reading runs up to
+    READ_AHEAD chunks ahead (and hints the kernel one chunk further), sha256 of the rows trails the
+    reads, this thread packs rows into pages and CRCs them, and writing runs up to WRITE_BEHIND
+    chunks behind. sha256, crc32 and the I/O release the GIL. The slack between stages absorbs
+    stalls in any one of them (a busy disk, a busy CPU). Buffers are allocated once and reused, so
+    memory stays a few chunks and no time goes to faulting in fresh pages. Pages are written with
+    O_DIRECT where the filesystem takes it: a table the size of RAM would otherwise push everything
+    else out of the page cache, and copying it through the cache costs as much CPU as hashing it.
+    """
     pages_per_block = CHECKSUM_BLOCK_BYTES // header.page_size
     pages_per_chunk = max(1, pages_per_block // CHUNKS_PER_CHECKSUM_BLOCK)
     rows_per_chunk = pages_per_chunk * header.rows_per_page
-    used_bytes = header.rows_per_page * header.row_bytes
     table_digest = hashlib.sha256()
     block_crcs: list[int] = []
     block_crc, block_filled = 0, 0
     chunk_starts = range(0, header.num_rows, rows_per_chunk)
+    # A row buffer is free again once its chunk is packed (here) and hashed (which may trail by one).
+    row_buffers = [np.empty((rows_per_chunk, header.row_bytes), dtype=np.uint8)
+                   for _ in range(READ_AHEAD + 2)]
+    page_buffers = [_PageBuffer(header, pages_per_chunk) for _ in range(WRITE_BEHIND + 1)]
 
-    def read(start: int) -> np.ndarray:
+    def read(index: int) -> np.ndarray:
+        start = chunk_starts[index]
+        if index + 1 < len(chunk_starts):
+            # Queue the next chunk's rows with the kernel before waiting on this one's.
+            _prefetch_slots(source, order, header.first_row, start + rows_per_chunk,
+                            min(start + 2 * rows_per_chunk, header.num_rows))
         return _read_slots(source, order, header.first_row, start,
-                           min(start + rows_per_chunk, header.num_rows))
+                           min(start + rows_per_chunk, header.num_rows),
+                           row_buffers[index % len(row_buffers)])
 
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        try:
-            prefix = header.pack() + order.to_bytes()
-            os.write(descriptor, prefix.ljust(header.data_offset, b"\0"))
-            header_crc = zlib.crc32(prefix.ljust(header.data_offset, b"\0"))
-            # Read one chunk ahead and write one chunk behind while this thread packs and hashes.
-            pending_read = pool.submit(read, 0)
-            pending_write: concurrent.futures.Future | None = None
-            for index, start in enumerate(chunk_starts):
-                rows = pending_read.result()
-                if index + 1 < len(chunk_starts):
-                    pending_read = pool.submit(read, chunk_starts[index + 1])
-                table_digest.update(rows)
-                full_pages, leftover = divmod(len(rows), header.rows_per_page)
-                pages = np.zeros((full_pages + bool(leftover), header.page_size), dtype=np.uint8)
-                pages[:full_pages, :used_bytes] = rows[:full_pages * header.rows_per_page].reshape(
-                    full_pages, used_bytes)
-                if leftover:
-                    pages[full_pages, :leftover * header.row_bytes] = rows[
-                        full_pages * header.rows_per_page:].reshape(-1)
-                block_crc = zlib.crc32(pages, block_crc)
-                block_filled += len(pages)
-                if block_filled == pages_per_block:
-                    block_crcs.append(block_crc)
-                    block_crc, block_filled = 0, 0
-                if pending_write is not None:
-                    pending_write.result()
-                pending_write = pool.submit(_write_all, descriptor, pages)
-                if progress is not None:
-                    progress(rows.nbytes)
-            if pending_write is not None:
-                pending_write.result()
-            if block_filled:
+    stages = [concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"convert-{name}")
+              for name in ("read", "hash", "write")]
+    reader, hasher, writer = stages
+    try:
+        prefix = header.pack() + order.to_bytes()
+        head = _aligned_zeros(header.data_offset)
+        head[:len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
+        if header.page_size % DIRECT_IO_ALIGNMENT == 0:
+            _set_direct(descriptor, True)
+        _write_all(descriptor, head)
+        header_crc = zlib.crc32(head)
+        reads = collections.deque(reader.submit(read, index)
+                                  for index in range(min(READ_AHEAD, len(chunk_starts))))
+        hashes: collections.deque[concurrent.futures.Future] = collections.deque()
+        writes: collections.deque[concurrent.futures.Future] = collections.deque()
+        for index in range(len(chunk_starts)):
+            rows = reads.popleft().result()
+            hashes.append(hasher.submit(table_digest.update, rows))
+            while len(hashes) > 2:
+                hashes.popleft().result()
+            # The next read reuses the buffer of chunk index-2, packed and now hashed.
+            if index + READ_AHEAD < len(chunk_starts):
+                reads.append(reader.submit(read, index + READ_AHEAD))
+            while len(writes) >= len(page_buffers):
+                writes.popleft().result()
+            pages = page_buffers[index % len(page_buffers)].pack(rows)
+            block_crc = zlib.crc32(pages, block_crc)
+            block_filled += len(pages)
+            if block_filled == pages_per_block:
                 block_crcs.append(block_crc)
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
+                block_crc, block_filled = 0, 0
+            writes.append(writer.submit(_write_all, descriptor, pages))
+            if progress is not None:
+                progress(rows.nbytes)
+        for pending in (*hashes, *writes):
+            pending.result()
+        if block_filled:
+            block_crcs.append(block_crc)
+        os.fsync(descriptor)
+    finally:
+        # Stop the stages before closing: a write still queued must never reach a reused descriptor.
+        for stage in stages:
+            stage.shutdown(wait=True, cancel_futures=True)
+        os.close(descriptor)
     checksums = {"algorithm": "crc32", "block_bytes": CHECKSUM_BLOCK_BYTES,
                  "header_crc32": header_crc, "blocks": block_crcs}
     return checksums, table_digest.hexdigest()
 
 
+def _aligned_zeros(nbytes: int) -> np.ndarray:
+    """Zeroed bytes at a page-aligned address (anonymous memory), as O_DIRECT needs."""
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+
+
+def _set_direct(descriptor: int, direct: bool) -> bool:
+    """Turn O_DIRECT on or off; False when the filesystem refuses or nothing changed."""
+    flags = fcntl.fcntl(descriptor, fcntl.F_GETFL)
+    wanted = flags | O_DIRECT if direct else flags & ~O_DIRECT
+    if not O_DIRECT or wanted == flags:
+        return False
+    try:
+        fcntl.fcntl(descriptor, fcntl.F_SETFL, wanted)
+    except OSError:
+        return False
+    return True
+
+
 def _write_all(descriptor: int, pages: np.ndarray) -> None:
     view = memoryview(pages).cast("B")
     while len(view):
-        view = view[os.write(descriptor, view):]
+        try:
+            written = os.write(descriptor, view)
+        except OSError as exc:
+            # O_DIRECT refused this write (alignment the device wants, or a filesystem that accepts
+            # the flag but not the I/O): carry on through the page cache.
+            if exc.errno == errno.EINVAL and _set_direct(descriptor, False):
+                continue
+            raise
+        view = view[written:]
 
 
 def _fsync_folder(folder: Path) -> None:
