@@ -503,7 +503,8 @@ def bench(table: Path, prefill_requests: int, decode_requests: int, fio_seconds:
     from .benchmark import run_bench
 
     def say(message: str) -> None:
-        if not quiet and not as_json:
+        # Progress, like the bars: only to a terminal.
+        if not quiet and not as_json and sys.stderr.isatty():
             click.echo(f"{message} ...", err=True)
 
     report = run_bench(table, prefill_requests=prefill_requests, decode_requests=decode_requests,
