@@ -2,7 +2,8 @@
 
     flock /tmp/ple-bench.lock python bench/gather_bench.py /work/bigdata/issue4/ple-6g.bin
 
-1. fio 4 KiB random reads at queue depth 64 on the file (direct I/O): the disk's ceiling.
+1. fio 4 KiB random reads at queue depth 64 on the file (direct I/O): the disk's ceiling, run
+   before and after the cold gathers (ratios use the mean of the two).
 2. Cold gather of 18,000 distinct rows (real text through the table's hash) for several advice
    windows, and a plain numpy fancy index over the MADV_RANDOM mapping, each after evicting the file.
 3. Warm gather of the same rows against np.take on an in-memory copy holding those rows.
@@ -84,14 +85,18 @@ def main() -> None:
     row_ids = real_text_row_ids(spec, 40_000)
     ids = distinct_request(row_ids, DISTINCT_ROWS, 0)
     evict(path)
-    report["fio"] = fio_random_read(path, args.fio_seconds)
+    # fio before and after the cold gathers: a shared disk's rate drifts, so both are kept and the
+    # ratio uses their mean.
+    fio_before = fio_random_read(path, args.fio_seconds)
 
     report["cold_fancy_index"] = cold(
         path, lambda t: t._rows[np.divmod(t.slot_of(ids), t.rows_per_page)])
     report["cold_gather"] = {}
     for window in [int(w) for w in args.windows.split(",")]:
         report["cold_gather"][window] = cold(path, lambda t: t.gather(ids), window_pages=window)
-    iops = report["fio"]["iops"] if report["fio"] else None
+    fio_after = fio_random_read(path, args.fio_seconds)
+    report["fio"] = {"before": fio_before, "after": fio_after}
+    iops = (fio_before["iops"] + fio_after["iops"]) / 2 if fio_before else None
     if iops:
         report["cold_vs_fio"] = {w: round(r["rows_per_s"] / iops, 3)
                                  for w, r in report["cold_gather"].items()}
@@ -103,11 +108,16 @@ def main() -> None:
         assert np.array_equal(np.take(copy, slots, axis=0), table.gather(ids))
         repeats = [ids] * 30
         report["warm_gather"] = time_requests(table.gather, repeats)
+        table.threads = 2
+        report["warm_gather_threads2"] = time_requests(table.gather, repeats)
+        table.threads = 1
         report["warm_np_take"] = time_requests(lambda _: np.take(copy, slots, axis=0), repeats)
         report["warm_fancy_index"] = time_requests(
             lambda _: table._rows[np.divmod(slots, table.rows_per_page)], repeats)
         report["warm_vs_np_take"] = round(report["warm_gather"]["p50_us"]
                                           / report["warm_np_take"]["p50_us"], 3)
+        report["warm_threads2_vs_np_take"] = round(report["warm_gather_threads2"]["p50_us"]
+                                                   / report["warm_np_take"]["p50_us"], 3)
         del copy
         for tokens in (1, 2, 4):
             requests = [row_ids[i:i + tokens].reshape(-1) for i in range(0, 3000 * tokens, tokens)]

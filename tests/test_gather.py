@@ -196,3 +196,17 @@ def test_gather_other_page_sizes(fp8_checkpoint, source_rows, tmp_path, monkeypa
     with open_table(tmp_path / "t.bin", window_pages=2) as table:
         ids = real_like_ids(table.num_rows, 2000, 6)
         assert np.array_equal(table.gather(ids), source_rows[ids])
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_gather_cached_rows_on_threads(table_path, source_rows, monkeypatch, threads):
+    monkeypatch.setattr(Gatherer, "_cached", lambda self, slots: True)
+    monkeypatch.setattr("ple_prep.runtime.gather.THREAD_MIN_ROWS", 100)
+    with open_table(table_path) as table:
+        table.threads = threads
+        out = np.full((1000, table.row_bytes), POISON, dtype=np.uint8)
+        for seed in range(2):
+            ids = real_like_ids(table.num_rows, 1000, seed)
+            assert np.array_equal(table.gather(ids, out=out), source_rows[ids])
+            assert np.array_equal(table.gather(ids), source_rows[ids])
+        assert table._gatherer._pool_threads == threads

@@ -14,6 +14,7 @@ page. Everything runs inline on the calling thread; docs/RUNTIME.md gives the me
 """
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import ctypes.util
 import math
@@ -27,6 +28,9 @@ DEFAULT_WINDOW_PAGES = 128
 DEFAULT_WINDOW_BYTES = 8 << 20
 # Pages of a request checked with mincore to tell a cached request from a cold one.
 PROBE_PAGES = 4
+# With threads > 1, a cached gather is split into parts of at least this many rows; smaller
+# requests copy inline (a thread hop costs more than it saves there).
+THREAD_MIN_ROWS = 8192
 # Distinct pages copied per step of the advice window: a quarter window keeps the disk busy
 # while the copy loop stays a small share of the time.
 STEPS_PER_WINDOW = 4
@@ -71,10 +75,16 @@ class Gatherer:
         self._probe_vector = np.zeros(1, dtype=np.uint8)
         self.window_pages = window_pages
         self.window_bytes = window_bytes
+        self.threads = 1
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool_threads = 0
 
     def close(self) -> None:
         self._units = None
         self._mapping = None
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool, self._pool_threads = None, 0
 
     @property
     def window(self) -> int:
@@ -103,10 +113,31 @@ class Gatherer:
                 out = np.empty((count, self._row_bytes), dtype=np.uint8)
             self._gather_cold(units, out, window)
             return out
+        parts = min(self.threads, count // THREAD_MIN_ROWS)
+        if parts <= 1:
+            if out is None:
+                return self._units[units].view(np.uint8).reshape(count, self._row_bytes)
+            self._as_rows(out)[...] = self._units[units]
+            return out
         if out is None:
-            return self._units[units].view(np.uint8).reshape(count, self._row_bytes)
-        self._as_rows(out)[...] = self._units[units]
+            out = np.empty((count, self._row_bytes), dtype=np.uint8)
+        self._copy_in_parts(self._as_rows(out), units, parts)
         return out
+
+    def _copy_in_parts(self, target: np.ndarray, units: np.ndarray, parts: int) -> None:
+        """Copy cached rows on `parts` threads (numpy releases the GIL while it copies)."""
+        if self._pool_threads < parts:
+            if self._pool is not None:
+                self._pool.shutdown()
+            self._pool = concurrent.futures.ThreadPoolExecutor(self.threads)
+            self._pool_threads = self.threads
+        bounds = [len(units) * part // parts for part in range(parts + 1)]
+
+        def copy(part: int) -> None:
+            low, high = bounds[part], bounds[part + 1]
+            target[low:high] = self._units[units[low:high]]
+
+        list(self._pool.map(copy, range(parts)))
 
     def _units_of(self, slots: np.ndarray) -> np.ndarray:
         """Element of `_units` holding each slot's row (in place, few temporaries: hot path)."""

@@ -117,6 +117,15 @@ class Table:
     def window_bytes(self, limit: int) -> None:
         self._gatherer.window_bytes = int(limit)
 
+    @property
+    def threads(self) -> int:
+        """Threads copying a large cached gather (parts of at least THREAD_MIN_ROWS rows); 1: inline."""
+        return self._gatherer.threads
+
+    @threads.setter
+    def threads(self, count: int) -> None:
+        self._gatherer.threads = max(1, int(count))
+
     def gather(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """uint8 `(len(ids), row_bytes)`: the source bytes of each row, in request order."""
         return self._gatherer.gather_slots(self.slot_of(ids), out)

@@ -9,9 +9,9 @@
 
 Resident rows (the file's leading slots, the hottest with an access-ordered layout) live on the
 device next to a staging area; the row-to-slot map lives there too, so the device finds every id's
-slot. Only the slots travel to the host, which gathers the disk rows into a pinned buffer; one
-non-blocking copy puts them in the staging area, and one index on the device picks each position's
-row from exactly one tier before decoding. The returned tensor is a view of a buffer allocated once,
+slot. Only the distinct slots travel to the host, which gathers each distinct disk row once into a
+pinned buffer; one non-blocking copy puts them in the staging area, and one index on the device
+picks each position's row from exactly one tier before decoding. The returned tensor is a view of a buffer allocated once,
 so a captured CUDA graph can read it; each call overwrites it.
 
 Imported only when asked: needs torch (`pip install 'ple-prep[torch]'`).
@@ -57,6 +57,7 @@ class EmbeddingSource:
         self.output = torch.empty((self.max_rows, table.values_per_row), dtype=torch.bfloat16,
                                   device=self.device)
         self._decoder = decoder_for(table.encoding, table.values_per_row, table.scale, self.device)
+        # Distinct rows the last call read from the disk tier.
         self.last_disk_rows = 0
 
     def slot_of(self, local: torch.Tensor) -> torch.Tensor:
@@ -81,26 +82,29 @@ class EmbeddingSource:
         local = flat.to(torch.int64) - self.table.first_row
         outside = (local < 0) | (local >= self.table.num_rows)
         slots = torch.where(outside, -1, self.slot_of(local.clamp(0, self.table.num_rows - 1)))
-        # Only the slots cross to the host: it needs them to read the disk tier.
-        slots_host = self._slots_host[:count]
-        slots_host.copy_(slots, non_blocking=True)
+        # Only the distinct slots cross to the host (ascending: bad ids, resident, then disk rows);
+        # the host reads each distinct disk row once, in address order.
+        distinct, inverse = torch.unique(slots, sorted=True, return_inverse=True)
+        unique_count = distinct.numel()
+        distinct_host = self._slots_host[:unique_count]
+        distinct_host.copy_(distinct, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        host = slots_host.numpy()
-        if count and host.min() < 0:
-            bad = flat[torch.from_numpy(host < 0).to(self.device)][0].item()
+        host = distinct_host.numpy()
+        if unique_count and host[0] < 0:
+            bad = flat[(slots < 0).nonzero()[0, 0]].item()
             first, stop = self.table.row_range
             raise IndexError(f"row id {bad} is outside this table's rows [{first}, {stop})")
-        disk_slots = host[host >= self.num_resident]
-        disk = len(disk_slots)
+        first_disk = int(np.searchsorted(host, self.num_resident))
+        disk = unique_count - first_disk
         self.last_disk_rows = disk
         if disk:
-            self.table.gather_slots(disk_slots, out=self._staging[:disk].numpy())
+            self.table.gather_slots(host[first_disk:], out=self._staging[:disk].numpy())
             self._tiers[self.num_resident:self.num_resident + disk].copy_(self._staging[:disk],
                                                                            non_blocking=True)
-        # Each position reads one tier: its resident slot, or its place among this call's disk rows.
-        from_disk = slots >= self.num_resident
-        source = torch.where(from_disk, torch.cumsum(from_disk, 0) - 1 + self.num_resident, slots)
+        # Each position reads one tier: its resident slot, or its distinct disk row's staging place.
+        source = torch.where(slots < self.num_resident, slots,
+                             inverse + (self.num_resident - first_disk))
         rows = self._rows[:count]
         torch.index_select(self._tiers, 0, source, out=rows)
         values = self.output[:count]
