@@ -15,6 +15,8 @@ from ple_prep.runtime import open_table
 torch = pytest.importorskip("torch")
 
 SERVING = Path(__file__).resolve().parent.parent / "docs" / "SERVING.md"
+# The doc's GPU where there is one (run on the H200 too), else the CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _blocks() -> list[str]:
@@ -49,10 +51,10 @@ def served(fp8_checkpoint, tmp_path_factory):
 
 
 def _run(code: str, folder: Path, namespace: dict, table_name: str = "ple.bin") -> dict:
-    # The doc's host paths and GPU, swapped for the test's files and the CPU.
+    # The doc's host paths swapped for the test's files, and its GPU for DEVICE.
     code = (code.replace("/nvme/ple.bin", str(folder / table_name))
                 .replace('"bench.json"', repr(str(folder / "bench.json")))
-                .replace('device="cuda"', 'device="cpu"'))
+                .replace('device="cuda"', f'device="{DEVICE}"'))
     exec(compile(code, str(SERVING), "exec"), namespace)
     return namespace
 
@@ -62,7 +64,7 @@ def _expected(table_path: Path, chunks) -> np.ndarray:
         spec = NgramSpec.from_json(table.manifest["ngram"])
         ids = np.concatenate([row_ids(tokens, spec, context=context) for tokens, context in chunks])
         values = table.values(ids.reshape(-1)).reshape(len(ids), -1)
-    return torch.from_numpy(values).to(torch.bfloat16)
+    return torch.from_numpy(values).to(torch.bfloat16).to(DEVICE)
 
 
 def test_serving_doc_embedding_layer_gives_the_model_values(served):
@@ -75,7 +77,7 @@ def test_serving_doc_embedding_layer_gives_the_model_values(served):
     ple = namespace["ple"]
     assert torch.equal(ple([(prompt, None)]), _expected(served / "ple.bin", [(prompt, None)]))
     # A batch larger than max_tokens goes through in pieces.
-    small = namespace["NgramPLEEmbedding"](str(served / "ple.bin"), device="cpu", resident_bytes=4096,
+    small = namespace["NgramPLEEmbedding"](str(served / "ple.bin"), device=DEVICE, resident_bytes=4096,
                                            max_tokens=3)
     long_prompt = list(range(100, 111))
     assert torch.equal(small([(long_prompt, None)]), _expected(served / "ple.bin", [(long_prompt, None)]))
@@ -85,7 +87,7 @@ def test_serving_doc_tensor_parallel_ranks_sum_to_the_full_input(served):
     layer = _blocks()[0]
     namespace = _run(layer, served, {})
     chunks = [(list(range(2000, 2050)), None), ([5, 6, 7], [3, 4])]
-    ranks = [namespace["NgramPLEEmbedding"](str(served / f"ple.tp{r}of2.bin"), device="cpu",
+    ranks = [namespace["NgramPLEEmbedding"](str(served / f"ple.tp{r}of2.bin"), device=DEVICE,
                                             resident_bytes=8192) for r in range(2)]
     partial = [rank(chunks).float() for rank in ranks]
     assert all(p.abs().sum() > 0 for p in partial)
