@@ -1,0 +1,124 @@
+"""docs/manifest.schema.json describes the manifests convert really writes, and refuses broken ones."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import pytest
+
+from ple_prep.cli import cli
+from ple_prep.errors import BadInput
+from ple_prep.fixtures import make_gguf
+from ple_prep.layouts.manifest import manifest_path, validate_manifest
+
+SCHEMA = json.loads((Path(__file__).resolve().parent.parent / "docs" / "manifest.schema.json").read_text())
+VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
+
+
+@pytest.fixture(scope="module")
+def manifests(fp8_checkpoint, bf16_checkpoint, nvfp4_checkpoint, tmp_path_factory):
+    """{name: manifest} of every kind of file convert writes."""
+    from click.testing import CliRunner
+
+    runner, folder = CliRunner(), tmp_path_factory.mktemp("schema")
+    gguf = make_gguf(folder / "gguf", "iq4_nl", layout="split")
+    np.save(folder / "ids.npy", np.random.default_rng(0).integers(0, 2000, size=5000))
+    profile = folder / "p.prof"
+    assert runner.invoke(cli, ["profile", "--model", str(fp8_checkpoint), "--prompts",
+                               str(folder / "ids.npy"), "--out", str(profile), "-q"]).exit_code == 0
+    jobs = {"fp8": [fp8_checkpoint], "bf16": [bf16_checkpoint], "nvfp4": [nvfp4_checkpoint],
+            "gguf": [gguf], "profiled": [fp8_checkpoint, "--profile", str(profile)],
+            "rank": [bf16_checkpoint, "--tp-size", "2", "--tp-rank", "1"]}
+    made = {}
+    for name, (model, *extra) in jobs.items():
+        out = folder / f"{name}.bin"
+        result = runner.invoke(cli, ["convert", "--model", str(model), "--out", str(out), "-q", *extra])
+        assert result.exit_code == 0, result.output
+        written = out.with_name(f"{name}.tp1of2.bin") if name == "rank" else out
+        made[name] = json.loads(manifest_path(written).read_text())
+    return made
+
+
+def test_manifest_schema_is_valid_json_schema():
+    jsonschema.Draft202012Validator.check_schema(SCHEMA)
+
+
+@pytest.mark.parametrize("name", ["fp8", "bf16", "nvfp4", "gguf", "profiled", "rank"])
+def test_convert_manifest_matches_schema(name, manifests):
+    manifest = manifests[name]
+    assert [error.message for error in VALIDATOR.iter_errors(manifest)] == []
+    expected = {"profiled": "access-ordered"}.get(name, "source-order")
+    assert manifest["layout"]["kind"] == expected
+    assert ("tensor_parallel" in manifest) == (name == "rank")
+
+
+def _delete(key):
+    def change(manifest):
+        del manifest[key]
+        return manifest
+    return change
+
+
+def _set(path, value):
+    def change(manifest):
+        *parents, last = path.split(".")
+        target = manifest
+        for part in parents:
+            target = target[int(part)] if isinstance(target, list) else target[part]
+        target[int(last) if isinstance(target, list) else last] = value
+        return manifest
+    return change
+
+
+BROKEN = [
+    ("missing file_id", _delete("file_id")),
+    ("missing checksums", _delete("checksums")),
+    ("other format", _set("format", "safetensors")),
+    ("version 2", _set("format_version", 2)),
+    ("short file id", _set("file_id", "abc")),
+    ("upper-case file id", _set("file_id", "9D85791934434A03B9E57A1F9E54965A")),
+    ("unknown encoding", _set("encoding", "fp4")),
+    ("rows as text", _set("num_rows", "16896")),
+    ("no rows", _set("num_rows", 0)),
+    ("negative first row", _set("first_row", -1)),
+    ("page size not a power of two", _set("page_size", 4000)),
+    ("zero scale", _set("scale.value", 0)),
+    ("scale without bytes", _set("scale", {"dtype": "BF16", "value": 2e-4})),
+    ("FP8 without scale", _set("scale", None)),
+    ("FP8 with a ggml type", _set("ggml_type", {"name": "Q8_0", "id": 8})),
+    ("multiplier with a fraction", _set("ngram.multipliers.0", 0.5)),
+    ("multiplier past u64", _set("ngram.multipliers.0", 2**64)),
+    ("other checksum", _set("checksums.algorithm", "md5")),
+    ("crc past 32 bits", _set("checksums.blocks.0", 2**32)),
+    ("no checksum blocks", _set("checksums.blocks", [])),
+    ("bad table digest", _set("source.table_sha256", "00")),
+    ("unknown layout", _set("layout.kind", "random")),
+    ("residency not a list", _set("residency", {})),
+    ("not an object", lambda manifest: [manifest]),
+]
+
+
+@pytest.mark.parametrize("change", [case[1] for case in BROKEN], ids=[case[0] for case in BROKEN])
+def test_manifest_schema_refuses_broken(change, manifests):
+    assert not VALIDATOR.is_valid(change(copy.deepcopy(manifests["fp8"])))
+
+
+@pytest.mark.parametrize("change", [_delete("file_id"), _set("encoding", "fp4"), _set("scale.value", 0),
+                                    _set("checksums.algorithm", "md5"), _set("format_version", 2)])
+def test_manifest_schema_and_reader_agree(change, manifests):
+    manifest = change(copy.deepcopy(manifests["fp8"]))
+    assert not VALIDATOR.is_valid(manifest)
+    with pytest.raises(BadInput):
+        validate_manifest(manifest)
+
+
+def test_manifest_schema_gguf_type_must_match_encoding(manifests):
+    manifest = copy.deepcopy(manifests["gguf"])
+    assert manifest["ggml_type"] == {"name": "IQ4_NL", "id": 20}
+    manifest["ggml_type"] = {"name": "Q4_0", "id": 2}
+    assert not VALIDATOR.is_valid(manifest)
+    manifest["ggml_type"] = None
+    assert not VALIDATOR.is_valid(manifest)
