@@ -74,6 +74,9 @@ class SyntheticSource(TableSource):
     def gather_rows(self, ids):
         return expected_rows(ids, self.seed, self.block)
 
+    def prefetch(self, start, stop):
+        """Nothing to read ahead: rows are computed."""
+
 
 def hot_order(spec: NgramSpec, num_rows: int, profile_tokens: int) -> RowOrder:
     """Rows read by the profile part of the real text, most read first."""

@@ -32,7 +32,8 @@ class EmbeddingSource:
     def __init__(self, table: Table, *, device: str | torch.device = "cuda",
                  resident_bytes: int = 0, max_tokens: int = 4096, heads: int = 16):
         self.table = table
-        self.device = torch.device(device)
+        # Resolved ('cuda' -> 'cuda:0') so it compares equal to the devices of tensors.
+        self.device = torch.empty(0, device=device).device
         self.heads = heads
         self.max_rows = max_tokens * heads
         self.num_resident = int(min(table.num_rows, max(0, resident_bytes) // table.row_bytes))
