@@ -30,3 +30,43 @@ def test_cli_reference_is_current():
     stale = [path for path, _ in command_helps(cli) if f"## `{path}`\n" not in actual]
     assert not stale, f"docs/CLI.md lacks {stale}: run `{REGENERATE}`"
     assert actual == expected, f"docs/CLI.md is stale: run `{REGENERATE}`"
+
+
+def _commands() -> dict[str, object]:
+    """Every command by path; a group that runs a default command (`profile`) stands for it too."""
+    import click
+
+    found = {}
+
+    def walk(command, path):
+        default = getattr(command, "default_command", None)
+        found[path] = command.commands[default] if default else command
+        if isinstance(command, click.Group):
+            for name, sub in command.commands.items():
+                walk(sub, f"{path} {name}")
+
+    walk(cli, "ple-prep")
+    return found
+
+
+def test_help_every_model_option_resolves_hub_names():
+    from ple_prep.cli import _ModelPath
+
+    commands = _commands()
+    with_model = {path for path, command in commands.items()
+                  if any(param.name == "model" for param in command.params)}
+    assert {"ple-prep convert", "ple-prep verify", "ple-prep profile"} <= with_model
+    plain = [path for path in with_model
+             if not any(param.name == "model" and isinstance(param.type, _ModelPath)
+                        for param in commands[path].params)]
+    assert not plain, f"--model without the shared model_option (no hub names): {plain}"
+
+
+def test_help_data_commands_take_json_and_quiet():
+    commands = _commands()
+    options = {path: {opt for param in command.params for opt in getattr(param, "opts", [])}
+               for path, command in commands.items()}
+    for path in ("inspect", "verify", "profile", "bench", "convert", "demo"):
+        assert "--json" in options[f"ple-prep {path}"], path
+    for path in ("verify", "profile", "bench", "convert", "demo"):
+        assert "--quiet" in options[f"ple-prep {path}"], path
