@@ -183,3 +183,23 @@ def test_gather_rows_equals_read_rows(variant, request):
         for ids in (rng.integers(0, source.num_rows, size=5000), np.arange(source.num_rows)[::-1],
                     np.array([0, 0, source.num_rows - 1, 5, 5]), np.zeros(0, dtype=np.int64)):
             assert np.array_equal(source.gather_rows(ids), everything[ids])
+
+
+def test_plan_under_a_cap_fills_page_ends_with_rows_beyond_it():
+    """Rows of groups beyond the map's cap fill the slots 8-row groups leave: no placed group is cut."""
+    from ple_prep.fixtures import fixture_config
+    from ple_prep.ngram import NgramSpec
+
+    spec = NgramSpec.from_config(fixture_config(base=20_000_000))
+    profile = corpus_profile(spec, seed=4, requests=300)
+    cap = 8 * profile.summary()["train"]["groups"] // 3
+    plan = plan_order(profile, spec.rows_stored, 25, max_placed=cap)
+    assert 0.99 * cap <= plan.order.num_placed <= cap and plan.groups_split == 0
+    order_groups = sorted(((int(c), n, int(k)) for n, (keys, counts) in profile.parts["train"].groups.items()
+                           for k, c in zip(keys, counts)), key=lambda g: (-g[0], g[1], g[2]))
+    taken: set[int] = set()
+    for count, order_n, key in order_groups[:plan.groups_placed]:
+        rows = rows_of_mixed(np.array([key], np.uint64), order_n, spec)[0]
+        if not taken & set(rows.tolist()):  # rows shared with a hotter group stay where it put them
+            assert np.ptp(plan.order.slot_of(rows) // 25) == 0
+        taken.update(rows.tolist())

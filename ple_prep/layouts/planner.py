@@ -34,7 +34,7 @@ BUDGETS_PERCENT = (1, 2, 5, 10, 20)
 class Plan:
     order: RowOrder
     groups_placed: int
-    groups_split: int
+    groups_split: int  # placed groups spread over more than one run of slots
     groups_seen: int
 
     def layout(self, profile: Profile, map_fraction: float) -> dict[str, Any]:
@@ -85,14 +85,17 @@ def _hot_groups(profile: Profile, first_row: int, num_rows: int) -> tuple[np.nda
     return rows, counts
 
 
-def _pack(sizes: list[int], capacity: int) -> list[tuple[int, int, int]]:
+def _pack(sizes: list[int], capacity: int, spare: int = 0) -> list[tuple[int, int, int]]:
     """Order groups of `sizes` rows (hottest first) into pages of `capacity` slots.
 
-    Returns (group, first, stop) pieces in slot order: whole groups, except the coldest ones cut
-    to fill a page's end when no whole group fits, and groups larger than a page.
+    Returns (group, first, stop) pieces in slot order. A page's end too small for the next group
+    takes, in this order: the coldest group that fits whole; rows of the spare pool (group index
+    `len(sizes)`, `spare` rows: rows beyond the map's cap, which would cost a page read each
+    anyway); a cut of the coldest group. Groups larger than a page are placed as they come.
     """
-    remaining = list(sizes)
-    taken = [0] * len(sizes)
+    pool = len(sizes)
+    remaining = list(sizes) + [spare]
+    taken = [0] * (len(sizes) + 1)
     largest = max(sizes, default=0)
     # Per size, group indices ascending: the coldest of a size is popped from the end.
     queues: list[list[int]] = [[] for _ in range(largest + 1)]
@@ -109,9 +112,9 @@ def _pack(sizes: list[int], capacity: int) -> list[tuple[int, int, int]]:
         fill = (fill + count) % capacity
 
     while True:
-        while front < len(sizes) and remaining[front] == 0:
+        while front < pool and remaining[front] == 0:
             front += 1
-        if front == len(sizes):
+        if front == pool:
             return pieces
         free = capacity - fill
         if remaining[front] <= free or remaining[front] > capacity:
@@ -127,15 +130,17 @@ def _pack(sizes: list[int], capacity: int) -> list[tuple[int, int, int]]:
                 break
         if filler is not None:
             place(filler, remaining[filler])
-            continue
-        while remaining[back] == 0:
-            back -= 1
-        if back == front:
-            place(front, remaining[front])
-            continue
-        # No whole group fits the page's end: cut the coldest group to fill it.
-        place(back, free)
-        queues[remaining[back]].append(back)
+        elif remaining[pool]:
+            place(pool, min(free, remaining[pool]))
+        else:
+            while remaining[back] == 0:
+                back -= 1
+            if back == front:
+                place(front, remaining[front])
+                continue
+            # Nothing else fits the page's end: cut the coldest group to fill it.
+            place(back, free)
+            queues[remaining[back]].append(back)
 
 
 def plan_order(profile: Profile, num_rows: int, rows_per_page: int, *, max_placed: int,
@@ -150,25 +155,40 @@ def plan_order(profile: Profile, num_rows: int, rows_per_page: int, *, max_place
     _, first_seen = np.unique(flat[inside], return_index=True)
     is_new[inside[first_seen]] = True
     new_per_group = is_new.reshape(rows.shape).sum(axis=1)
-    within_cap = np.cumsum(new_per_group) <= max_placed
-    keep = within_cap & (new_per_group > 0)
+    # Each group's new rows, contiguous in `new_rows` (flat is group-major); the rows of groups
+    # beyond the cap follow as the spare pool.
     new_rows = flat[is_new]
-    # Each group's new rows, contiguous in `new_rows` (flat is group-major).
     group_start = np.concatenate([[0], np.cumsum(new_per_group)[:-1]])
-    kept = np.flatnonzero(keep)
-    pieces = _pack(new_per_group[kept].tolist(), rows_per_page)
-    if pieces:
-        piece_groups = np.array([p[0] for p in pieces], dtype=np.int64)
-        piece_first = np.array([p[1] for p in pieces], dtype=np.int64)
-        piece_length = np.array([p[2] - p[1] for p in pieces], dtype=np.int64)
-        starts = group_start[kept[piece_groups]] + piece_first
-        offsets = np.concatenate([[0], np.cumsum(piece_length)[:-1]])
-        positions = np.repeat(starts - offsets, piece_length) + np.arange(piece_length.sum())
-        placed = new_rows[positions]
-    else:
-        placed = np.zeros(0, dtype=np.int64)
-    split = len(pieces) - len(kept)
-    return Plan(RowOrder.from_placed(placed, num_rows), len(kept), split, groups_seen)
+    # Spare rows filling page ends count against the cap too: pack once, then again with the
+    # groups' share shrunk by the spare rows the first packing used.
+    limit = max_placed
+    for _ in range(2):
+        within_cap = np.cumsum(new_per_group) <= limit
+        kept = np.flatnonzero(within_cap & (new_per_group > 0))
+        spare = new_rows[~np.repeat(within_cap, new_per_group)]
+        pieces = _pack(new_per_group[kept].tolist(), rows_per_page, len(spare))
+        spare_used = sum(stop - first for group, first, stop in pieces if group == len(kept))
+        if new_per_group[kept].sum() + spare_used <= max_placed:
+            break
+        limit = max_placed - spare_used
+    if not pieces:
+        return Plan(RowOrder.from_placed(np.zeros(0, np.int64), num_rows), 0, 0, groups_seen)
+    piece_groups = np.array([p[0] for p in pieces], dtype=np.int64)
+    piece_first = np.array([p[1] for p in pieces], dtype=np.int64)
+    piece_length = np.array([p[2] - p[1] for p in pieces], dtype=np.int64)
+    from_pool = piece_groups == len(kept)
+    starts = np.where(from_pool, len(new_rows) + piece_first,
+                      group_start[kept[np.minimum(piece_groups, len(kept) - 1)]] + piece_first)
+    offsets = np.concatenate([[0], np.cumsum(piece_length)[:-1]])
+    positions = np.repeat(starts - offsets, piece_length) + np.arange(piece_length.sum())
+    # Whatever still passes the cap is the coldest tail: it goes.
+    placed = np.concatenate([new_rows, spare])[positions][:max_placed]
+    whole = np.cumsum(piece_length) <= max_placed
+    groups = piece_groups[~from_pool]
+    pieces_per_group = np.bincount(groups, minlength=len(kept))
+    cut_off = np.bincount(groups[~whole[~from_pool]], minlength=len(kept)) > 0
+    return Plan(RowOrder.from_placed(placed, num_rows), int(np.count_nonzero(~cut_off)),
+                int(np.count_nonzero((pieces_per_group > 1) & ~cut_off)), groups_seen)
 
 
 def budget_rows(budget_bytes: int, *, num_rows: int, rows_per_page: int, page_size: int) -> int:
