@@ -103,6 +103,17 @@ def main() -> None:
     for threads in [int(t) for t in args.threads.split(",")]:
         source.table.threads = threads
         report[f"warm_chunk_threads{threads}"] = timed(source, chunks * 3)
+    # Where a warm call's time goes: every stage synchronised and timed (4 gather threads).
+    source.table.threads = max(int(t) for t in args.threads.split(","))
+    source.profile = True
+    for name, requests in (("warm_chunk_stages_ms", chunks), ("warm_decode_stages_ms", tokens[:200])):
+        stages: dict[str, list[float]] = {}
+        for ids in requests:
+            source(ids)
+            for stage, seconds in source.last_stages.items():
+                stages.setdefault(stage, []).append(seconds)
+        report[name] = {stage: round(float(np.median(v)) * 1e3, 3) for stage, v in stages.items()}
+    source.profile = False
     source.table.threads = 1
     report["warm_decode_16"] = timed(source, tokens)
     # The host's share of a warm chunk: gathering its disk rows from the page cache.

@@ -18,12 +18,30 @@ Imported only when asked: needs torch (`pip install 'ple-prep[torch]'`).
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
 from .table import Table
 from .tiers import read_leading_slots
 from .torch_dequant import decoder_for
+
+
+class _Clock:
+    """Seconds per stage of one call, the device synchronised at each mark (profiling only)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stages: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.stages[name] = now - self._last
+        self._last = now
 
 
 class EmbeddingSource:
@@ -58,8 +76,13 @@ class EmbeddingSource:
         self.output = torch.empty((self.max_rows, table.values_per_row), dtype=torch.bfloat16,
                                   device=self.device)
         self._decoder = decoder_for(table.encoding, table.values_per_row, table.scale, self.device)
+        self._distinct = torch.empty(self.max_rows, dtype=torch.int64, device=self.device)
+        self._count_host = torch.empty(1, dtype=torch.int64, pin_memory=pin)
         # Distinct rows the last call read from the disk tier.
         self.last_disk_rows = 0
+        # With profile on, each call synchronises after every stage and records its seconds.
+        self.profile = False
+        self.last_stages: dict[str, float] = {}
 
     def slot_of(self, local: torch.Tensor) -> torch.Tensor:
         """File slot of each local row id, on the device (as `RowOrder.slot_of`)."""
@@ -80,19 +103,29 @@ class EmbeddingSource:
             raise ValueError(f"{count} row ids exceed max_tokens * heads = {self.max_rows}")
         if flat.device != self.device:
             raise ValueError(f"row ids are on {flat.device}, this source serves {self.device}")
+        clock = _Clock(self.device) if self.profile else None
+        if not count:
+            return self.output[:0].view(0, self.heads * self.table.values_per_row)
         local = flat.to(torch.int64) - self.table.first_row
         outside = (local < 0) | (local >= self.table.num_rows)
         slots = torch.where(outside, -1, self.slot_of(local.clamp(0, self.table.num_rows - 1)))
-        # Only the distinct slots cross to the host (ascending: bad ids, resident, then disk rows);
-        # the host reads each distinct disk row once, in address order.
-        distinct, inverse = torch.unique(slots, sorted=True, return_inverse=True)
-        unique_count = distinct.numel()
-        distinct_host = self._slots_host[:unique_count]
-        distinct_host.copy_(distinct, non_blocking=True)
+        # Distinct slots, ascending (bad ids, resident, then disk rows), by one sort on the device;
+        # only they cross to the host, which reads each distinct disk row once, in address order.
+        sorted_slots, order = torch.sort(slots)
+        is_first = torch.ones(count, dtype=torch.bool, device=self.device)
+        torch.ne(sorted_slots[1:], sorted_slots[:-1], out=is_first[1:])
+        rank = torch.cumsum(is_first, 0) - 1
+        inverse = torch.empty_like(rank).scatter_(0, order, rank)
+        distinct = self._distinct[:count].scatter_(0, rank, sorted_slots)
+        self._slots_host[:count].copy_(distinct, non_blocking=True)
+        self._count_host.copy_(rank[-1:] + 1, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        host = distinct_host.numpy()
-        if unique_count and host[0] < 0:
+        if clock:
+            clock.mark("slots_on_device_to_host")
+        unique_count = int(self._count_host[0])
+        host = self._slots_host[:unique_count].numpy()
+        if host[0] < 0:
             bad = flat[(slots < 0).nonzero()[0, 0]].item()
             first, stop = self.table.row_range
             raise IndexError(f"row id {bad} is outside this table's rows [{first}, {stop})")
@@ -101,13 +134,22 @@ class EmbeddingSource:
         self.last_disk_rows = disk
         if disk:
             self.table.gather_slots(host[first_disk:], out=self._staging[:disk].numpy())
+            if clock:
+                clock.mark("host_gather")
             self._tiers[self.num_resident:self.num_resident + disk].copy_(self._staging[:disk],
                                                                            non_blocking=True)
+            if clock:
+                clock.mark("host_to_device")
         # Each position reads one tier: its resident slot, or its distinct disk row's staging place.
         source = torch.where(slots < self.num_resident, slots,
                              inverse + (self.num_resident - first_disk))
         rows = self._rows[:count]
         torch.index_select(self._tiers, 0, source, out=rows)
+        if clock:
+            clock.mark("tier_index")
         values = self.output[:count]
         self._decoder(rows, out=values)
+        if clock:
+            clock.mark("decode")
+            self.last_stages = clock.stages
         return values.view(count // self.heads, self.heads * self.table.values_per_row)

@@ -67,6 +67,13 @@ class FP8E4M3(TorchDecoder, encoding=Encoding.FP8_E4M3):
     def decode(self, rows):
         return self.lookup[rows.long()]
 
+    def __call__(self, rows, out=None):
+        if out is None or not out.is_contiguous():
+            return super().__call__(rows, out)
+        # One gather straight into `out`, with 32-bit indices: the bulk of a prefill chunk's decode.
+        torch.index_select(self.lookup, 0, rows.reshape(-1).to(torch.int32), out=out.view(-1))
+        return out
+
 
 class BF16(TorchDecoder, encoding=Encoding.BF16):
     def decode(self, rows):
