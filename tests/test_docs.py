@@ -25,3 +25,10 @@ def test_docs_readme_walkthrough_commands_exist():
     assert used and used <= commands, f"README uses commands that do not exist: {used - commands}"
     assert {"ple-prep profile", "ple-prep convert", "ple-prep verify", "ple-prep inspect",
             "ple-prep bench"} <= used
+
+
+def test_docs_readme_links_every_doc():
+    readme = (ROOT / "README.md").read_text()
+    unlinked = [f"docs/{page.name}" for page in sorted((ROOT / "docs").glob("*.md"))
+                if f"](docs/{page.name})" not in readme]
+    assert not unlinked, f"add these to the README's Documentation list: {unlinked}"
