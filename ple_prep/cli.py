@@ -274,7 +274,9 @@ def inspect(table: Path, plot_path: Path | None, as_json: bool) -> None:
     scale_text = "none" if scale is None else f"{scale['value']!r} ({scale['dtype']} 0x{scale['hex']})"
     lines = [
         f"table:      {table} ({manifest['file_size']:,} bytes, format v{manifest['format_version']})",
-        f"encoding:   {manifest['encoding']}, {manifest['values_per_row']} values in "
+        f"encoding:   {manifest['encoding']}"
+        + (f" (GGML type {manifest['ggml_type']['name']})" if manifest.get("ggml_type") else "")
+        + f", {manifest['values_per_row']} values in "
         f"{manifest['row_bytes']} bytes a row, {manifest['rows_per_page']} rows a "
         f"{manifest['page_size']}-byte page",
         f"rows:       {manifest['num_rows']:,} (global {manifest['first_row']:,} to "

@@ -55,6 +55,8 @@ def test_convert_gguf_cli_converts_and_verifies(runner, tmp_path):
     assert json.loads(result.stdout)["rows_compared"] == 16896
     result = runner.invoke(cli, ["inspect", str(out / "t.bin"), "--json"])
     assert json.loads(result.stdout)["ggml_type"] == {"name": "IQ4_NL", "id": 20}
+    result = runner.invoke(cli, ["inspect", str(out / "t.bin")])
+    assert "encoding:   gguf_iq4_nl (GGML type IQ4_NL), 160 values in 90 bytes a row" in result.stdout
 
 
 @pytest.mark.parametrize("variant,layout", [("gguf-q5_1", "joined"), ("gguf-bf16", "split")])
