@@ -60,7 +60,7 @@ def test_convert_gguf_keeps_row_bytes_and_values(case, models, tmp_path):
     assert manifest["encoding"] == f"gguf_{ggml_type}"
     assert manifest["ggml_type"] == {"name": ggml_type.upper(),
                                      "id": int(gguf.GGMLQuantizationType[ggml_type.upper()])}
-    assert manifest["source"]["table_layout"] == ("joined" if layout == "joined" else "split-heads")
+    assert manifest["source"]["table_layout"] == layout
     with open_table(tmp_path / "t.bin") as table:
         ids = np.random.default_rng(1).permutation(table.num_rows)
         assert np.array_equal(table.gather(ids), expected[ids])

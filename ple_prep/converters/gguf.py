@@ -298,7 +298,7 @@ def open_gguf(path: str | Path) -> TableSource:
                            f"rows of {row_bytes}")
     name, type_id = GGML_TYPES[encoding]
     extra = {"ggml_type": name, "ggml_type_id": type_id,
-             "table_layout": "joined" if joined is not None else "split-heads",
+             "table_layout": "joined" if joined is not None else "split",
              "tensors": [t.name for t in table_tensors],
              "zero_rows": [spec.rows_used, spec.rows_stored] if joined is None else None}
     return TableSource(format="gguf", model_dir=path, encoding=encoding, values_per_row=width,
