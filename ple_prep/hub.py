@@ -66,6 +66,11 @@ def resolve_model(name_or_path: str | Path, *, cache_dir: str | Path | None = No
         found = [repo for repo in repos if _name_part(repo.repo_id) == name.lower()]
         if not found:
             found = [repo for repo in repos if _name_part(repo.repo_id).startswith(name.lower() + "-")]
+    if match["quant"] is not None and len(found) > 1:
+        # `NAME:QUANT` means a GGUF repo: a safetensors repo of the same name is no rival.
+        with_gguf = [repo for repo in found
+                     if any(f.file_name.endswith(".gguf") for r in repo.revisions for f in r.files)]
+        found = with_gguf or found
     if not found:
         raise BadInput(_nothing_found(text, path, cache, repos, skipped))
     if len(found) > 1:

@@ -155,3 +155,10 @@ def test_resolve_model_quant_matching_two_or_none(gguf_cache):
     with pytest.raises(BadInput, match=r"no GGUF file of unsloth/Qwen3.8-Flash-Next-GGUF in .* is named "
                                        r"Q4_NL \(.gguf files: Q4_K_M/"):
         resolve_model("unsloth/Qwen3.8-Flash-Next-GGUF:Q4_NL", cache_dir=gguf_cache)
+
+
+def test_resolve_model_quant_prefers_the_gguf_repo(gguf_cache):
+    add_snapshot(gguf_cache, "Qwen/Qwen3.8-Flash-Next-FP8", commit_hash("fp8"), {"config.json": CONFIG})
+    with pytest.raises(BadInput, match="matches 2 models"):
+        resolve_model("Qwen3.8-Flash-Next", cache_dir=gguf_cache)
+    assert resolve_model("Qwen3.8-Flash-Next:IQ4_NL", cache_dir=gguf_cache).read_bytes() == b"iq4"
