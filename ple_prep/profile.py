@@ -56,12 +56,19 @@ class PartCounts:
     def rows(self, spec: NgramSpec) -> tuple[np.ndarray, np.ndarray]:
         """Sorted distinct global rows read, and how many tokens read each (uint64)."""
         ids, counts = [], []
-        for order, (values, group_counts) in self.groups.items():
-            ids.append(rows_of_mixed(values, order, spec).reshape(-1))
-            counts.append(np.repeat(group_counts, spec.heads_per_ngram))
+        # Heads hold disjoint row ranges in head order, so per-head results concatenate sorted.
+        for order, (values, group_counts) in sorted(self.groups.items()):
+            rows = rows_of_mixed(values, order, spec)
+            first_head = (order - 2) * spec.heads_per_ngram
+            for k in range(spec.heads_per_ngram):
+                head_ids, head_counts = _sum_in_range(rows[:, k], group_counts,
+                                                      spec.head_offsets[first_head + k],
+                                                      spec.head_sizes[first_head + k])
+                ids.append(head_ids)
+                counts.append(head_counts)
         if not ids:
             return np.zeros(0, np.int64), np.zeros(0, np.uint64)
-        return _sum_by_key(np.concatenate(ids), np.concatenate(counts))
+        return np.concatenate(ids), np.concatenate(counts)
 
 
 @dataclasses.dataclass
@@ -98,6 +105,16 @@ def _sum_by_key(keys: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.nd
     keys, counts = keys[order], counts[order].astype(np.uint64)
     starts = np.concatenate([[0], np.flatnonzero(keys[1:] != keys[:-1]) + 1])
     return keys[starts], np.add.reduceat(counts, starts)
+
+
+def _sum_in_range(keys: np.ndarray, counts: np.ndarray, low: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """`_sum_by_key` for keys in [low, low + size): a dense count when the keys are many (no
+    sort); float64 sums are exact while the total stays below 2**53."""
+    if len(keys) * 16 < size or int(counts.sum(dtype=np.uint64)) >= 2**53:
+        return _sum_by_key(keys, counts)
+    dense = np.bincount(keys - low, weights=counts.astype(np.float64), minlength=size)
+    present = np.flatnonzero(dense)
+    return present + low, dense[present].astype(np.uint64)
 
 
 class _KeyCounter:

@@ -183,3 +183,16 @@ def test_profile_merge_refuses_other_models(fp8_checkpoint, prompt_files, tmp_pa
     second = profile_files(other, prompt_files[2:])
     with pytest.raises(BadInput, match="different hash specs"):
         merge_profiles([first, second])
+
+
+@pytest.mark.parametrize("count, size", [(5, 1000), (5000, 1000)])
+def test_profile_row_sums_dense_and_sorted_agree(count, size):
+    from ple_prep.profile import _sum_by_key, _sum_in_range
+
+    rng = np.random.default_rng(count)
+    keys = rng.integers(500, 500 + size, size=count)
+    counts = rng.integers(1, 1 << 40, size=count).astype(np.uint64)
+    dense_keys, dense_counts = _sum_in_range(keys, counts, 500, size)
+    sorted_keys, sorted_counts = _sum_by_key(keys, counts)
+    assert np.array_equal(dense_keys, sorted_keys) and np.array_equal(dense_counts, sorted_counts)
+    assert int(sorted_counts.sum()) == int(counts.sum())

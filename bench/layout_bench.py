@@ -1,0 +1,181 @@
+"""Disk page reads per 1,000 tokens: access-ordered layout against the checkpoint's own layout.
+
+Run: flock /tmp/ple-bench.lock python bench/layout_bench.py [MAP_FRACTION]
+(MAP_FRACTION: most RAM the row-order map may cost, as a fraction of the table; default 0.005.)
+
+Corpus: bench/real_corpus.py (real documents, split by document into a profile half and a disjoint
+evaluation half; tokenizer trained on the profile half). The profile half is profiled, and the
+layout planned for the REAL geometry (320,001,536 FP8 rows of 160 bytes, 4 KiB pages, 25 rows a
+page) with the planner alone: no rows are read or written.
+
+Metric, for each token of the evaluation half: the number of distinct 4 KiB pages holding its 16
+rows that are not resident (a page read once per token, no page cache beyond the resident set).
+Both layouts get the same resident budget, a fraction of the table's 51.2 GB, as whole pages:
+- prepared: the file's leading pages (the hottest rows, as `ple-prep inspect` hints);
+- checkpoint: its rows back to back in source order (row r at byte 160*r, so one row in 25.6
+  straddles two pages and needs both), with the budget spent on its hottest pages by the profile
+  half's row reads.
+The "map charged" column also takes the prepared file's row-order map (12 bytes a placed row) out
+of its resident budget.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import real_corpus  # noqa: E402
+
+from ple_prep.fixtures import fixture_config  # noqa: E402
+from ple_prep.layouts.format import ORDER_BYTES_PER_PLACED  # noqa: E402
+from ple_prep.layouts.planner import DEFAULT_MAP_FRACTION, max_placed_rows, plan_order  # noqa: E402
+from ple_prep.ngram import NgramSpec, mixed_values, rows_of_mixed  # noqa: E402
+from ple_prep.profile import Profiler  # noqa: E402
+
+ROW_BYTES = 160
+PAGE_SIZE = 4096
+ROWS_PER_PAGE = PAGE_SIZE // ROW_BYTES
+BUDGETS = (0.01, 0.05, 0.10)
+CHUNK_TOKENS = 1 << 20
+
+
+def evaluation_row_ids(spec: NgramSpec, tokens: np.ndarray, starts: np.ndarray):
+    """(chunk of tokens' row ids `(n, 16)`), request boundaries respected, in chunks of documents."""
+    first = 0
+    while first < len(starts) - 1:
+        last = first + 1
+        while last < len(starts) - 1 and starts[last + 1] - starts[first] <= CHUNK_TOKENS:
+            last += 1
+        chunk = tokens[starts[first]:starts[last]]
+        mixed = mixed_values(chunk, spec, request_starts=starts[first:last] - starts[first])
+        rows = np.concatenate([rows_of_mixed(mixed[:, j], j + 2, spec) for j in range(mixed.shape[1])],
+                              axis=1)
+        yield rows
+        first = last
+
+
+def first_of_each_page(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per token (a row of `pages`; -1 = no page), its pages sorted and a mask of each distinct one."""
+    pages = np.sort(pages, axis=1)
+    fresh = np.ones(pages.shape, dtype=bool)
+    fresh[:, 1:] = pages[:, 1:] != pages[:, :-1]
+    return pages, fresh & (pages >= 0)
+
+
+def dense_slots(order) -> np.ndarray:
+    """int32 slot of every row: placed rows where the map puts them, the rest in source order."""
+    slots = np.empty(order.num_rows, dtype=np.int32)
+    unplaced = np.ones(order.num_rows, dtype=bool)
+    unplaced[order.slot_rows] = False
+    slots[order.slot_rows] = np.arange(order.num_placed, dtype=np.int32)
+    slots[unplaced] = np.arange(order.num_placed, order.num_rows, dtype=np.int32)
+    return slots
+
+
+def main() -> None:
+    started = time.perf_counter()
+    corpus = real_corpus.load()
+    spec = NgramSpec.from_config(fixture_config(base=20_000_000))
+    num_rows = spec.rows_stored
+    table_bytes = num_rows * ROW_BYTES
+    timings = {}
+
+    clock = time.perf_counter()
+    profiler = Profiler(spec)
+    for request in real_corpus.requests(*corpus["profile"]):
+        profiler.add_request(request)
+    profile = profiler.finish(model="real-geometry", tokenizer_sha256=None, inputs=[])
+    timings["profile_s"] = round(time.perf_counter() - clock, 1)
+
+    clock = time.perf_counter()
+    map_fraction = float(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_MAP_FRACTION
+    limit = max_placed_rows(num_rows, ROW_BYTES, map_fraction)
+    plan = plan_order(profile, num_rows, ROWS_PER_PAGE, max_placed=limit)
+    order = plan.order
+    timings["plan_s"] = round(time.perf_counter() - clock, 1)
+    map_bytes = ORDER_BYTES_PER_PLACED * order.num_placed
+
+    # A dense slot of every row (1.28 GB, bench only: random lookups into it are ~10x faster
+    # than the runtime's compact map, whose answers it must equal).
+    clock = time.perf_counter()
+    slot_of_row = dense_slots(order)
+    sample = np.random.default_rng(0).integers(0, num_rows, size=1_000_000)
+    sample = np.concatenate([sample, order.slot_rows[:100_000].astype(np.int64)])
+    assert np.array_equal(slot_of_row[sample], order.slot_of(sample))
+    timings["dense_map_s"] = round(time.perf_counter() - clock, 1)
+
+    # The checkpoint's hottest pages by the profile half's row reads (both pages of a straddler).
+    clock = time.perf_counter()
+    rows, counts = profile.parts["train"].rows(spec)
+    num_pages = -(-table_bytes // PAGE_SIZE)
+    heat = np.bincount(rows * ROW_BYTES // PAGE_SIZE, weights=counts, minlength=num_pages)
+    heat += np.bincount((rows * ROW_BYTES + ROW_BYTES - 1) // PAGE_SIZE,
+                        weights=counts * ((rows * ROW_BYTES) // PAGE_SIZE
+                                          != (rows * ROW_BYTES + ROW_BYTES - 1) // PAGE_SIZE),
+                        minlength=num_pages)
+    hottest_pages = np.argsort(-heat, kind="stable")
+    timings["checkpoint_heat_s"] = round(time.perf_counter() - clock, 1)
+
+    budgets = {}
+    for fraction in BUDGETS:
+        resident_pages = int(fraction * table_bytes) // PAGE_SIZE
+        charged_pages = max(0, int(fraction * table_bytes) - map_bytes) // PAGE_SIZE
+        checkpoint_resident = np.zeros(num_pages, dtype=bool)
+        checkpoint_resident[hottest_pages[:resident_pages]] = True
+        budgets[fraction] = {"resident_pages": resident_pages, "charged_pages": charged_pages,
+                             "checkpoint_resident": checkpoint_resident,
+                             "prepared": 0, "prepared_charged": 0, "checkpoint": 0,
+                             "prepared_row_hits": 0, "checkpoint_row_hits": 0}
+
+    clock = time.perf_counter()
+    tokens = 0
+    for row_ids in evaluation_row_ids(spec, *corpus["evaluation"]):
+        tokens += len(row_ids)
+        prepared_page = slot_of_row[row_ids] // ROWS_PER_PAGE
+        prepared_sorted, prepared_fresh = first_of_each_page(prepared_page.reshape(row_ids.shape))
+        byte = row_ids * ROW_BYTES
+        first_page = (byte // PAGE_SIZE).astype(np.int32)
+        last_page = ((byte + ROW_BYTES - 1) // PAGE_SIZE).astype(np.int32)
+        checkpoint_sorted, checkpoint_fresh = first_of_each_page(
+            np.concatenate([first_page, np.where(last_page == first_page, -1, last_page)], axis=1))
+        for budget in budgets.values():
+            for key, resident in (("prepared", budget["resident_pages"]),
+                                  ("prepared_charged", budget["charged_pages"])):
+                budget[key] += int(np.count_nonzero(prepared_fresh & (prepared_sorted >= resident)))
+            budget["prepared_row_hits"] += int(np.count_nonzero(prepared_page < budget["resident_pages"]))
+            resident = budget["checkpoint_resident"]
+            budget["checkpoint_row_hits"] += int(np.count_nonzero(resident[first_page] & resident[last_page]))
+            budget["checkpoint"] += int(np.count_nonzero(checkpoint_fresh & ~resident[checkpoint_sorted]))
+    timings["evaluate_s"] = round(time.perf_counter() - clock, 1)
+
+    result = {
+        "corpus": corpus["info"], "evaluation_tokens": tokens,
+        "profile": profile.summary(),
+        "layout": {"num_placed": order.num_placed, "map_bytes": map_bytes,
+                   "map_fraction_of_table": round(map_bytes / table_bytes, 5),
+                   "groups_seen": plan.groups_seen, "groups_placed": plan.groups_placed,
+                   "groups_split": plan.groups_split},
+        "budgets": [], "timings": timings, "seconds": round(time.perf_counter() - started, 1),
+    }
+    for fraction, budget in budgets.items():
+        per_k = {key: round(1000 * budget[key] / tokens, 1)
+                 for key in ("prepared", "prepared_charged", "checkpoint")}
+        result["budgets"].append({
+            "budget": f"{fraction:.0%}", "resident_bytes": budget["resident_pages"] * PAGE_SIZE,
+            "page_reads_per_1000_tokens": per_k,
+            "ratio_prepared_to_checkpoint": round(budget["prepared"] / budget["checkpoint"], 3),
+            "ratio_map_charged": round(budget["prepared_charged"] / budget["checkpoint"], 3),
+            "row_hit_fraction": {"prepared": round(budget["prepared_row_hits"] / (16 * tokens), 4),
+                                 "checkpoint": round(budget["checkpoint_row_hits"] / (16 * tokens), 4)},
+        })
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
