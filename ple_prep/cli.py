@@ -120,10 +120,14 @@ def cli() -> None:
               help="Split for T tensor-parallel ranks: one file per rank, OUT with .tp{r}of{T} "
                    "before its suffix (rank r owns rows [r*P, (r+1)*P), P = rows/T).")
 @click.option("--tp-rank", type=click.IntRange(min=0), help="With --tp-size: write only this rank's file.")
+@click.option("--resume", is_flag=True,
+              help="Continue a killed convert of OUT: keep the blocks it wrote that re-verify, "
+                   "write the rest (a run of other options or another source starts afresh).")
 @json_option
 @quiet_option
 def convert(model: Path, out: Path, page_size: int, profile_path: Path | None, map_fraction: float,
-            force: bool, tp_size: int | None, tp_rank: int | None, as_json: bool, quiet: bool) -> None:
+            force: bool, tp_size: int | None, tp_rank: int | None, resume: bool, as_json: bool,
+            quiet: bool) -> None:
     """Rewrite the table of a checkpoint into one page-aligned prepared file (or one per TP rank).
 
     With --profile, rows are laid out by access (hottest n-grams first, each n-gram's rows on one
@@ -150,7 +154,7 @@ def convert(model: Path, out: Path, page_size: int, profile_path: Path | None, m
         profile = load_profile(profile_path)
     if tp_size is not None:
         _convert_ranks(model, out, page_size, force, tp_size, tp_rank, as_json, quiet, profile,
-                       map_fraction)
+                       map_fraction, resume)
         return
     with open_source(model) as source:
         layout = {}
@@ -159,8 +163,8 @@ def convert(model: Path, out: Path, page_size: int, profile_path: Path | None, m
 
             layout = plan_for_source(source, profile, page_size=page_size, map_fraction=map_fraction)
         with progress_bar(source.num_rows * source.row_bytes, "convert", quiet) as advance:
-            manifest = write_table(source, out, page_size=page_size, force=force, progress=advance,
-                                   **layout)
+            manifest = write_table(source, out, page_size=page_size, force=force, resume=resume,
+                                   progress=advance, **layout)
     seconds = time.perf_counter() - started
     summary = {"out": str(out), "rows": manifest["num_rows"], "encoding": manifest["encoding"],
                "file_size": manifest["file_size"], "seconds": round(seconds, 3)}
@@ -173,7 +177,7 @@ def convert(model: Path, out: Path, page_size: int, profile_path: Path | None, m
 
 def _convert_ranks(model: Path, out: Path, page_size: int, force: bool, tp_size: int,
                    tp_rank: int | None, as_json: bool, quiet: bool, profile: Any = None,
-                   map_fraction: float = 0.0) -> None:
+                   map_fraction: float = 0.0, resume: bool = False) -> None:
     from .converters import open_source
     from .layouts.ranks import convert_ranks
 
@@ -190,7 +194,7 @@ def _convert_ranks(model: Path, out: Path, page_size: int, force: bool, tp_size:
                                        first_row=first_row, num_rows=num_rows)
         with progress_bar(rows * source.row_bytes, "convert", quiet) as advance:
             written = convert_ranks(source, out, tp_size, ranks, page_size=page_size, force=force,
-                                    progress=advance, layout_for=layout_for)
+                                    resume=resume, progress=advance, layout_for=layout_for)
     seconds = time.perf_counter() - started
     files = [{"out": str(path), "tp_rank": m["tensor_parallel"]["rank"], "first_row": m["first_row"],
               "rows": m["num_rows"], "file_size": m["file_size"]} for path, m in written]

@@ -3,7 +3,7 @@
 After every kill, no destination name may open as a table unless it is complete and bit-exact; a
 rerun of the same command succeeds, removes what the killed run left, and loses no row. Kill
 points come from three sources: trace events (just before each rename), the partial file's size
-(polled), and delays spread over a whole run. PLE_KILL_POINTS raises the number of delays for a
+(polled), and delays spread over a whole run. Every other rerun passes --resume. PLE_KILL_POINTS raises the number of delays for a
 longer stress run (docs/RELIABILITY.md); the default keeps the suite fast.
 """
 from __future__ import annotations
@@ -129,7 +129,7 @@ def test_convert_killed_anywhere_leaves_nothing_that_opens_and_rerun_succeeds(
     run_seconds = _timed_run(args)
     _assert_exact(out, fp8_checkpoint)
     states = {}
-    for description, start_and_kill in _kill_points(folder, args, run_seconds):
+    for number, (description, start_and_kill) in enumerate(_kill_points(folder, args, run_seconds)):
         for path in (out, manifest_path(out)):
             path.unlink(missing_ok=True)
         start_and_kill()
@@ -140,7 +140,8 @@ def test_convert_killed_anywhere_leaves_nothing_that_opens_and_rerun_succeeds(
             result = runner.invoke(cli, ["convert", *args])
             assert result.exit_code == 2 and "exists; pass --force" in result.output
         else:
-            _rerun_succeeds(runner, args, out, fp8_checkpoint)
+            # Every other rerun resumes: the kept progress must be as good as a fresh start.
+            _rerun_succeeds(runner, args + ["--resume"] * (number % 2), out, fp8_checkpoint)
     print("kill points:", len(states), collections.Counter(states.values()))
     assert states["at rename 1"] == "writing"
     assert states["at rename 2"] == "between renames"

@@ -7,6 +7,7 @@ manifest. Example counts are fixed per test (EXAMPLES below; docs/RELIABILITY.md
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 import tempfile
@@ -27,10 +28,13 @@ from ple_prep.layouts.format import Header
 from ple_prep.layouts.manifest import load_manifest, validate_manifest
 from ple_prep.ngram import NgramSpec
 
+# PLE_FUZZ_SCALE multiplies every count for a longer stress run (docs/RELIABILITY.md).
+SCALE = int(os.environ.get("PLE_FUZZ_SCALE", "1"))
 EXAMPLES = {"safetensors_random": 300, "safetensors_structured": 200, "safetensors_mutated": 300,
             "gguf_metadata": 200, "gguf_file_mutated": 300, "header_random": 300,
             "header_fields": 300, "manifest_random": 200, "manifest_mutated": 300,
             "manifest_bytes": 200}
+EXAMPLES = {name: count * SCALE for name, count in EXAMPLES.items()}
 FAST = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SCRATCH = Path(tempfile.mkdtemp(prefix="ple-fuzz-"))
 U64 = st.integers(0, 2**64 - 1)
@@ -208,6 +212,35 @@ def test_open_gguf_real_small_file_parses_then_refuses_its_short_table():
 def test_open_gguf_mutated_file_gives_bad_input(ops):
     with pytest.raises(BadInput):
         open_gguf(_write("model.gguf", _mutate(REAL_GGUF, ops)))
+
+
+def _gguf(tensors: int, pairs: int, body: bytes, version: int = 3) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", version, tensors, pairs) + body + bytes(64)
+
+
+def _key(name: bytes) -> bytes:
+    return struct.pack("<Q", len(name)) + name
+
+
+@pytest.mark.parametrize("data, message", [
+    # The file that made gguf.GGUFReader allocate until killed: an array of 2**40 strings.
+    (_gguf(0, 1, _key(b"a") + struct.pack("<IIQ", 9, 8, 2**40)), "an array of 1099511627776 items"),
+    (_gguf(0, 1, _key(b"a") + struct.pack("<IIQ", 9, 0, 2**63)), "an array of"),
+    (_gguf(0, 2**60, b""), "key-value pairs"),
+    (_gguf(2**60, 0, b""), "tensors"),
+    (_gguf(0, 1, struct.pack("<Q", 2**62)), "a key"),
+    (_gguf(0, 1, _key(b"a") + struct.pack("<IQ", 8, 2**50)), "a string value"),
+    (_gguf(0, 1, _key(b"a") + struct.pack("<I", 77)), "value type 77"),
+    (_gguf(0, 1, _key(b"a") + struct.pack("<II", 9, 99)), "array item type 99"),
+    (_gguf(1, 0, _key(b"t") + struct.pack("<I", 2**31)), "dimensions"),
+    (b"GGUF" + struct.pack(">IQQ", 3, 0, 0) + bytes(64), "big-endian"),
+])
+def test_open_gguf_refuses_hostile_counts_before_allocating(data, message):
+    tracemalloc.start()
+    with pytest.raises(BadInput, match=message):
+        open_gguf(_write("hostile.gguf", data))
+    assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    tracemalloc.stop()
 
 
 # --- prepared-file header -------------------------------------------------------------------------

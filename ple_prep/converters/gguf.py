@@ -26,6 +26,7 @@ from ..constants import (GGML_TYPES, GGUF_ARCHITECTURE, GGUF_HEAD_TENSOR, GGUF_J
 from ..errors import BadInput
 from ..ngram import NgramSpec
 from .base import Segment, SourceFile, TableSource
+from .gguf_bounds import check_gguf_bounds
 
 SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 HEAD_NAME = re.compile(r"^ple_ngram_embd\.(\d+)\.weight$")
@@ -120,7 +121,11 @@ class _Reader(GGUFReader):
 def _open_reader(path: Path) -> GGUFReader:
     """Parse one file with the gguf package, its failures turned into messages that say why."""
     try:
+        # The package trusts the file's counts: check them first (hostile files, gguf_bounds.py).
+        check_gguf_bounds(path)
         return _Reader(path)
+    except BadInput:
+        raise
     except OSError as exc:
         raise BadInput(f"cannot read {path}: {exc.strerror}") from None
     except (ValueError, KeyError, IndexError, OverflowError, UnicodeDecodeError) as exc:

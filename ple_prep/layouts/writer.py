@@ -26,6 +26,9 @@ from ..errors import BadInput
 from .format import Header
 from .manifest import MANIFEST_FORMAT, manifest_path, write_manifest
 from .order import RowOrder
+from .progress import Journal, Resumable, progress_name, truncate_after, verify_prefix
+from .progress import identity as run_identity
+from .progress import load as load_journal
 
 # Pages per write: a quarter checksum block (16 MiB of 4 KiB pages) keeps memory small and the
 # disk busy; it divides the checksum block so each block's CRC is accumulated over whole chunks.
@@ -57,19 +60,38 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_partials(final: Path) -> list[Path]:
-    """Delete the temporary files of `final` left by writers that died (killed, crashed, power cut).
-
-    Only names of the form `.{name}.{pid}.partial` whose pid is no longer running are removed, so a
-    convert still writing the same destination is left alone.
-    """
-    removed = []
+def _dead_partials(final: Path) -> list[Path]:
+    """Temporary files of `final` (`.{name}.{pid}.partial`) whose writer is no longer running."""
+    found = []
     for candidate in final.parent.glob(f".{glob.escape(final.name)}.*.partial"):
         pid = candidate.name[len(final.name) + 2:-len(".partial")]
         if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-            candidate.unlink(missing_ok=True)
-            removed.append(candidate)
+            found.append(candidate)
+    return sorted(found)
+
+
+def remove_stale_partials(final: Path, keep: tuple[Path, ...] | None = None) -> list[Path]:
+    """Delete the temporary files of `final` left by writers that died (killed, crashed, power cut).
+
+    Only names of the form `.{name}.{pid}.partial` whose pid is no longer running are removed, so a
+    convert still writing the same destination is left alone; `keep` spares a run being resumed.
+    """
+    removed = [path for path in _dead_partials(final) if path not in (keep or ())]
+    for path in removed:
+        path.unlink(missing_ok=True)
     return removed
+
+
+def _find_resumable(out: Path) -> Resumable | None:
+    """The most advanced dead run of `out` that left both its data and its journal."""
+    best = None
+    for journal in _dead_partials(progress_name(out)):
+        pid = journal.name.rsplit(".", 2)[-2]
+        data = out.with_name(f".{out.name}.{pid}.partial")
+        if data.exists() and (found := load_journal(data, journal)) is not None:
+            if best is None or len(found.block_crcs) > len(best.block_crcs):
+                best = found
+    return best
 
 
 def is_interrupted_publish(out: Path, manifest_out: Path) -> bool:
@@ -107,11 +129,12 @@ def convert(source: TableSource, out: str | Path, *, order: RowOrder | None = No
             progress: Callable[[int], None] | None = None, first_row: int = 0,
             num_rows: int | None = None, layout: dict[str, Any] | None = None,
             residency: list[dict[str, Any]] | None = None,
-            tensor_parallel: dict[str, int] | None = None) -> dict[str, Any]:
+            tensor_parallel: dict[str, int] | None = None, resume: bool = False) -> dict[str, Any]:
     """Write rows [first_row, first_row + num_rows) of `source` to `out` and its manifest.
 
     Both files appear at their names only when complete (temporary names, fsync, rename); on any
-    failure nothing is left behind, and a rerun removes what a killed run left. Returns the manifest.
+    failure nothing is left behind, and a rerun removes what a killed run left. With `resume`, a
+    killed run's verified blocks are kept instead (layouts/progress.py). Returns the manifest.
     `tensor_parallel` ({"rank", "size"}) is recorded in the manifest of a rank's file.
     """
     out = Path(out)
@@ -120,8 +143,9 @@ def convert(source: TableSource, out: str | Path, *, order: RowOrder | None = No
         raise BadInput(f"output folder {out.parent} does not exist")
     if out.is_dir():
         raise BadInput(f"{out} is a folder; give a file name")
-    for final in (out, manifest_out):
-        remove_stale_partials(final)
+    resumable = _find_resumable(out) if resume else None
+    for final in (out, manifest_out, progress_name(out)):
+        remove_stale_partials(final, keep=resumable and (resumable.data, resumable.journal))
     existing = [p for p in (out, manifest_out) if p.exists()]
     if existing and not force and not is_interrupted_publish(out, manifest_out):
         raise BadInput(f"{existing[0]} exists; pass --force to replace it")
@@ -130,16 +154,37 @@ def convert(source: TableSource, out: str | Path, *, order: RowOrder | None = No
     order = order or RowOrder.identity(num_rows)
     if order.num_rows != num_rows:
         raise BadInput(f"the row order covers {order.num_rows} rows, the table {num_rows}")
-    header = Header.for_table(page_size=page_size, row_bytes=source.row_bytes,
-                              encoding=source.encoding, values_per_row=source.values_per_row,
-                              num_rows=num_rows, first_row=first_row,
-                              num_placed=order.num_placed, file_id=uuid.uuid4().bytes)
-    check_free_space(out.parent, header.file_size)
+
+    def start(file_id: bytes) -> tuple[Header, bytes, dict[str, Any]]:
+        header = Header.for_table(page_size=page_size, row_bytes=source.row_bytes,
+                                  encoding=source.encoding, values_per_row=source.values_per_row,
+                                  num_rows=num_rows, first_row=first_row,
+                                  num_placed=order.num_placed, file_id=file_id)
+        prefix = (header.pack() + order.to_bytes()).ljust(header.data_offset, b"\0")
+        return header, prefix, run_identity(header, prefix, fingerprint, CHECKSUM_BLOCK_BYTES)
+
+    fingerprint = source.fingerprint()
+    if resumable is not None:
+        header, prefix, run = start(resumable.file_id)
+        if run != resumable.first_line:
+            # Another source, order, geometry or block size: nothing of that run can be reused.
+            for path in (resumable.data, resumable.journal):
+                path.unlink(missing_ok=True)
+            resumable = None
+    if resumable is None:
+        header, prefix, run = start(uuid.uuid4().bytes)
+    check_free_space(out.parent, header.file_size - (resumable.data.stat().st_size if resumable else 0))
 
     temporary_data, temporary_manifest = partial_name(out), partial_name(manifest_out)
+    temporary_journal = partial_name(progress_name(out))
     try:
-        checksums, table_sha256 = _write_data(source, header, order, temporary_data, progress)
-        manifest = _manifest(source, header, checksums, table_sha256, out.name, layout, residency)
+        if resumable is not None:
+            os.rename(resumable.data, temporary_data)
+            os.rename(resumable.journal, temporary_journal)
+        checksums, table_sha256 = _write_data(source, header, order, prefix, temporary_data,
+                                              temporary_journal, run, resumable, progress)
+        manifest = _manifest(source, header, checksums, table_sha256, out.name, layout, residency,
+                             fingerprint)
         if tensor_parallel is not None:
             manifest["tensor_parallel"] = dict(tensor_parallel)
         write_manifest(manifest, temporary_manifest)
@@ -148,8 +193,9 @@ def convert(source: TableSource, out: str | Path, *, order: RowOrder | None = No
         os.replace(temporary_data, out)
         os.replace(temporary_manifest, manifest_out)
         _fsync_folder(out.parent)
+        temporary_journal.unlink()
     except BaseException as exc:
-        for path in (temporary_data, temporary_manifest):
+        for path in (temporary_data, temporary_manifest, temporary_journal):
             path.unlink(missing_ok=True)
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise BadInput(f"the disk holding {out.parent} filled up while writing; "
@@ -201,7 +247,8 @@ class _PageBuffer:
         return pages
 
 
-def _write_data(source: TableSource, header: Header, order: RowOrder, path: Path,
+def _write_data(source: TableSource, header: Header, order: RowOrder, prefix: bytes, path: Path,
+                journal_path: Path, run: dict[str, Any], resumable: Resumable | None,
                 progress: Callable[[int], None] | None) -> tuple[dict[str, Any], str]:
     """Stream the rows into `path`; returns the checksums and the sha256 of the table bytes read.
 
@@ -213,14 +260,24 @@ def _write_data(source: TableSource, header: Header, order: RowOrder, path: Path
     memory stays a few chunks and no time goes to faulting in fresh pages. Pages are written with
     O_DIRECT where the filesystem takes it: a table the size of RAM would otherwise push everything
     else out of the page cache, and copying it through the cache costs as much CPU as hashing it.
+
+    Each finished checksum block is fsynced and then listed in the progress journal, so that
+    `resume` can continue after the blocks a killed run wrote (they are re-read and re-checked).
     """
     pages_per_block = CHECKSUM_BLOCK_BYTES // header.page_size
     pages_per_chunk = max(1, pages_per_block // CHUNKS_PER_CHECKSUM_BLOCK)
     rows_per_chunk = pages_per_chunk * header.rows_per_page
+    header_crc = zlib.crc32(prefix)
     table_digest = hashlib.sha256()
     block_crcs: list[int] = []
+    if resumable is not None:
+        kept, table_digest = verify_prefix(path, header, CHECKSUM_BLOCK_BYTES, header_crc,
+                                           resumable.block_crcs, progress)
+        block_crcs = resumable.block_crcs[:kept]
+        truncate_after(journal_path, kept)
     block_crc, block_filled = 0, 0
-    chunk_starts = range(0, header.num_rows, rows_per_chunk)
+    first_slot = len(block_crcs) * pages_per_block * header.rows_per_page
+    chunk_starts = range(first_slot, header.num_rows, rows_per_chunk)
     # A row buffer is free again once its chunk is packed (here) and hashed (which may trail by one).
     row_buffers = [np.empty((rows_per_chunk, header.row_bytes), dtype=np.uint8)
                    for _ in range(READ_AHEAD + 2)]
@@ -236,18 +293,24 @@ def _write_data(source: TableSource, header: Header, order: RowOrder, path: Path
                            min(start + rows_per_chunk, header.num_rows),
                            row_buffers[index % len(row_buffers)])
 
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    if resumable is None:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        journal = Journal(journal_path, run)
+    else:
+        descriptor = os.open(path, os.O_WRONLY)
+        journal = Journal(journal_path, None)
     stages = [concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"convert-{name}")
               for name in ("read", "hash", "write")]
     reader, hasher, writer = stages
     try:
-        prefix = header.pack() + order.to_bytes()
         head = _aligned_zeros(header.data_offset)
-        head[:len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
+        head[:] = np.frombuffer(prefix, dtype=np.uint8)
+        # A resumed file keeps its verified blocks; the head is rewritten whatever its state.
+        os.ftruncate(descriptor, header.data_offset + len(block_crcs) * CHECKSUM_BLOCK_BYTES)
         if header.page_size % DIRECT_IO_ALIGNMENT == 0:
             _set_direct(descriptor, True)
         _write_all(descriptor, head)
-        header_crc = zlib.crc32(head)
+        os.lseek(descriptor, header.data_offset + len(block_crcs) * CHECKSUM_BLOCK_BYTES, os.SEEK_SET)
         reads = collections.deque(reader.submit(read, index)
                                   for index in range(min(READ_AHEAD, len(chunk_starts))))
         hashes: collections.deque[concurrent.futures.Future] = collections.deque()
@@ -265,10 +328,12 @@ def _write_data(source: TableSource, header: Header, order: RowOrder, path: Path
             pages = page_buffers[index % len(page_buffers)].pack(rows)
             block_crc = zlib.crc32(pages, block_crc)
             block_filled += len(pages)
+            finished_block = None
             if block_filled == pages_per_block:
+                finished_block = (len(block_crcs), block_crc)
                 block_crcs.append(block_crc)
                 block_crc, block_filled = 0, 0
-            writes.append(writer.submit(_write_all, descriptor, pages))
+            writes.append(writer.submit(_write_chunk, descriptor, pages, journal, finished_block))
             if progress is not None:
                 progress(rows.nbytes)
         for pending in (*hashes, *writes):
@@ -281,6 +346,7 @@ def _write_data(source: TableSource, header: Header, order: RowOrder, path: Path
         for stage in stages:
             stage.shutdown(wait=True, cancel_futures=True)
         os.close(descriptor)
+        journal.close()
     checksums = {"algorithm": "crc32", "block_bytes": CHECKSUM_BLOCK_BYTES,
                  "header_crc32": header_crc, "blocks": block_crcs}
     return checksums, table_digest.hexdigest()
@@ -318,6 +384,15 @@ def _write_all(descriptor: int, pages: np.ndarray) -> None:
         view = view[written:]
 
 
+def _write_chunk(descriptor: int, pages: np.ndarray, journal: Journal,
+                 finished_block: tuple[int, int] | None) -> None:
+    _write_all(descriptor, pages)
+    if finished_block is not None:
+        # The block is promised to a resume only once its bytes are on disk.
+        os.fsync(descriptor)
+        journal.append(*finished_block)
+
+
 def _fsync_folder(folder: Path) -> None:
     descriptor = os.open(folder, os.O_RDONLY)
     try:
@@ -336,7 +411,7 @@ def ggml_type_json(encoding) -> dict[str, Any] | None:
 
 def _manifest(source: TableSource, header: Header, checksums: dict[str, Any], table_sha256: str,
               data_file: str, layout: dict[str, Any] | None,
-              residency: list[dict[str, Any]] | None) -> dict[str, Any]:
+              residency: list[dict[str, Any]] | None, fingerprint: dict[str, Any]) -> dict[str, Any]:
     scale = source.scale.to_json() if source.scale is not None else None
     return {
         "format": MANIFEST_FORMAT,
@@ -357,7 +432,7 @@ def _manifest(source: TableSource, header: Header, checksums: dict[str, Any], ta
         "total_rows": source.num_rows,
         "scale": scale,
         "ngram": source.spec.to_json(),
-        "source": source.fingerprint() | {"model": str(source.model_dir.resolve()),
+        "source": fingerprint | {"model": str(source.model_dir.resolve()),
                                           "table_sha256": table_sha256, **source.extra},
         "checksums": checksums,
         "layout": layout or {"kind": "source-order", "num_placed": header.num_placed},

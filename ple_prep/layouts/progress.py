@@ -1,0 +1,134 @@
+"""The progress journal that lets `convert --resume` continue a killed conversion.
+
+Beside its partial data file every convert keeps `.{name}.progress.{pid}.partial`: JSON lines, the
+first naming the run (file id, a digest of the header and row-order bytes, the source fingerprint,
+the checksum block size), then one line per checksum block, appended only after the data file was
+fsynced past that block. A resume trusts nothing it cannot check: it re-reads every journaled block
+and compares its CRC-32 (recomputing the table's SHA-256 on the way), keeps the verified prefix,
+and writes the rest. A torn last line or a bad block ends the verified prefix there.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import zlib
+from pathlib import Path
+from typing import Any
+
+from .format import Header
+
+JOURNAL_KIND = "ple-prep-progress"
+READ_BYTES = 8 << 20
+
+
+def progress_name(final: Path) -> Path:
+    """The name whose partial (`.{name}.progress.{pid}.partial`) holds the journal of `final`."""
+    return final.with_name(final.name + ".progress")
+
+
+def identity(header: Header, prefix: bytes, fingerprint: dict[str, Any], block_bytes: int) -> dict[str, Any]:
+    return {"journal": JOURNAL_KIND, "version": 1, "file_id": header.file_id.hex(),
+            "prefix_sha256": hashlib.sha256(prefix).hexdigest(), "header_crc32": zlib.crc32(prefix),
+            "source": fingerprint, "block_bytes": block_bytes}
+
+
+class Journal:
+    """Append-only; each line is on disk (fsync) before `append` returns."""
+
+    def __init__(self, path: Path, first_line: dict[str, Any] | None):
+        flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT | os.O_EXCL if first_line else 0)
+        self._descriptor = os.open(path, flags, 0o644)
+        if first_line:
+            self._write(first_line)
+
+    def _write(self, line: dict[str, Any]) -> None:
+        os.write(self._descriptor, json.dumps(line, sort_keys=True).encode() + b"\n")
+        os.fsync(self._descriptor)
+
+    def append(self, block: int, crc: int) -> None:
+        self._write({"block": block, "crc32": crc})
+
+    def close(self) -> None:
+        os.close(self._descriptor)
+
+
+@dataclasses.dataclass
+class Resumable:
+    data: Path
+    journal: Path
+    first_line: dict[str, Any]
+    block_crcs: list[int]
+
+    @property
+    def file_id(self) -> bytes:
+        return bytes.fromhex(self.first_line["file_id"])
+
+
+def load(data: Path, journal: Path) -> Resumable | None:
+    """A dead run's partial and journal, or None when the journal says nothing usable."""
+    try:
+        lines = journal.read_bytes().split(b"\n")
+        first_line = json.loads(lines[0])
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(first_line, dict) or first_line.get("journal") != JOURNAL_KIND:
+        return None
+    if not re.fullmatch(r"[0-9a-f]{32}", str(first_line.get("file_id"))):
+        return None
+    crcs: list[int] = []
+    for raw in lines[1:]:
+        try:
+            entry = json.loads(raw)
+        except ValueError:
+            break  # a torn last line: the block was never promised
+        if (not isinstance(entry, dict) or entry.get("block") != len(crcs)
+                or not isinstance(entry.get("crc32"), int)):
+            break
+        crcs.append(entry["crc32"])
+    return Resumable(data, journal, first_line, crcs)
+
+
+def verify_prefix(path: Path, header: Header, block_bytes: int, header_crc: int,
+                  block_crcs: list[int], progress=None) -> tuple[int, Any]:
+    """(blocks whose bytes still match the journal, SHA-256 of their rows) after re-reading them."""
+    digest = hashlib.sha256()
+    used = header.rows_per_page * header.row_bytes
+    pages_per_block = block_bytes // header.page_size
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        if zlib.crc32(os.pread(descriptor, header.data_offset, 0)) != header_crc:
+            return 0, digest
+        for block, expected in enumerate(block_crcs):
+            start = header.data_offset + block * block_bytes
+            raw = bytearray()
+            while len(raw) < block_bytes:
+                piece = os.pread(descriptor, min(READ_BYTES, block_bytes - len(raw)), start + len(raw))
+                if not piece:
+                    break
+                raw += piece
+            if len(raw) != block_bytes or zlib.crc32(raw) != expected:
+                return block, digest
+            rows_left = header.num_rows - block * pages_per_block * header.rows_per_page
+            pages = memoryview(raw)
+            for page in range(min(pages_per_block, -(-rows_left // header.rows_per_page))):
+                rows_here = min(header.rows_per_page, rows_left - page * header.rows_per_page)
+                offset = page * header.page_size
+                digest.update(pages[offset:offset + (used if rows_here == header.rows_per_page
+                                                     else rows_here * header.row_bytes)])
+            if progress is not None:
+                progress(min(rows_left, pages_per_block * header.rows_per_page) * header.row_bytes)
+        return len(block_crcs), digest
+    finally:
+        os.close(descriptor)
+
+
+def truncate_after(journal: Path, blocks: int) -> None:
+    """Cut the journal after its first `blocks` block lines (dropping bad blocks and a torn line)."""
+    raw = journal.read_bytes()
+    end = 0
+    for _ in range(blocks + 1):
+        end = raw.index(b"\n", end) + 1
+    os.truncate(journal, end)

@@ -1,0 +1,158 @@
+"""`convert --resume`: a killed run's verified blocks are kept, bad or foreign progress is not.
+
+A real convert subprocess (64 KiB checksum blocks, so the 2.7 MB fixture has 43) is killed once
+its progress journal lists some blocks; the resumed run must keep that run's file id (it continued
+the same file) and the result must equal the source byte for byte.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ple_prep.cli import cli
+from ple_prep.fixtures import make_checkpoint
+from ple_prep.layouts import writer
+from ple_prep.layouts.manifest import load_manifest, manifest_path
+from ple_prep.verify import verify
+
+REPO = Path(__file__).resolve().parent.parent
+BLOCK_BYTES = 64 << 10
+CHILD = f"""
+import sys
+from ple_prep.layouts import writer
+writer.CHECKSUM_BLOCK_BYTES = {BLOCK_BYTES}
+from ple_prep.cli import cli
+cli(sys.argv[1:], prog_name="ple-prep")
+"""
+
+
+@pytest.fixture(autouse=True)
+def kept_blocks(monkeypatch) -> list[int]:
+    """Small blocks as in the child; records how many blocks each resume re-verified and kept."""
+    monkeypatch.setattr(writer, "CHECKSUM_BLOCK_BYTES", BLOCK_BYTES)
+    kept: list[int] = []
+    verify_prefix = writer.verify_prefix
+
+    def recording(*args, **kwargs):
+        result = verify_prefix(*args, **kwargs)
+        kept.append(result[0])
+        return result
+
+    monkeypatch.setattr(writer, "verify_prefix", recording)
+    return kept
+
+
+def _kill_after_blocks(model: Path, out: Path, blocks: int) -> tuple[Path, Path, str]:
+    """Start a convert, SIGKILL it once its journal lists `blocks` blocks; its partial, journal, file id."""
+    process = subprocess.Popen([sys.executable, "-c", CHILD, "convert", "--model", str(model),
+                                "--out", str(out), "-q"], cwd=REPO)
+    journal = out.with_name(f".{out.name}.progress.{process.pid}.partial")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if journal.read_bytes().count(b"\n") >= blocks + 1:
+                break
+        except FileNotFoundError:
+            pass
+    process.kill()
+    assert process.wait() == -9, "the convert finished before it could be killed"
+    data = out.with_name(f".{out.name}.{process.pid}.partial")
+    file_id = json.loads(journal.read_bytes().split(b"\n")[0])["file_id"]
+    return data, journal, file_id
+
+
+def _resume(runner, model: Path, out: Path, *extra: str) -> dict:
+    result = runner.invoke(cli, ["convert", "--model", str(model), "--out", str(out), "--resume",
+                                 "-q", *extra])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.parent.iterdir()) == [out.name, manifest_path(out).name]
+    report = verify(out, model)
+    assert report.ok and report.rows_compared == 16_896 and report.mismatched_rows == 0
+    return load_manifest(manifest_path(out))
+
+
+@pytest.mark.parametrize("blocks", [1, 30])
+def test_convert_resume_continues_killed_run(fp8_checkpoint, tmp_path, runner, kept_blocks, blocks):
+    out = tmp_path / "t.bin"
+    data, journal, file_id = _kill_after_blocks(fp8_checkpoint, out, blocks)
+    journaled = journal.read_bytes().count(b"\n") - 1
+    inode = data.stat().st_ino
+    assert _resume(runner, fp8_checkpoint, out)["file_id"] == file_id
+    assert kept_blocks == [journaled] and journaled >= blocks
+    assert out.stat().st_ino == inode  # the killed run's file, continued
+
+
+@pytest.mark.parametrize("position, kept", [(4096 + 7 * BLOCK_BYTES + 123, 7), (20, 0)])
+def test_convert_resume_rewrites_blocks_damaged_after_the_kill(fp8_checkpoint, tmp_path, runner,
+                                                               kept_blocks, position, kept):
+    out = tmp_path / "t.bin"
+    data, _, file_id = _kill_after_blocks(fp8_checkpoint, out, 20)
+    with open(data, "r+b") as handle:  # one bit of block 7, or of the header
+        handle.seek(position)
+        byte = handle.read(1)[0]
+        handle.seek(position)
+        handle.write(bytes([byte ^ 0x10]))
+    assert _resume(runner, fp8_checkpoint, out)["file_id"] == file_id
+    assert kept_blocks == [kept]
+
+
+def test_convert_resume_of_torn_journal_keeps_whole_lines(fp8_checkpoint, tmp_path, runner,
+                                                          kept_blocks):
+    out = tmp_path / "t.bin"
+    _, journal, file_id = _kill_after_blocks(fp8_checkpoint, out, 10)
+    journaled = journal.read_bytes().count(b"\n") - 1
+    with open(journal, "ab") as handle:
+        handle.write(b'{"block": 99, "crc3')
+    assert _resume(runner, fp8_checkpoint, out)["file_id"] == file_id
+    assert kept_blocks == [journaled]
+
+
+def test_convert_resume_with_other_source_starts_afresh(fp8_checkpoint, tmp_path, runner,
+                                                        kept_blocks):
+    other = make_checkpoint(tmp_path / "other", "fp8", seed=9)  # same sizes, other rows
+    folder = tmp_path / "out"
+    folder.mkdir()
+    out = folder / "t.bin"
+    _, _, file_id = _kill_after_blocks(other, out, 10)
+    assert _resume(runner, fp8_checkpoint, out)["file_id"] != file_id
+    assert kept_blocks == []
+
+
+def test_convert_resume_without_killed_run_converts(fp8_checkpoint, tmp_path, runner):
+    _resume(runner, fp8_checkpoint, tmp_path / "t.bin")
+
+
+def test_convert_without_resume_removes_killed_run(fp8_checkpoint, tmp_path, runner):
+    out = tmp_path / "t.bin"
+    _, _, file_id = _kill_after_blocks(fp8_checkpoint, out, 10)
+    result = runner.invoke(cli, ["convert", "--model", str(fp8_checkpoint), "--out", str(out), "-q"])
+    assert result.exit_code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.bin", "t.bin.json"]
+    assert load_manifest(manifest_path(out))["file_id"] != file_id
+
+
+def test_convert_resume_tp_rank(fp8_checkpoint, tmp_path, runner):
+    out = tmp_path / "t.bin"
+    rank_file = tmp_path / "t.tp1of2.bin"
+    process = subprocess.Popen([sys.executable, "-c", CHILD, "convert", "--model",
+                                str(fp8_checkpoint), "--out", str(out), "--tp-size", "2",
+                                "--tp-rank", "1", "-q"], cwd=REPO)
+    journal = rank_file.with_name(f".{rank_file.name}.progress.{process.pid}.partial")
+    while process.poll() is None:
+        if journal.exists() and journal.read_bytes().count(b"\n") >= 6:
+            break
+    process.kill()
+    assert process.wait() == -9
+    file_id = json.loads(journal.read_bytes().split(b"\n")[0])["file_id"]
+    result = runner.invoke(cli, ["convert", "--model", str(fp8_checkpoint), "--out", str(out),
+                                 "--tp-size", "2", "--tp-rank", "1", "--resume", "-q"])
+    assert result.exit_code == 0, result.output
+    assert load_manifest(manifest_path(rank_file))["file_id"] == file_id
+    report = verify(rank_file, fp8_checkpoint)
+    assert report.ok and report.rows_compared == 8448
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.tp1of2.bin", "t.tp1of2.bin.json"]
