@@ -456,7 +456,8 @@ def profile_run(model: Path, prompts: tuple[Path, ...], more_prompts: tuple[Path
 @click.option("-o", "--out", required=True, type=click.Path(path_type=Path), help="Merged profile.")
 @click.option("--force", is_flag=True, help="Replace an existing profile.")
 @json_option
-def profile_merge(profiles: tuple[Path, ...], out: Path, force: bool, as_json: bool) -> None:
+@quiet_option
+def profile_merge(profiles: tuple[Path, ...], out: Path, force: bool, as_json: bool, quiet: bool) -> None:
     """Combine profiles of shards of a corpus; the result equals profiling it all at once.
 
     \b
@@ -470,7 +471,7 @@ def profile_merge(profiles: tuple[Path, ...], out: Path, force: bool, as_json: b
     summary = {"out": str(out), **merged.summary()}
     if as_json:
         echo_json(summary)
-    else:
+    elif not quiet:
         click.echo(f"wrote {out}: {len(profiles)} profiles, {summary['requests']:,} requests, "
                    f"{summary['tokens']:,} tokens")
 

@@ -132,3 +132,25 @@ def test_inspect_plot_without_hints_exits_2(runner, fp8_checkpoint, tmp_path):
     pytest.importorskip("matplotlib")
     result = runner.invoke(cli, ["inspect", str(table), "--plot", str(tmp_path / "c.png")])
     assert result.exit_code == 2 and "no measured residency hints" in result.stderr
+
+
+def test_convert_profile_per_tp_rank_keeps_global_ids(runner, fp8_checkpoint, prompts, tmp_path):
+    from ple_prep.converters import open_source
+    from ple_prep.runtime import open_table
+
+    profile = tmp_path / "p.prof"
+    runner.invoke(cli, ["profile", "--model", str(fp8_checkpoint), "--prompts", str(prompts / "chats.jsonl"),
+                        str(prompts / "ids.npy"), "--out", str(profile), "-q"])
+    result = runner.invoke(cli, ["convert", "--model", str(fp8_checkpoint), "--profile", str(profile),
+                                 "--map-fraction", "0.015", "--tp-size", "2", "--out", str(tmp_path / "t.bin"), "-q"])
+    assert result.exit_code == 0, result.output
+    with open_source(fp8_checkpoint) as source:
+        expected = source.read_rows(0, source.num_rows)
+    for rank in range(2):
+        with open_table(tmp_path / f"t.tp{rank}of2.bin") as table:
+            assert table.manifest["layout"]["kind"] == "access-ordered" and table.order.num_placed > 0
+            assert len(table.manifest["residency"]) == 12
+            first, stop = table.row_range
+            ids = np.random.default_rng(rank).permutation(np.arange(first, stop))
+            assert np.array_equal(table.gather(ids), expected[ids])
+            assert np.array_equal(np.sort(table.slot_of(ids)), np.arange(stop - first))
