@@ -93,7 +93,9 @@ class Table:
 
     def slot_of(self, ids: np.ndarray) -> np.ndarray:
         """Position of each row in the file's slot order (int64)."""
-        return self.order.slot_of(self._local(ids))
+        local = self._local(ids)
+        # In source order a slot is the local id, and `local` is already a fresh array.
+        return self.order.slot_of(local) if self.order.num_placed else local
 
     def page_of(self, ids: np.ndarray) -> np.ndarray:
         """Index of the file page (counted from the data region) holding each row."""
