@@ -1,7 +1,10 @@
 """Find a model the way people name it: a folder, or a Hugging Face name looked up in the local cache.
 
 Offline only: this reads the cache that `huggingface_hub` keeps (HUB/models--OWNER--NAME/ with
-refs/BRANCH holding a commit hash and snapshots/HASH/ holding the files) and never downloads.
+refs/BRANCH holding a commit hash and snapshots/HASH/ holding the files) and never downloads:
+repos are found by folder name, and a revision becomes a snapshot folder through
+`huggingface_hub.snapshot_download(..., local_files_only=True)`, which also refuses a snapshot the
+hub knows an interrupted download left incomplete.
 """
 from __future__ import annotations
 
@@ -57,75 +60,81 @@ def resolve_model(name_or_path: str | Path, *, cache_dir: str | Path | None = No
     if match is None or text.startswith("."):
         raise BadInput(f"{text} does not exist")
     cache = Path(cache_dir).expanduser() if cache_dir is not None else hub_cache_dir()
-    repos, skipped = _cached_models(cache)
-    owner, name, revision = match["owner"], match["name"], match["revision"]
+    repos = _cached_models(cache)
+    owner, name, revision, quant = match["owner"], match["name"], match["revision"], match["quant"]
     if owner is not None:
         wanted = f"{owner}/{name}".lower()
-        found = [repo for repo in repos if repo.repo_id.lower() == wanted]
+        found = [repo for repo in repos if repo.lower() == wanted]
     else:
-        found = [repo for repo in repos if _name_part(repo.repo_id) == name.lower()]
+        found = [repo for repo in repos if _name_part(repo) == name.lower()]
         if not found:
-            found = [repo for repo in repos if _name_part(repo.repo_id).startswith(name.lower() + "-")]
-    if match["quant"] is not None and len(found) > 1:
+            found = [repo for repo in repos if _name_part(repo).startswith(name.lower() + "-")]
+    if quant is not None and len(found) > 1:
         # `NAME:QUANT` means a GGUF repo: a safetensors repo of the same name is no rival.
-        with_gguf = [repo for repo in found
-                     if any(f.file_name.endswith(".gguf") for r in repo.revisions for f in r.files)]
-        found = with_gguf or found
+        found = [repo for repo in found if any(repos[repo].glob("snapshots/*/**/*.gguf"))] or found
     if not found:
-        raise BadInput(_nothing_found(text, path, cache, repos, skipped))
+        raise BadInput(_nothing_found(text, path, cache, sorted(repos)))
     if len(found) > 1:
-        ids = ", ".join(sorted(repo.repo_id for repo in found))
         raise BadInput(f"{name} matches {len(found)} models in the Hugging Face cache at {cache}: "
-                       f"{ids}; name one in full")
-    snapshot = _snapshot(found[0], revision)
-    return snapshot if match["quant"] is None else _gguf_file(found[0].repo_id, snapshot, match["quant"])
+                       f"{', '.join(sorted(found))}; name one in full")
+    snapshot = _snapshot(found[0], repos[found[0]], cache, revision)
+    return snapshot if quant is None else _gguf_file(found[0], snapshot, quant)
 
 
-def _cached_models(cache: Path) -> tuple[list, int]:
-    """Model repos in the cache, and how many entries could not be read (`scan_cache_dir` warnings)."""
-    from huggingface_hub import scan_cache_dir
-    from huggingface_hub.utils import CacheNotFound
+def _cached_models(cache: Path) -> dict[str, Path]:
+    """Repo id to folder of each model repo in the cache, from the folder names alone.
 
-    try:
-        info = scan_cache_dir(cache)
-    except (CacheNotFound, ValueError):
-        return [], 0
-    return [repo for repo in info.repos if repo.repo_type == "model"], len(info.warnings)
+    The hub names a repo's folder `models--OWNER--NAME`; listing names is one directory read,
+    where `scan_cache_dir` would stat every file of every repo (about a second for 20,000 files).
+    """
+    if not cache.is_dir():
+        return {}
+    return {entry.name[len("models--"):].replace("--", "/"): entry for entry in cache.iterdir()
+            if entry.name.startswith("models--") and entry.is_dir()}
 
 
 def _name_part(repo_id: str) -> str:
     return repo_id.rsplit("/", 1)[-1].lower()
 
 
-def _nothing_found(text: str, path: Path, cache: Path, repos: list, skipped: int) -> str:
+def _nothing_found(text: str, path: Path, cache: Path, cached: list[str]) -> str:
     where = f"the Hugging Face cache at {cache}" if cache.is_dir() else \
         f"the Hugging Face cache at {cache} (no such folder)"
-    cached = sorted(repo.repo_id for repo in repos)
     listing = (f"; cached: {', '.join(cached[:_LISTED])}" + (", ..." if len(cached) > _LISTED else "")
                if cached else "")
-    unreadable = f"; {skipped} cache entries could not be read" if skipped else ""
-    return (f"no model {text} in {where}{listing}{unreadable}; no folder {path} either "
+    return (f"no model {text} in {where}{listing}; no folder {path} either "
             "(set HF_HUB_CACHE or HF_HOME, or give a path)")
 
 
-def _snapshot(repo, revision: str | None) -> Path:
-    refs = repo.refs
+def _snapshot(repo_id: str, folder: Path, cache: Path, revision: str | None) -> Path:
+    """The snapshot folder of `revision` (default main), resolved by `snapshot_download` offline."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import LocalEntryNotFoundError
+
+    refs = sorted(p.relative_to(folder / "refs").as_posix()
+                  for p in (folder / "refs").glob("**/*") if p.is_file())
+    commits = sorted(p.name for p in (folder / "snapshots").glob("*") if p.is_dir())
     if revision is None:
         if "main" in refs:
-            return refs["main"].snapshot_path
-        if len(repo.revisions) == 1:
-            return next(iter(repo.revisions)).snapshot_path
-        hashes = ", ".join(sorted(r.commit_hash[:12] for r in repo.revisions)) or "none"
-        raise BadInput(f"{repo.repo_id} has no refs/main and {len(repo.revisions)} snapshots "
-                       f"({hashes}) in {repo.repo_path}: pick one with {repo.repo_id}@REVISION")
-    if revision in refs:
-        return refs[revision].snapshot_path
-    commits = [r for r in repo.revisions if r.commit_hash.startswith(revision)]
-    if len(commits) == 1 and len(revision) >= 7:
-        return commits[0].snapshot_path
-    known = ", ".join(sorted(refs) + sorted(r.commit_hash[:12] for r in repo.revisions))
-    raise BadInput(f"{repo.repo_id} has no cached revision {revision} in {repo.repo_path} "
-                   f"(cached: {known or 'none'})")
+            revision = "main"
+        elif len(commits) == 1:
+            revision = commits[0]
+        else:
+            listed = ", ".join(c[:12] for c in commits) or "none"
+            raise BadInput(f"{repo_id} has no refs/main and {len(commits)} snapshots ({listed}) in "
+                           f"{folder}: pick one with {repo_id}@REVISION")
+    elif revision not in refs and revision not in commits:
+        # A commit hash may be shortened, as git allows, to 7 or more characters.
+        prefixed = [c for c in commits if c.startswith(revision)] if len(revision) >= 7 else []
+        if len(prefixed) != 1:
+            known = ", ".join(refs + [c[:12] for c in commits]) or "none"
+            raise BadInput(f"{repo_id} has no cached revision {revision} in {folder} (cached: {known})")
+        revision = prefixed[0]
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True))
+    except LocalEntryNotFoundError as error:
+        # A ref naming a missing snapshot, or an interrupted download the hub knows is incomplete.
+        raise BadInput(f"{repo_id}@{revision} in {folder}: {error}".replace("\n", " ")) from None
 
 
 def _gguf_file(repo_id: str, snapshot: Path, quant: str) -> Path:

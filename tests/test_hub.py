@@ -162,3 +162,15 @@ def test_resolve_model_quant_prefers_the_gguf_repo(gguf_cache):
     with pytest.raises(BadInput, match="matches 2 models"):
         resolve_model("Qwen3.8-Flash-Next", cache_dir=gguf_cache)
     assert resolve_model("Qwen3.8-Flash-Next:IQ4_NL", cache_dir=gguf_cache).read_bytes() == b"iq4"
+
+
+def test_resolve_model_ref_to_a_missing_snapshot(tmp_path):
+    hub = tmp_path / "hub"
+    add_snapshot(hub, "Qwen/Qwen3.8-Flash-Next-FP8", commit_hash("fp8"), {"config.json": CONFIG}, refs=())
+    refs = hub / "models--Qwen--Qwen3.8-Flash-Next-FP8" / "refs"
+    refs.mkdir()
+    (refs / "main").write_text(commit_hash("deleted"))
+    with pytest.raises(BadInput, match=r"^Qwen/Qwen3.8-Flash-Next-FP8@main in .*: Cannot find"):
+        resolve_model("Qwen/Qwen3.8-Flash-Next-FP8", cache_dir=hub)
+    assert resolve_model(f"Qwen/Qwen3.8-Flash-Next-FP8@{commit_hash('fp8')}", cache_dir=hub).name == \
+        commit_hash("fp8")
