@@ -37,6 +37,9 @@ CHUNKS_PER_CHECKSUM_BLOCK = 4
 # stage does not stop the others. Memory: (READ_AHEAD + 2 + WRITE_BEHIND + 1) chunks of 16 MiB.
 READ_AHEAD = 3
 WRITE_BEHIND = 2
+# Chunks past the one being read that the kernel is asked to fetch (page cache, not our memory):
+# the disk keeps a deep queue while the reading thread copies. Measured: 3 beats 1 on a busy host.
+PREFETCH_AHEAD = 3
 # O_DIRECT needs buffers, offsets and lengths aligned to the device's logical block; 4 KiB covers
 # every common device, and pages that size or larger keep every write aligned.
 DIRECT_IO_ALIGNMENT = 4096
@@ -286,9 +289,9 @@ def _write_data(source: TableSource, header: Header, order: RowOrder, prefix: by
     def read(index: int) -> np.ndarray:
         start = chunk_starts[index]
         if index + 1 < len(chunk_starts):
-            # Queue the next chunk's rows with the kernel before waiting on this one's.
+            # Queue the next chunks' rows with the kernel before waiting on this one's.
             _prefetch_slots(source, order, header.first_row, start + rows_per_chunk,
-                            min(start + 2 * rows_per_chunk, header.num_rows))
+                            min(start + (1 + PREFETCH_AHEAD) * rows_per_chunk, header.num_rows))
         return _read_slots(source, order, header.first_row, start,
                            min(start + rows_per_chunk, header.num_rows),
                            row_buffers[index % len(row_buffers)])
