@@ -1,0 +1,154 @@
+"""Conversion throughput and memory, side by side with `cat` copying the same source files.
+
+Builds (once) an FP8 fixture checkpoint whose table is at least 4 GiB, then, for each round,
+copies the checkpoint's safetensors files with `cat` and converts it with `ple-prep convert`, both
+from a cold page cache to a fresh file on the same disk, both fsynced, alternating which goes first.
+`cat` (coreutils 9) copies with copy_file_range, inside the kernel: the fastest copy there is.
+A round's ratio is copy seconds / convert seconds (the same source files, back to back); the
+summary gives the median and the minimum over rounds, since a shared host is noisy. Peak RSS is
+the convert process's own (os.wait4 on the child). The fixture is generated one file at a time,
+so building it needs memory for one file (--files). Run it alone:
+
+    flock /tmp/ple-bench.lock python bench/bench_convert.py --dir /work/bigdata/issue2
+
+Targets (issue 2): convert throughput >= 0.8x the copy's, peak RSS < 512 MiB.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# This checkout's package, not whichever ple_prep is installed.
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from ple_prep.fixtures import make_checkpoint  # noqa: E402
+from ple_prep.ngram import NgramSpec, load_config  # noqa: E402
+
+RSS_TARGET_MIB = 512
+RATIO_TARGET = 0.8
+
+
+def evict(path: Path) -> None:
+    """Drop a file's pages from the page cache (flushing dirty ones first, which DONTNEED skips)."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(descriptor)
+        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(descriptor)
+
+
+def build_checkpoint(folder: Path, base: int, num_files: int) -> Path:
+    checkpoint = folder / f"fp8-base{base}"
+    if (checkpoint / "config.json").exists():
+        if load_config(checkpoint)["ngram_vocab_size_base"] == base:
+            return checkpoint
+    started = time.perf_counter()
+    make_checkpoint(checkpoint, "fp8", base=base, num_shards=128, num_files=num_files)
+    print(f"built {checkpoint} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    return checkpoint
+
+
+def run_timed(command: list[str], stdout=subprocess.DEVNULL) -> tuple[float, int, bytes]:
+    """(seconds, peak RSS bytes, stdout) of one child process, measured on that child alone."""
+    started = time.perf_counter()
+    process = subprocess.Popen(command, stdout=stdout, stderr=subprocess.PIPE, cwd=REPO)
+    _, status, usage = os.wait4(process.pid, 0)
+    seconds = time.perf_counter() - started
+    process.returncode = os.waitstatus_to_exitcode(status)
+    error = process.stderr.read()
+    if process.returncode:
+        raise SystemExit(f"{command[0]} failed ({process.returncode}): {error.decode()}")
+    return seconds, usage.ru_maxrss * 1024, error
+
+
+def copy_once(sources: list[Path], out: Path) -> dict[str, float]:
+    for path in sources:
+        evict(path)
+    with open(out, "wb") as handle:
+        started = time.perf_counter()
+        _, rss, _ = run_timed(["cat", *map(str, sources)], stdout=handle)
+        os.fsync(handle.fileno())  # as convert fsyncs its output before it exits
+        seconds = time.perf_counter() - started
+    evict(out)
+    out.unlink()
+    return {"seconds": seconds, "peak_rss": rss}
+
+
+def convert_once(checkpoint: Path, sources: list[Path], out: Path) -> dict[str, float]:
+    for path in sources:
+        evict(path)
+    command = [sys.executable, "-m", "ple_prep", "convert", "--model", str(checkpoint),
+               "--out", str(out), "--force", "--quiet"]
+    seconds, rss, _ = run_timed(command)  # convert fsyncs its files before it exits
+    for path in (out, out.with_name(out.name + ".json")):
+        evict(path)
+        path.unlink()
+    return {"seconds": seconds, "peak_rss": rss}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", type=Path, required=True, help="Folder for the big files.")
+    parser.add_argument("--base", type=int, default=1_750_000,
+                        help="ngram_vocab_size_base of the fixture (1,750,000: a 4.2 GiB table).")
+    parser.add_argument("--files", type=int, default=16, help="safetensors files in the fixture.")
+    parser.add_argument("--rounds", type=int, default=5, help="Copy/convert pairs, alternating order.")
+    parser.add_argument("--keep", action="store_true", help="Keep the fixture checkpoint afterwards.")
+    args = parser.parse_args()
+
+    args.dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = build_checkpoint(args.dir, args.base, args.files)
+    spec = NgramSpec.from_config(load_config(checkpoint))
+    table_bytes = spec.rows_stored * 160
+    sources = sorted(checkpoint.glob("*.safetensors"))
+    source_bytes = sum(p.stat().st_size for p in sources)
+    os.sync()
+
+    rounds = []
+    for index in range(args.rounds):
+        steps = [("copy", lambda: copy_once(sources, args.dir / "copy.bin")),
+                 ("convert", lambda: convert_once(checkpoint, sources, args.dir / "table.bin"))]
+        result = {}
+        for name, step in (steps if index % 2 == 0 else steps[::-1]):
+            result[name] = step()
+        result["ratio"] = result["copy"]["seconds"] / result["convert"]["seconds"]
+        rounds.append(result)
+        print(f"round {index}: copy {source_bytes / result['copy']['seconds'] / 2**20:.0f} MiB/s, "
+              f"convert {table_bytes / result['convert']['seconds'] / 2**20:.0f} MiB/s, "
+              f"ratio {result['ratio']:.2f}, convert peak RSS "
+              f"{result['convert']['peak_rss'] / 2**20:.0f} MiB", file=sys.stderr)
+
+    ratios = [r["ratio"] for r in rounds]
+    peak_rss = max(r["convert"]["peak_rss"] for r in rounds)
+    summary = {
+        "table_bytes": table_bytes,
+        "source_file_bytes": source_bytes,
+        "rows": spec.rows_stored,
+        "rounds": rounds,
+        "copy_mib_per_s_median": statistics.median(
+            source_bytes / r["copy"]["seconds"] / 2**20 for r in rounds),
+        "convert_mib_per_s_median": statistics.median(
+            table_bytes / r["convert"]["seconds"] / 2**20 for r in rounds),
+        # Paired: each round's copy and convert ran back to back on the same files.
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "convert_peak_rss_mib": peak_rss / 2**20,
+        "meets_targets": statistics.median(ratios) >= RATIO_TARGET and peak_rss < RSS_TARGET_MIB << 20,
+    }
+    print(json.dumps(summary, indent=2))
+    if not args.keep:
+        for path in [*sources, *checkpoint.iterdir()]:
+            path.unlink(missing_ok=True)
+        checkpoint.rmdir()
+
+
+if __name__ == "__main__":
+    main()
