@@ -287,11 +287,14 @@ def _write_data(source: TableSource, header: Header, order: RowOrder, prefix: by
     page_buffers = [_PageBuffer(header, pages_per_chunk) for _ in range(WRITE_BEHIND + 1)]
 
     def read(index: int) -> np.ndarray:
+        # Keep the kernel PREFETCH_AHEAD chunks ahead of this read, each chunk asked for once, from
+        # a thread of its own (the hint allocates cache pages and queues I/O: CPU the read needs).
+        low = index + 1 if index == 0 else index + PREFETCH_AHEAD
+        high = min(index + PREFETCH_AHEAD, len(chunk_starts) - 1)
+        if low <= high:
+            prefetcher.submit(_prefetch_slots, source, order, header.first_row, chunk_starts[low],
+                              min(chunk_starts[high] + rows_per_chunk, header.num_rows))
         start = chunk_starts[index]
-        if index + 1 < len(chunk_starts):
-            # Queue the next chunks' rows with the kernel before waiting on this one's.
-            _prefetch_slots(source, order, header.first_row, start + rows_per_chunk,
-                            min(start + (1 + PREFETCH_AHEAD) * rows_per_chunk, header.num_rows))
         return _read_slots(source, order, header.first_row, start,
                            min(start + rows_per_chunk, header.num_rows),
                            row_buffers[index % len(row_buffers)])
@@ -303,8 +306,8 @@ def _write_data(source: TableSource, header: Header, order: RowOrder, prefix: by
         descriptor = os.open(path, os.O_WRONLY)
         journal = Journal(journal_path, None)
     stages = [concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"convert-{name}")
-              for name in ("read", "hash", "write")]
-    reader, hasher, writer = stages
+              for name in ("prefetch", "read", "hash", "write")]
+    prefetcher, reader, hasher, writer = stages
     try:
         head = _aligned_zeros(header.data_offset)
         head[:] = np.frombuffer(prefix, dtype=np.uint8)
