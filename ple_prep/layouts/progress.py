@@ -9,6 +9,7 @@ and writes the rest. A torn last line or a bad block ends the verified prefix th
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -17,6 +18,8 @@ import re
 import zlib
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from .format import Header
 
@@ -93,36 +96,64 @@ def load(data: Path, journal: Path) -> Resumable | None:
 
 def verify_prefix(path: Path, header: Header, block_bytes: int, header_crc: int,
                   block_crcs: list[int], progress=None) -> tuple[int, Any]:
-    """(blocks whose bytes still match the journal, SHA-256 of their rows) after re-reading them."""
+    """(blocks whose bytes still match the journal, SHA-256 of their rows) after re-reading them.
+
+    Three stages overlap as in the writer: a thread reads the next block while this one is
+    CRC-checked and a third hashes the previous one's rows (all release the GIL). A block's rows
+    go into the SHA-256 only once its CRC has matched.
+    """
     digest = hashlib.sha256()
-    used = header.rows_per_page * header.row_bytes
     pages_per_block = block_bytes // header.page_size
     descriptor = os.open(path, os.O_RDONLY)
+    reader = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    hasher = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    buffers = [np.empty(block_bytes, dtype=np.uint8) for _ in range(3)]
+    hashed = None
     try:
         if zlib.crc32(os.pread(descriptor, header.data_offset, 0)) != header_crc:
             return 0, digest
+        start = header.data_offset
+        reading = reader.submit(_read_block, descriptor, start, buffers[0]) if block_crcs else None
         for block, expected in enumerate(block_crcs):
-            start = header.data_offset + block * block_bytes
-            raw = bytearray()
-            while len(raw) < block_bytes:
-                piece = os.pread(descriptor, min(READ_BYTES, block_bytes - len(raw)), start + len(raw))
-                if not piece:
-                    break
-                raw += piece
-            if len(raw) != block_bytes or zlib.crc32(raw) != expected:
+            raw = reading.result()
+            if block + 1 < len(block_crcs):
+                # Buffer block+1 % 3 was last hashed for block-2: that hash is done (waited below).
+                reading = reader.submit(_read_block, descriptor, start + (block + 1) * block_bytes,
+                                        buffers[(block + 1) % 3])
+            if raw is None or zlib.crc32(raw) != expected:
                 return block, digest
             rows_left = header.num_rows - block * pages_per_block * header.rows_per_page
-            pages = memoryview(raw)
-            for page in range(min(pages_per_block, -(-rows_left // header.rows_per_page))):
-                rows_here = min(header.rows_per_page, rows_left - page * header.rows_per_page)
-                offset = page * header.page_size
-                digest.update(pages[offset:offset + (used if rows_here == header.rows_per_page
-                                                     else rows_here * header.row_bytes)])
+            rows = min(rows_left, pages_per_block * header.rows_per_page)
+            if hashed is not None:
+                hashed.result()
+            hashed = hasher.submit(_hash_rows, digest, raw, header, rows)
             if progress is not None:
-                progress(min(rows_left, pages_per_block * header.rows_per_page) * header.row_bytes)
+                progress(rows * header.row_bytes)
         return len(block_crcs), digest
     finally:
+        # Wait for every stage before returning the digest or closing the descriptor.
+        reader.shutdown(wait=True)
+        hasher.shutdown(wait=True)
         os.close(descriptor)
+
+
+def _read_block(descriptor: int, start: int, buffer: np.ndarray) -> np.ndarray | None:
+    view, done = memoryview(buffer), 0
+    while done < len(buffer):
+        count = os.preadv(descriptor, [view[done:done + READ_BYTES]], start + done)
+        if count <= 0:
+            return None
+        done += count
+    return buffer
+
+
+def _hash_rows(digest, raw: np.ndarray, header: Header, rows: int) -> None:
+    """Add the rows of one block (each page's rows, not its padding) to `digest`."""
+    pages = raw.reshape(-1, header.page_size)
+    full, leftover = divmod(rows, header.rows_per_page)
+    digest.update(np.ascontiguousarray(pages[:full, :header.rows_per_page * header.row_bytes]))
+    if leftover:
+        digest.update(pages[full, :leftover * header.row_bytes])
 
 
 def truncate_after(journal: Path, blocks: int) -> None:
