@@ -62,7 +62,8 @@ def gguf_files(path: Path) -> list[Path]:
     if not match:
         return [first]
     stem, count = match.group("stem"), int(match.group("count"))
-    found = {int(m.group("index")): p for p in first.parent.glob(f"{glob_escape(stem)}-*-of-*.gguf")
+    siblings = first.parent.glob(f"{_glob_escape(stem)}-*-of-*.gguf")
+    found = {int(m.group("index")): p for p in siblings
              if (m := SPLIT_NAME.match(p.name)) and m.group("stem") == stem}
     counts = {int(SPLIT_NAME.match(p.name).group("count")) for p in found.values()}
     if counts != {count} or count < 1:
@@ -74,7 +75,7 @@ def gguf_files(path: Path) -> list[Path]:
     return [found[i] for i in range(1, count + 1)]
 
 
-def glob_escape(text: str) -> str:
+def _glob_escape(text: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", text)
 
 
