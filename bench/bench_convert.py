@@ -94,28 +94,15 @@ def convert_once(checkpoint: Path, sources: list[Path], out: Path) -> dict[str, 
     return {"seconds": seconds, "peak_rss": rss}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dir", type=Path, required=True, help="Folder for the big files.")
-    parser.add_argument("--base", type=int, default=1_750_000,
-                        help="ngram_vocab_size_base of the fixture (1,750,000: a 4.2 GiB table).")
-    parser.add_argument("--files", type=int, default=16, help="safetensors files in the fixture.")
-    parser.add_argument("--rounds", type=int, default=5, help="Copy/convert pairs, alternating order.")
-    parser.add_argument("--keep", action="store_true", help="Keep the fixture checkpoint afterwards.")
-    args = parser.parse_args()
-
-    args.dir.mkdir(parents=True, exist_ok=True)
-    checkpoint = build_checkpoint(args.dir, args.base, args.files)
-    spec = NgramSpec.from_config(load_config(checkpoint))
-    table_bytes = spec.rows_stored * 160
-    sources = sorted(checkpoint.glob("*.safetensors"))
+def compare_rounds(model: Path, sources: list[Path], table_bytes: int, folder: Path,
+                   count: int) -> dict:
+    """`count` paired rounds: `cat` of `sources` and a convert of `model`, alternating which goes
+    first, both writing into `folder`; returns the summary (shared with bench_convert_gguf.py)."""
     source_bytes = sum(p.stat().st_size for p in sources)
-    os.sync()
-
     rounds = []
-    for index in range(args.rounds):
-        steps = [("copy", lambda: copy_once(sources, args.dir / "copy.bin")),
-                 ("convert", lambda: convert_once(checkpoint, sources, args.dir / "table.bin"))]
+    for index in range(count):
+        steps = [("copy", lambda: copy_once(sources, folder / "copy.bin")),
+                 ("convert", lambda: convert_once(model, sources, folder / "table.bin"))]
         result = {}
         for name, step in (steps if index % 2 == 0 else steps[::-1]):
             result[name] = step()
@@ -131,7 +118,6 @@ def main() -> None:
     summary = {
         "table_bytes": table_bytes,
         "source_file_bytes": source_bytes,
-        "rows": spec.rows_stored,
         "rounds": rounds,
         "copy_mib_per_s_median": statistics.median(
             source_bytes / r["copy"]["seconds"] / 2**20 for r in rounds),
@@ -143,6 +129,28 @@ def main() -> None:
         "convert_peak_rss_mib": peak_rss / 2**20,
         "meets_targets": statistics.median(ratios) >= RATIO_TARGET and peak_rss < RSS_TARGET_MIB << 20,
     }
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", type=Path, required=True, help="Folder for the big files.")
+    parser.add_argument("--base", type=int, default=1_750_000,
+                        help="ngram_vocab_size_base of the fixture (1,750,000: a 4.2 GiB table).")
+    parser.add_argument("--files", type=int, default=16, help="safetensors files in the fixture.")
+    parser.add_argument("--rounds", type=int, default=5, help="Copy/convert pairs, alternating order.")
+    parser.add_argument("--keep", action="store_true", help="Keep the fixture checkpoint afterwards.")
+    args = parser.parse_args()
+
+    args.dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = build_checkpoint(args.dir, args.base, args.files)
+    spec = NgramSpec.from_config(load_config(checkpoint))
+    table_bytes = spec.rows_stored * 160
+    sources = sorted(checkpoint.glob("*.safetensors"))
+    os.sync()
+
+    summary = compare_rounds(checkpoint, sources, table_bytes, args.dir, args.rounds)
+    summary["rows"] = spec.rows_stored
     print(json.dumps(summary, indent=2))
     if not args.keep:
         for path in [*sources, *checkpoint.iterdir()]:
