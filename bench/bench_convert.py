@@ -28,7 +28,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ple_prep.fixtures import make_checkpoint  # noqa: E402
 from ple_prep.ngram import NgramSpec, load_config  # noqa: E402
 
 RSS_TARGET_MIB = 512
@@ -51,7 +50,11 @@ def build_checkpoint(folder: Path, base: int, num_files: int) -> Path:
         if load_config(checkpoint)["ngram_vocab_size_base"] == base:
             return checkpoint
     started = time.perf_counter()
-    make_checkpoint(checkpoint, "fp8", base=base, num_shards=128, num_files=num_files)
+    # In a child: this process stays small, and a forked child's peak RSS (as wait4 reports it)
+    # starts from its parent's, so a big parent would inflate the convert figure.
+    subprocess.run([sys.executable, "-c", "import sys; from ple_prep.fixtures import make_checkpoint; "
+                    f"make_checkpoint(sys.argv[1], 'fp8', base={base}, num_shards=128, "
+                    f"num_files={num_files})", str(checkpoint)], cwd=REPO, check=True)
     print(f"built {checkpoint} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     return checkpoint
 
