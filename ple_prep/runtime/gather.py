@@ -72,7 +72,9 @@ class Gatherer:
                                  dtype=self._row_type, buffer=mapping, offset=header.data_offset,
                                  strides=(step,))
         self._base = np.frombuffer(mapping, dtype=np.uint8, count=1).ctypes.data
-        self._probe_vector = np.zeros(1, dtype=np.uint8)
+        # mincore's result byte, passed by ctypes directly (a numpy array's `.ctypes.data` costs
+        # more than the system call on this hot path).
+        self._probe_result = ctypes.c_ubyte()
         self.window_pages = window_pages
         self.window_bytes = window_bytes
         self.threads = 1
@@ -185,12 +187,11 @@ class Gatherer:
         if _MINCORE is None:
             return False
         last = len(slots) - 1
-        picks = {int(slots[last * k // (PROBE_PAGES - 1)]) // self._rows_per_page
-                 for k in range(PROBE_PAGES)}
-        vector = self._probe_vector.ctypes.data
-        for page in picks:
+        picks = slots[[last * k // (PROBE_PAGES - 1) for k in range(PROBE_PAGES)]]
+        result = ctypes.byref(self._probe_result)
+        for page in set((picks // self._rows_per_page).tolist()):
             start, length = self._span(page, 1)
-            if _MINCORE(self._base + start, length, vector) != 0 or not self._probe_vector[0] & 1:
+            if _MINCORE(self._base + start, length, result) != 0 or not self._probe_result.value & 1:
                 return False
         return True
 

@@ -85,7 +85,8 @@ class Table:
             raise TypeError(f"row ids must be integers, not {ids.dtype}")
         ids = ids.astype(np.int64, copy=False).reshape(-1)
         local = ids - self.first_row
-        if len(local) and (local.min() < 0 or local.max() >= self.num_rows):
+        # One pass checks both ends: seen as unsigned, a negative local id is above any row count.
+        if len(local) and local.view(np.uint64).max() >= self.num_rows:
             bad = ids[(local < 0) | (local >= self.num_rows)][0]
             first, stop = self.row_range
             raise IndexError(f"row id {bad} is outside this table's rows [{first}, {stop})")
