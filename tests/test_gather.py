@@ -1,6 +1,8 @@
 """The gather path and the resident/disk split, against the source bytes, with poisoned buffers."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -210,3 +212,19 @@ def test_gather_cached_rows_on_threads(table_path, source_rows, monkeypatch, thr
             assert np.array_equal(table.gather(ids, out=out), source_rows[ids])
             assert np.array_equal(table.gather(ids), source_rows[ids])
         assert table._gatherer._pool_threads == threads
+
+
+def test_gather_probe_sees_an_evicted_file_cold_and_a_gathered_request_cached(table_path):
+    """The real mincore probe (not forced): after posix_fadvise(DONTNEED) the request is cold, so
+    gather takes the advised path; once gathered, the same request reads as cached."""
+    descriptor = os.open(table_path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(descriptor)
+    with open_table(table_path) as table:
+        slots = table.slot_of(real_like_ids(table.num_rows, 2000, 11))
+        gatherer = table._gatherer
+        assert not gatherer._cached(slots)
+        table.gather_slots(slots)
+        assert gatherer._cached(slots)

@@ -122,7 +122,7 @@ def test_open_table_fields(tables):
         assert table.encoding == "bf16" and table.scale is None and table.row_bytes == 320
 
 
-@pytest.mark.parametrize("ids", [[16896], [-1], [0, 5, 20000], [2**40]])
+@pytest.mark.parametrize("ids", [[16896], [-1], [0, 5, 20000], [2**40], [-2**63], [2**63 - 1]])
 def test_open_table_gather_out_of_range_raises(ids, tables):
     with open_table(tables["fp8"][0]) as table:
         with pytest.raises(IndexError, match="outside"):
