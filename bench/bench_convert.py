@@ -28,20 +28,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from ple_prep.benchmark import evict  # noqa: E402
 from ple_prep.ngram import NgramSpec, load_config  # noqa: E402
 
 RSS_TARGET_MIB = 512
 RATIO_TARGET = 0.8
-
-
-def evict(path: Path) -> None:
-    """Drop a file's pages from the page cache (flushing dirty ones first, which DONTNEED skips)."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(descriptor)
-        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(descriptor)
 
 
 def build_checkpoint(folder: Path, base: int, num_files: int) -> Path:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ple_prep.realtext import train_bpe
+
 MAX_CHARS = 65536
 VOCAB_SIZE = 32000
 TRAIN_CHARS = 16_000_000
@@ -57,20 +59,13 @@ def is_evaluation(name: str) -> bool:
 
 
 def train_tokenizer(texts: list[str]):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
     chosen, total = [], 0
     for text in texts:
         chosen.append(text)
         total += len(text)
         if total >= TRAIN_CHARS:
             break
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(chosen, trainer)
-    return tokenizer
+    return train_bpe(chosen, VOCAB_SIZE)
 
 
 def _encode(tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:

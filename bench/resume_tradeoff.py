@@ -13,25 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from ple_prep.benchmark import evict
 from ple_prep.converters import open_source
 from ple_prep.fixtures import make_checkpoint
 from ple_prep.layouts import writer
-
-
-def evict(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(descriptor)
 
 
 def kill_and_resume(model: Path, out: Path, blocks: int) -> tuple[float, float, int]:

@@ -30,9 +30,13 @@ DECODE_TOKENS = (1, 4)
 
 
 def evict(path: str | Path) -> None:
-    """Drop a file's clean pages from the page cache (pages mapped by a live process stay)."""
+    """Drop a file's pages from the page cache (pages mapped by a live process stay).
+
+    Dirty pages are flushed first: DONTNEED skips them, so a just-written file would stay warm.
+    """
     descriptor = os.open(path, os.O_RDONLY)
     try:
+        os.fdatasync(descriptor)
         os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(descriptor)

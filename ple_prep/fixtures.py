@@ -150,16 +150,14 @@ def write_tokenizer(out: Path, eos_token_id: int, vocab_size: int = 800) -> None
     The chat markers sit at the real model's ids (`<|im_end|>` is the EOS id), so a rendered
     conversation's turn ends cut the n-gram windows as they do in the model.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import decoders
+
+    from .realtext import train_bpe
 
     rng = np.random.default_rng(1234)
     lines = [" ".join(rng.choice(_TRAINING_WORDS, size=12)) + "." for _ in range(400)]
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer = train_bpe(lines, vocab_size)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(lines, trainer)
     data = json.loads(tokenizer.to_str())
     special = {"<|im_start|>": eos_token_id - 1, "<|im_end|>": eos_token_id,
                "<|endoftext|>": eos_token_id + 1}

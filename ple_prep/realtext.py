@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import sysconfig
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -35,23 +35,28 @@ def _texts(paths: list[Path]) -> Iterator[str]:
             continue
 
 
-@functools.lru_cache(maxsize=2)
-def train_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):
-    """A byte-level BPE trained on the first TRAIN_BYTES of the sources (once per process)."""
+def train_bpe(texts: Iterable[str], vocab_size: int):
+    """A byte-level BPE trained with `tokenizers` on `texts`."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    texts, total = [], 0
-    for text in _texts(stdlib_sources()):
-        texts.append(text)
-        total += len(text)
-        if total >= TRAIN_BYTES:
-            break
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer
+
+
+@functools.lru_cache(maxsize=2)
+def train_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):
+    """A byte-level BPE trained on the first TRAIN_BYTES of the sources (once per process)."""
+    texts, total = [], 0
+    for text in _texts(stdlib_sources()):
+        texts.append(text)
+        total += len(text)
+        if total >= TRAIN_BYTES:
+            break
+    return train_bpe(texts, vocab_size)
 
 
 def real_text_row_ids(spec: NgramSpec, num_tokens: int, *, part: int = 0, parts: int = 1,

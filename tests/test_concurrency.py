@@ -4,12 +4,12 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import multiprocessing
-import os
 import threading
 
 import numpy as np
 import pytest
 
+from ple_prep.benchmark import evict
 from ple_prep.converters import open_source
 from ple_prep.layouts.order import RowOrder
 from ple_prep.layouts.writer import convert
@@ -29,16 +29,6 @@ def shared_table(fp8_checkpoint, tmp_path_factory):
         placed = np.random.default_rng(6).choice(source.num_rows, 2000, replace=False)
         convert(source, out, order=RowOrder.from_placed(placed, source.num_rows))
         return out, source.read_rows(0, source.num_rows)
-
-
-def _evict(path) -> None:
-    """Drop the file's pages from the page cache, so the first gathers take the cold path."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(descriptor)
 
 
 def _ids(worker: int, round_number: int, num_rows: int) -> np.ndarray:
@@ -70,7 +60,7 @@ def _threads_gather(table, expected: np.ndarray) -> list[int]:
 
 def test_gather_from_eight_threads_and_two_processes_at_once_is_bit_exact(shared_table):
     path, expected = shared_table
-    _evict(path)
+    evict(path)
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(PROCESSES, mp_context=context) as processes:
         futures = [processes.submit(_gather_digests, str(path), 100 + p, len(expected))
@@ -86,6 +76,6 @@ def test_gather_from_eight_threads_and_two_processes_at_once_is_bit_exact(shared
 
 def test_gather_from_eight_threads_without_read_ahead_advice_is_bit_exact(shared_table):
     path, expected = shared_table
-    _evict(path)
+    evict(path)
     with open_table(path, window_pages=0) as table:
         assert _threads_gather(table, expected) == [0] * THREADS

@@ -1,11 +1,11 @@
 """The gather path and the resident/disk split, against the source bytes, with poisoned buffers."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
 
+from ple_prep.benchmark import evict
 from ple_prep.converters import open_source
 from ple_prep.layouts.order import RowOrder
 from ple_prep.layouts.writer import convert
@@ -217,11 +217,7 @@ def test_gather_cached_rows_on_threads(table_path, source_rows, monkeypatch, thr
 def test_gather_probe_sees_an_evicted_file_cold_and_a_gathered_request_cached(table_path):
     """The real mincore probe (not forced): after posix_fadvise(DONTNEED) the request is cold, so
     gather takes the advised path; once gathered, the same request reads as cached."""
-    descriptor = os.open(table_path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(descriptor)
+    evict(table_path)
     with open_table(table_path) as table:
         slots = table.slot_of(real_like_ids(table.num_rows, 2000, 11))
         gatherer = table._gatherer
