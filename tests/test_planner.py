@@ -1,7 +1,6 @@
 """Access-ordered layouts: rows stay reachable by global id, groups share pages, hints are honest."""
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..constants import Encoding
-from ..errors import BadInput
+from ..fileio import read_exactly
 from ..ngram import NgramSpec
 
 # Rows read to fingerprint a source: enough to touch every shard, cheap enough for open time.
@@ -102,12 +102,7 @@ class TableSource:
         return self._descriptors[path]
 
     def _pread_into(self, path: Path, buffer: memoryview, offset: int) -> None:
-        descriptor = self._descriptor(path)
-        while len(buffer):
-            count = os.preadv(descriptor, [buffer], offset)
-            if count <= 0:
-                raise BadInput(f"{path.name} ended early at byte {offset}: the file was truncated")
-            buffer, offset = buffer[count:], offset + count
+        read_exactly(self._descriptor(path), buffer, offset, path.name)
 
     def read_rows(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
         """Rows [start, stop) in source order as uint8 `(stop - start, row_bytes)`."""

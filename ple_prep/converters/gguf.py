@@ -21,7 +21,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES, QK_K
 
-from ..constants import (GGML_TYPES, GGUF_ARCHITECTURE, GGUF_HEAD_TENSOR, GGUF_JOINED_TENSOR, Encoding,
+from ..constants import (GGML_TYPES, GGUF_ARCHITECTURE, GGUF_JOINED_TENSOR, Encoding,
                          row_bytes_for)
 from ..errors import BadInput
 from ..ngram import NgramSpec

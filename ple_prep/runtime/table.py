@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from ..constants import HEADER_SIZE, Encoding
+from ..constants import HEADER_SIZE
 from ..errors import BadInput
-from ..layouts.format import ORDER_BYTES_PER_PLACED, Header
+from ..layouts.format import Header
 from ..layouts.manifest import load_manifest, manifest_path
 from ..layouts.order import RowOrder
 from .dequant import decode
@@ -44,11 +44,6 @@ class Table:
         self.order = RowOrder.from_buffer(memoryview(mapping)[header.order_offset:header.data_offset],
                                           header.num_placed, header.num_rows, path.name) \
             if header.num_placed else RowOrder.identity(header.num_rows)
-        data = np.frombuffer(mapping, dtype=np.uint8, offset=header.data_offset)
-        # Rows as (page, position in page, byte): page-end padding is skipped, never copied.
-        self._rows = np.lib.stride_tricks.as_strided(
-            data, shape=(header.num_pages, header.rows_per_page, header.row_bytes),
-            strides=(header.page_size, header.row_bytes, 1), writeable=False)
         self._gatherer = Gatherer(mapping, header, window_pages, window_bytes)
         self._resident: Resident | None = None
 
@@ -59,7 +54,6 @@ class Table:
         self.close()
 
     def close(self) -> None:
-        self._rows = None
         self._gatherer.close()
         self._resident = None
         self.order = None
@@ -167,8 +161,7 @@ class Table:
 
     def values(self, ids: np.ndarray) -> np.ndarray:
         """float32 `(len(ids), values_per_row)`: exactly what the model layer computes."""
-        return decode(Encoding.from_label(self.encoding), self.gather(ids), self.values_per_row,
-                      self.scale)
+        return decode(self.header.encoding, self.gather(ids), self.values_per_row, self.scale)
 
 
 def open_table(path: str | Path, manifest: str | Path | None = None,
@@ -203,8 +196,6 @@ def open_table(path: str | Path, manifest: str | Path | None = None,
             mismatched.append("encoding")
         if mismatched:
             raise BadInput(f"{path.name} disagrees with its manifest on {', '.join(mismatched)}")
-        if header.data_offset < header.order_offset + ORDER_BYTES_PER_PLACED * header.num_placed:
-            raise BadInput(f"{path.name}: the row-order map overlaps the data")
         # MAP_PRIVATE: a writer elsewhere can never change what this process reads through us.
         mapping = mmap.mmap(descriptor, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
     finally:

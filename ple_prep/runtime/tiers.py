@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..fileio import read_exactly
+
 if TYPE_CHECKING:
     from .table import Table
 
@@ -75,13 +77,8 @@ def read_leading_slots(table: "Table", num_slots: int, put) -> None:
         for start in range(0, num_slots, rows_per_chunk):
             count = min(rows_per_chunk, num_slots - start)
             pages = -(-count // table.rows_per_page)
-            view = memoryview(buffer[:pages]).cast("B")
             offset = table.header.data_offset + start // table.rows_per_page * table.page_size
-            while len(view):
-                done = os.preadv(descriptor, [view], offset)
-                if done <= 0:
-                    raise OSError(f"{table.path.name} ended early at byte {offset}")
-                view, offset = view[done:], offset + done
+            read_exactly(descriptor, memoryview(buffer[:pages]).cast("B"), offset, table.path.name)
             put(start, np.ascontiguousarray(buffer[:pages, :used]).reshape(-1, table.row_bytes)[:count])
     finally:
         os.close(descriptor)
