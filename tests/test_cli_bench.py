@@ -7,22 +7,12 @@ import shutil
 import pytest
 
 from ple_prep.cli import cli
-from ple_prep.converters import open_source
-from ple_prep.layouts.writer import convert
 
 SCENARIOS = ("cold_prefill", "cold_decode_16", "warm_prefill", "warm_decode_16", "warm_decode_64")
 
 
-@pytest.fixture(scope="module")
-def table_path(fp8_checkpoint, tmp_path_factory):
-    path = tmp_path_factory.mktemp("bench") / "t.bin"
-    with open_source(fp8_checkpoint) as source:
-        convert(source, path)
-    return path
-
-
-def test_bench_json_reports_every_scenario_without_fio(runner, table_path):
-    result = runner.invoke(cli, ["bench", str(table_path), "--json", "--prefill-requests", "1",
+def test_bench_json_reports_every_scenario_without_fio(runner, fp8_table):
+    result = runner.invoke(cli, ["bench", str(fp8_table), "--json", "--prefill-requests", "1",
                                  "--decode-requests", "20"], env={"PATH": "/nonexistent"})
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
@@ -38,8 +28,8 @@ def test_bench_json_reports_every_scenario_without_fio(runner, table_path):
     assert report["warm_prefill"]["distinct_rows_per_request"] < 4096 * 16 * 0.8
 
 
-def test_bench_text_says_when_fio_did_not_run(runner, table_path):
-    result = runner.invoke(cli, ["bench", str(table_path), "--prefill-requests", "1",
+def test_bench_text_says_when_fio_did_not_run(runner, fp8_table):
+    result = runner.invoke(cli, ["bench", str(fp8_table), "--prefill-requests", "1",
                                  "--decode-requests", "5", "--fio-seconds", "0", "--quiet"])
     assert result.exit_code == 0, result.output
     assert "warm decode, 1 token" in result.output
@@ -47,8 +37,8 @@ def test_bench_text_says_when_fio_did_not_run(runner, table_path):
 
 
 @pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
-def test_bench_runs_fio_beside_the_gathers(runner, table_path):
-    result = runner.invoke(cli, ["bench", str(table_path), "--json", "--prefill-requests", "1",
+def test_bench_runs_fio_beside_the_gathers(runner, fp8_table):
+    result = runner.invoke(cli, ["bench", str(fp8_table), "--json", "--prefill-requests", "1",
                                  "--decode-requests", "5", "--fio-seconds", "1"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)

@@ -11,17 +11,6 @@ from ple_prep.cli import cli
 from ple_prep.layouts.manifest import manifest_path
 
 
-@pytest.fixture(scope="module")
-def table(fp8_checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("json") / "ple.bin"
-    from ple_prep.converters import open_source
-    from ple_prep.layouts.writer import convert
-
-    with open_source(fp8_checkpoint) as source:
-        convert(source, out)
-    return out
-
-
 def test_convert_json_is_the_only_stdout(runner, fp8_checkpoint, tmp_path):
     out = tmp_path / "ple.bin"
     result = runner.invoke(cli, ["convert", "--model", str(fp8_checkpoint), "--out", str(out), "--json"])
@@ -35,32 +24,32 @@ def test_convert_json_is_the_only_stdout(runner, fp8_checkpoint, tmp_path):
     assert result.stderr == ""
 
 
-def test_inspect_json_is_the_manifest(runner, table):
-    result = runner.invoke(cli, ["inspect", str(table), "--json"])
+def test_inspect_json_is_the_manifest(runner, fp8_table):
+    result = runner.invoke(cli, ["inspect", str(fp8_table), "--json"])
     assert result.exit_code == 0, result.output
     manifest = json.loads(result.stdout)
-    assert manifest == json.loads(manifest_path(table).read_text())
+    assert manifest == json.loads(manifest_path(fp8_table).read_text())
     assert manifest["num_rows"] == 16896 and manifest["row_bytes"] == 160
-    assert manifest["file_size"] == table.stat().st_size
+    assert manifest["file_size"] == fp8_table.stat().st_size
 
 
-def test_verify_json_ok(runner, table, fp8_checkpoint):
-    result = runner.invoke(cli, ["verify", str(table), "--model", str(fp8_checkpoint), "--json"])
+def test_verify_json_ok(runner, fp8_table, fp8_checkpoint):
+    result = runner.invoke(cli, ["verify", str(fp8_table), "--model", str(fp8_checkpoint), "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["ok"] is True
     assert report["rows_compared"] == 16896 and report["mismatched_rows"] == 0
     assert report["bad_blocks"] == [] and report["header_ok"] is True
-    assert report["checksum_blocks"] == len(json.loads(manifest_path(table).read_text())["checksums"]["blocks"])
+    assert report["checksum_blocks"] == len(json.loads(manifest_path(fp8_table).read_text())["checksums"]["blocks"])
 
 
-def test_verify_json_failure_exits_1_with_the_report(runner, table, fp8_checkpoint, tmp_path):
+def test_verify_json_failure_exits_1_with_the_report(runner, fp8_table, fp8_checkpoint, tmp_path):
     broken = tmp_path / "ple.bin"
-    data = bytearray(table.read_bytes())
-    manifest = json.loads(manifest_path(table).read_text())
+    data = bytearray(fp8_table.read_bytes())
+    manifest = json.loads(manifest_path(fp8_table).read_text())
     data[manifest["data_offset"] + 5] ^= 0x40  # row in slot 0, byte 5
     broken.write_bytes(bytes(data))
-    manifest_path(broken).write_text(manifest_path(table).read_text())
+    manifest_path(broken).write_text(manifest_path(fp8_table).read_text())
     result = runner.invoke(cli, ["verify", str(broken), "--model", str(fp8_checkpoint), "--json"])
     assert result.exit_code == 1
     report = json.loads(result.stdout)
@@ -86,12 +75,12 @@ def test_convert_quiet_prints_nothing(runner, fp8_checkpoint, tmp_path):
     assert (tmp_path / "a.bin").exists()
 
 
-def test_verify_quiet_keeps_the_error_line(runner, table, tmp_path):
+def test_verify_quiet_keeps_the_error_line(runner, fp8_table, tmp_path):
     broken = tmp_path / "ple.bin"
-    data = bytearray(table.read_bytes())
+    data = bytearray(fp8_table.read_bytes())
     data[-1] ^= 1
     broken.write_bytes(bytes(data))
-    manifest_path(broken).write_text(manifest_path(table).read_text())
+    manifest_path(broken).write_text(manifest_path(fp8_table).read_text())
     result = runner.invoke(cli, ["verify", str(broken), "--quiet"])
     assert result.exit_code == 1
     assert result.stdout == ""
