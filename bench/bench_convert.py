@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ple_prep.benchmark import evict  # noqa: E402
+from ple_prep.tools.benchmark import evict  # noqa: E402
 from ple_prep.ngram import NgramSpec, load_config  # noqa: E402
 
 RSS_TARGET_MIB = 512
@@ -43,7 +43,7 @@ def build_checkpoint(folder: Path, base: int, num_files: int) -> Path:
     started = time.perf_counter()
     # In a child: this process stays small, and a forked child's peak RSS (as wait4 reports it)
     # starts from its parent's, so a big parent would inflate the convert figure.
-    subprocess.run([sys.executable, "-c", "import sys; from ple_prep.fixtures import make_checkpoint; "
+    subprocess.run([sys.executable, "-c", "import sys; from ple_prep.tools.fixtures import make_checkpoint; "
                     f"make_checkpoint(sys.argv[1], 'fp8', base={base}, num_shards=128, "
                     f"num_files={num_files})", str(checkpoint)], cwd=REPO, check=True)
     print(f"built {checkpoint} in {time.perf_counter() - started:.1f} s", file=sys.stderr)

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gather_bench import DISTINCT_ROWS, distinct_request, in_memory_copy  # noqa: E402
 from ple_prep.ngram import NgramSpec  # noqa: E402
-from ple_prep.realtext import real_text_row_ids  # noqa: E402
+from ple_prep.tools.realtext import real_text_row_ids  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
 
 

@@ -24,10 +24,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ple_prep.benchmark import (cached_fraction, evict, fio_random_read, major_faults,  # noqa: E402
+from ple_prep.tools.benchmark import (cached_fraction, evict, fio_random_read, major_faults,  # noqa: E402
                                 time_requests)
 from ple_prep.ngram import NgramSpec  # noqa: E402
-from ple_prep.realtext import real_text_row_ids  # noqa: E402
+from ple_prep.tools.realtext import real_text_row_ids  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
 
 DISTINCT_ROWS = 18_000

@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import real_corpus  # noqa: E402
 
-from ple_prep.fixtures import make_checkpoint  # noqa: E402
+from ple_prep.tools.fixtures import make_checkpoint  # noqa: E402
 from ple_prep.ngram import NgramSpec  # noqa: E402
-from ple_prep.profile import Profiler, profile_files  # noqa: E402
+from ple_prep.offline.profile import Profiler, profile_files  # noqa: E402
 
 WORK = Path("/work/bigdata/issue3/throughput")
 REPEATS = 3

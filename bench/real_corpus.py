@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ple_prep.realtext import train_bpe
+from ple_prep.tools.realtext import train_bpe
 
 MAX_CHARS = 65536
 VOCAB_SIZE = 32000

@@ -22,11 +22,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ple_prep.constants import Encoding  # noqa: E402
+from ple_prep.core.constants import Encoding  # noqa: E402
 from ple_prep.converters.base import Scale, Segment, SourceFile, TableSource  # noqa: E402
-from ple_prep.fixtures import FIXTURE_SCALE_BF16, fixture_config  # noqa: E402
-from ple_prep.layouts.order import RowOrder  # noqa: E402
-from ple_prep.layouts.writer import convert  # noqa: E402
+from ple_prep.tools.fixtures import FIXTURE_SCALE_BF16, fixture_config  # noqa: E402
+from ple_prep.format.order import RowOrder  # noqa: E402
+from ple_prep.offline.writer import convert  # noqa: E402
 from ple_prep.ngram import NgramSpec  # noqa: E402
 
 BLOCK_ROWS = 1 << 18
@@ -80,7 +80,7 @@ class SyntheticSource(TableSource):
 
 def hot_order(spec: NgramSpec, num_rows: int, profile_tokens: int) -> RowOrder:
     """Rows read by the profile part of the real text, most read first."""
-    from ple_prep.realtext import real_text_row_ids
+    from ple_prep.tools.realtext import real_text_row_ids
 
     ids = real_text_row_ids(spec, profile_tokens, part=1, parts=2).reshape(-1)
     rows, counts = np.unique(ids, return_counts=True)

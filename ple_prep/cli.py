@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterator
 import click
 
 from . import __version__
-from .constants import GGUF_FIXTURE_VARIANTS
-from .errors import BadInput, CheckFailed
+from .core.constants import GGUF_FIXTURE_VARIANTS
+from .core.errors import BadInput, CheckFailed
 
 
 class _Group(click.Group):
@@ -54,7 +54,7 @@ class _ModelPath(click.ParamType):
     name = "PATH|NAME"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
-        from .hub import resolve_model
+        from .converters.hub import resolve_model
 
         return resolve_model(value)
 
@@ -140,15 +140,15 @@ def convert(model: Path, out: Path, page_size: int, profile_path: Path | None, m
         ple-prep convert --model ./Qwen3.8-Flash-Next-FP8 --profile chats.prof --out /nvme/ple.bin
     """
     from .converters import open_source
-    from .layouts.writer import convert as write_table
+    from .offline.writer import convert as write_table
 
     if tp_rank is not None and tp_size is None:
         raise BadInput("--tp-rank needs --tp-size")
     started = time.perf_counter()
     profile = None
     if profile_path is not None:
-        from .layouts.planner import check_map_fraction
-        from .profile import load_profile
+        from .offline.planner import check_map_fraction
+        from .offline.profile import load_profile
 
         check_map_fraction(map_fraction)
         profile = load_profile(profile_path)
@@ -159,7 +159,7 @@ def convert(model: Path, out: Path, page_size: int, profile_path: Path | None, m
     with open_source(model) as source:
         layout = {}
         if profile is not None:
-            from .layouts.planner import plan_for_source
+            from .offline.planner import plan_for_source
 
             layout = plan_for_source(source, profile, page_size=page_size, map_fraction=map_fraction)
         with progress_bar(source.num_rows * source.row_bytes, "convert", quiet) as advance:
@@ -179,7 +179,7 @@ def _convert_ranks(model: Path, out: Path, page_size: int, force: bool, tp_size:
                    tp_rank: int | None, as_json: bool, quiet: bool, profile: Any = None,
                    map_fraction: float = 0.0, resume: bool = False) -> None:
     from .converters import open_source
-    from .layouts.ranks import convert_ranks
+    from .offline.ranks import convert_ranks
 
     started = time.perf_counter()
     ranks = None if tp_rank is None else [tp_rank]
@@ -187,7 +187,7 @@ def _convert_ranks(model: Path, out: Path, page_size: int, force: bool, tp_size:
         rows = source.num_rows if ranks is None else source.num_rows // tp_size
         layout_for = None
         if profile is not None:
-            from .layouts.planner import plan_for_source
+            from .offline.planner import plan_for_source
 
             def layout_for(first_row: int, num_rows: int) -> dict[str, Any]:
                 return plan_for_source(source, profile, page_size=page_size, map_fraction=map_fraction,
@@ -224,8 +224,8 @@ def verify(table: Path, model: Path | None, sample: int | None, seed: int, as_js
     Example:
         ple-prep verify /nvme/ple.bin --model ./Qwen3.8-Flash-Next-FP8 --sample 100000
     """
-    from .layouts.manifest import load_manifest, manifest_path
-    from .verify import verify as verify_table
+    from .format.manifest import load_manifest, manifest_path
+    from .offline.verify import verify as verify_table
 
     manifest = load_manifest(manifest_path(table))
     total = manifest["file_size"] + (manifest["num_rows"] * manifest["row_bytes"] if model else 0)
@@ -264,11 +264,11 @@ def inspect(table: Path, plot_path: Path | None, as_json: bool) -> None:
         ple-prep inspect /nvme/ple.bin --json
         ple-prep inspect /nvme/ple.bin --plot residency.png
     """
-    from .layouts.manifest import load_manifest, manifest_path
+    from .format.manifest import load_manifest, manifest_path
 
     manifest = load_manifest(manifest_path(table))
     if plot_path is not None:
-        from .plot import plot_residency
+        from .tools.plot import plot_residency
 
         plot_residency(manifest, plot_path, title=table.name)
     if as_json:
@@ -335,13 +335,13 @@ def make_fixture(out: Path, variant: str, base: int, shards: int, gguf_layout: s
         ple-prep make-fixture ./tiny-iq4 --variant gguf-iq4_nl --gguf-layout split --gguf-files 3
     """
     if variant.startswith("gguf-"):
-        from .fixtures import make_gguf
+        from .tools.fixtures import make_gguf
 
         make_gguf(out, variant.removeprefix("gguf-"), layout=gguf_layout, num_files=gguf_files,
                   base=base, seed=seed)
         click.echo(f"wrote {variant} {gguf_layout} model to {out}")
         return
-    from .fixtures import make_checkpoint
+    from .tools.fixtures import make_checkpoint
 
     make_checkpoint(out, variant, base=base, num_shards=shards, seed=seed)
     click.echo(f"wrote {variant} checkpoint to {out}")
@@ -361,7 +361,7 @@ def demo(folder: Path | None, variant: str, as_json: bool, quiet: bool) -> None:
     Example:
         ple-prep demo
     """
-    from .demo import run_demo
+    from .tools.demo import run_demo
 
     with contextlib.ExitStack() as stack:
         if folder is None:
@@ -431,7 +431,7 @@ def profile_run(model: Path, prompts: tuple[Path, ...], more_prompts: tuple[Path
     Example:
         ple-prep profile --model ./Qwen3.8-Flash-Next-FP8 --prompts chats.jsonl --out p.prof
     """
-    from .profile import profile_files, save_profile
+    from .offline.profile import profile_files, save_profile
 
     files = list(prompts) + list(more_prompts)
     if not files:
@@ -464,7 +464,7 @@ def profile_merge(profiles: tuple[Path, ...], out: Path, force: bool, as_json: b
     Example:
         ple-prep profile merge shard0.prof shard1.prof -o all.prof
     """
-    from .profile import load_profile, merge_profiles, save_profile
+    from .offline.profile import load_profile, merge_profiles, save_profile
 
     merged = merge_profiles([load_profile(path) for path in profiles])
     save_profile(merged, out, force=force)
@@ -507,7 +507,7 @@ def bench(table: Path, prefill_requests: int, decode_requests: int, fio_seconds:
         ple-prep bench /nvme/ple.bin
         ple-prep bench /nvme/ple.bin --json --fio-seconds 0
     """
-    from .benchmark import run_bench
+    from .tools.benchmark import run_bench
 
     def say(message: str) -> None:
         # Progress, like the bars: only to a terminal.

@@ -11,8 +11,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .constants import DEFAULT_SEED
-from .errors import BadInput
+from .core.constants import DEFAULT_SEED
+from .core.errors import BadInput
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15

@@ -15,7 +15,7 @@ import pytest
 
 from handmade import INDEX, Tensor, find, load_tensors, pack_safetensors, save_tensors
 from ple_prep.cli import cli
-from ple_prep.fixtures import make_checkpoint
+from ple_prep.tools.fixtures import make_checkpoint
 from ple_prep.runtime import open_table
 
 

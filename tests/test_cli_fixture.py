@@ -8,7 +8,7 @@ import pytest
 
 from ple_prep.cli import cli
 from ple_prep.converters.safetensors import open_checkpoint
-from ple_prep.fixtures import make_checkpoint
+from ple_prep.tools.fixtures import make_checkpoint
 
 
 def folder_digest(folder):

@@ -8,7 +8,7 @@ import struct
 import pytest
 
 from ple_prep.cli import cli
-from ple_prep.fixtures import make_gguf
+from ple_prep.tools.fixtures import make_gguf
 
 
 def patch_tensor_info(path, name: str, *, dims=None, type_id=None, new_name=None) -> None:

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from ple_prep.cli import cli
-from ple_prep.layouts.manifest import manifest_path
+from ple_prep.format.manifest import manifest_path
 
 
 def test_convert_json_is_the_only_stdout(runner, fp8_checkpoint, tmp_path):

@@ -72,7 +72,7 @@ def test_convert_model_name_matching_none_exits_2(runner, hub, tmp_path):
 
 def test_convert_gguf_quant_from_hf_cache(runner, tmp_path):
     from hubcache import add_snapshot
-    from ple_prep.fixtures import make_gguf
+    from ple_prep.tools.fixtures import make_gguf
 
     q8 = make_gguf(tmp_path / "q8", "q8_0", num_files=2)
     iq4 = make_gguf(tmp_path / "iq4", "iq4_nl")

@@ -95,7 +95,7 @@ def test_convert_profile_and_inspect_show_residency(runner, fp8_checkpoint, prom
 
 
 def test_convert_profile_refuses_bad_map_fraction_and_other_model(runner, fp8_checkpoint, prompts, tmp_path):
-    from ple_prep.fixtures import make_checkpoint
+    from ple_prep.tools.fixtures import make_checkpoint
 
     other = make_checkpoint(tmp_path / "other", base=2000, num_shards=4)
     profile = tmp_path / "p.prof"

@@ -9,10 +9,10 @@ import threading
 import numpy as np
 import pytest
 
-from ple_prep.benchmark import evict
+from ple_prep.tools.benchmark import evict
 from ple_prep.converters import open_source
-from ple_prep.layouts.order import RowOrder
-from ple_prep.layouts.writer import convert
+from ple_prep.format.order import RowOrder
+from ple_prep.offline.writer import convert
 from ple_prep.runtime import open_table
 
 THREADS = 8

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from ple_prep.cli import cli
-from ple_prep.constants import HEADER_SIZE, HEADER_STRUCT
+from ple_prep.core.constants import HEADER_SIZE, HEADER_STRUCT
 from ple_prep.converters import open_source
-from ple_prep.layouts import writer
-from ple_prep.layouts.order import RowOrder
+from ple_prep.offline import writer
+from ple_prep.format.order import RowOrder
 from ple_prep.runtime import open_table
-from ple_prep.verify import verify
+from ple_prep.offline.verify import verify
 
 BLOCK_BYTES = 64 << 10  # small blocks so that a 2.7 MB fixture has many (43)
 RANDOM_FLIPS = 600

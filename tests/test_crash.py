@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 
 from ple_prep.cli import cli
-from ple_prep.errors import BadInput
-from ple_prep.fixtures import make_checkpoint
-from ple_prep.layouts.manifest import manifest_path
+from ple_prep.core.errors import BadInput
+from ple_prep.tools.fixtures import make_checkpoint
+from ple_prep.format.manifest import manifest_path
 from ple_prep.runtime import open_table
-from ple_prep.verify import verify
+from ple_prep.offline.verify import verify
 
 REPO = Path(__file__).resolve().parent.parent
 DELAY_KILLS = int(os.environ.get("PLE_KILL_POINTS", "6"))

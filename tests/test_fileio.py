@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from ple_prep.errors import BadInput
-from ple_prep.fileio import read_exactly
+from ple_prep.core.errors import BadInput
+from ple_prep.core.fileio import read_exactly
 
 
 def test_read_exactly_fills_the_buffer_from_the_offset(tmp_path):

@@ -13,9 +13,9 @@ import pytest
 
 from ple_prep.cli import cli
 from ple_prep.converters import open_source
-from ple_prep.errors import BadInput
-from ple_prep.layouts import writer
-from ple_prep.layouts.ranks import convert_ranks
+from ple_prep.core.errors import BadInput
+from ple_prep.offline import writer
+from ple_prep.offline.ranks import convert_ranks
 
 
 @pytest.fixture

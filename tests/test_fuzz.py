@@ -19,13 +19,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ple_prep.constants import HEADER_SIZE, HEADER_STRUCT, MAGIC, Encoding
+from ple_prep.core.constants import HEADER_SIZE, HEADER_STRUCT, MAGIC, Encoding
 from ple_prep.converters.gguf import open_gguf
 from ple_prep.converters.safetensors import DTYPE_SIZES, read_header
-from ple_prep.errors import BadInput
-from ple_prep.fixtures import add_gguf_metadata, fixture_config, write_safetensors
-from ple_prep.layouts.format import Header
-from ple_prep.layouts.manifest import load_manifest, validate_manifest
+from ple_prep.core.errors import BadInput
+from ple_prep.tools.fixtures import add_gguf_metadata, fixture_config, write_safetensors
+from ple_prep.format.header import Header
+from ple_prep.format.manifest import load_manifest, validate_manifest
 from ple_prep.ngram import NgramSpec
 
 # PLE_FUZZ_SCALE multiplies every count for a longer stress run (docs/RELIABILITY.md).

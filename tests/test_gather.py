@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ple_prep.benchmark import evict
+from ple_prep.tools.benchmark import evict
 from ple_prep.converters import open_source
-from ple_prep.layouts.order import RowOrder
-from ple_prep.layouts.writer import convert
+from ple_prep.format.order import RowOrder
+from ple_prep.offline.writer import convert
 from ple_prep.runtime import open_table
 from ple_prep.runtime.gather import Gatherer
 

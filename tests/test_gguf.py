@@ -7,15 +7,15 @@ import gguf
 import numpy as np
 import pytest
 
-from ple_prep.constants import ENCODING_BLOCKS, GGML_TYPES, Encoding
+from ple_prep.core.constants import ENCODING_BLOCKS, GGML_TYPES, Encoding
 from ple_prep.converters import open_source
 from ple_prep.converters.gguf import gguf_files, open_gguf
-from ple_prep.errors import BadInput
-from ple_prep.fixtures import GGUF_TYPES, fixture_config, make_gguf
-from ple_prep.layouts.writer import convert
+from ple_prep.core.errors import BadInput
+from ple_prep.tools.fixtures import GGUF_TYPES, fixture_config, make_gguf
+from ple_prep.offline.writer import convert
 from ple_prep.ngram import NgramSpec, row_ids
 from ple_prep.runtime import open_table
-from ple_prep.verify import verify
+from ple_prep.offline.verify import verify
 
 SPEC = NgramSpec.from_config(fixture_config())
 CASES = list(itertools.product(GGUF_TYPES, ("joined", "split"), (1, 3)))
@@ -138,7 +138,7 @@ def test_convert_gguf_encoding_table_matches_gguf_package():
 def write_with_vocabulary(path, tokens: int, keep_vocab_size: bool) -> np.ndarray:
     from gguf import GGUFValueType, GGUFWriter
 
-    from ple_prep.fixtures import add_gguf_metadata, gguf_table_bytes
+    from ple_prep.tools.fixtures import add_gguf_metadata, gguf_table_bytes
 
     writer = GGUFWriter(path, "qwen4exp")
     add_gguf_metadata(writer, SPEC)

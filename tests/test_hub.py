@@ -1,4 +1,4 @@
-"""Library tests of ple_prep.hub: model names resolved from a cache folder in the hub's real layout."""
+"""Library tests of ple_prep.converters.hub: model names resolved from a cache folder in the hub's real layout."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from hubcache import add_snapshot, commit_hash
-from ple_prep.errors import BadInput
-from ple_prep.hub import hub_cache_dir, resolve_model
+from ple_prep.core.errors import BadInput
+from ple_prep.converters.hub import hub_cache_dir, resolve_model
 
 CONFIG = b'{"model_type": "qwen4exp"}'
 

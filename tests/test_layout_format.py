@@ -13,13 +13,13 @@ import zlib
 import numpy as np
 import pytest
 
-from ple_prep.constants import CHECKSUM_BLOCK_BYTES, HEADER_SIZE, MAGIC, Encoding
+from ple_prep.core.constants import CHECKSUM_BLOCK_BYTES, HEADER_SIZE, MAGIC, Encoding
 from ple_prep.converters import open_source
-from ple_prep.errors import BadInput
-from ple_prep.layouts.format import Header
-from ple_prep.layouts.manifest import manifest_path
-from ple_prep.layouts.order import RowOrder
-from ple_prep.layouts.writer import convert
+from ple_prep.core.errors import BadInput
+from ple_prep.format.header import Header
+from ple_prep.format.manifest import manifest_path
+from ple_prep.format.order import RowOrder
+from ple_prep.offline.writer import convert
 from ple_prep.runtime import open_table
 
 
@@ -106,7 +106,7 @@ def test_convert_checksums_match_independent_crc(converted):
 
 def test_convert_checksum_blocks_span_chunks(fp8_checkpoint, tmp_path, monkeypatch):
     # Small checksum blocks make the table span several blocks and write chunks.
-    monkeypatch.setattr("ple_prep.layouts.writer.CHECKSUM_BLOCK_BYTES", 64 << 10)
+    monkeypatch.setattr("ple_prep.offline.writer.CHECKSUM_BLOCK_BYTES", 64 << 10)
     with open_source(fp8_checkpoint) as source:
         manifest = convert(source, tmp_path / "t.bin")
         rows = source.read_rows(0, source.num_rows)
@@ -186,7 +186,7 @@ def test_convert_failure_leaves_nothing(fp8_checkpoint, tmp_path, monkeypatch):
     def fail(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("ple_prep.layouts.writer._write_all", fail)
+    monkeypatch.setattr("ple_prep.offline.writer._write_all", fail)
     with open_source(fp8_checkpoint) as source, pytest.raises(BadInput, match="filled up"):
         convert(source, tmp_path / "t.bin")
     assert list(tmp_path.iterdir()) == []

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from ple_prep.cli import cli
-from ple_prep.errors import BadInput
-from ple_prep.fixtures import make_gguf
-from ple_prep.layouts.manifest import manifest_path, validate_manifest
+from ple_prep.core.errors import BadInput
+from ple_prep.tools.fixtures import make_gguf
+from ple_prep.format.manifest import manifest_path, validate_manifest
 
 SCHEMA = json.loads((Path(__file__).resolve().parent.parent / "docs" / "manifest.schema.json").read_text())
 VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ple_prep.fixtures import fixture_config
+from ple_prep.tools.fixtures import fixture_config
 from ple_prep.ngram import NgramSpec, mixed_values, row_ids
 
 EOS = 248044

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from ple_prep.cli import cli
-from ple_prep.constants import Encoding
+from ple_prep.core.constants import Encoding
 from ple_prep.converters import open_source
-from ple_prep.fixtures import make_checkpoint, write_safetensors
-from ple_prep.layouts.writer import convert
+from ple_prep.tools.fixtures import make_checkpoint, write_safetensors
+from ple_prep.offline.writer import convert
 from ple_prep.runtime import open_table
 from ple_prep.runtime.dequant import decode
 

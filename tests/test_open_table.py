@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 
 from ple_prep.cli import cli
-from ple_prep.constants import HEADER_SIZE, SCALE_SUFFIX
+from ple_prep.core.constants import HEADER_SIZE, SCALE_SUFFIX
 from ple_prep.converters import open_source
 from ple_prep.converters.safetensors import read_header
-from ple_prep.errors import BadInput
-from ple_prep.fixtures import make_checkpoint
-from ple_prep.layouts.manifest import manifest_path
-from ple_prep.layouts.order import RowOrder
-from ple_prep.layouts.writer import convert
+from ple_prep.core.errors import BadInput
+from ple_prep.tools.fixtures import make_checkpoint
+from ple_prep.format.manifest import manifest_path
+from ple_prep.format.order import RowOrder
+from ple_prep.offline.writer import convert
 from ple_prep.runtime import open_table
 
 

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 
 from ple_prep.converters import open_source
-from ple_prep.errors import BadInput
-from ple_prep.layouts.format import ORDER_BYTES_PER_PLACED
-from ple_prep.layouts.planner import (_pack, max_placed_rows, plan_for_source, plan_order,
+from ple_prep.core.errors import BadInput
+from ple_prep.format.header import ORDER_BYTES_PER_PLACED
+from ple_prep.offline.planner import (_pack, max_placed_rows, plan_for_source, plan_order,
                                       residency_hints)
-from ple_prep.layouts.writer import convert
+from ple_prep.offline.writer import convert
 from ple_prep.ngram import rows_of_mixed
-from ple_prep.profile import Profiler, profile_files
+from ple_prep.offline.profile import Profiler, profile_files
 from ple_prep.runtime import open_table
 
 EOS = 248044
@@ -89,7 +89,7 @@ def test_plan_places_hottest_first_and_groups_on_one_page(source_and_profile):
 
 def test_plan_real_geometry_puts_each_seen_ngram_on_one_page():
     """At the model's 320M rows collisions are rare: a seen n-gram's 8 rows share one page."""
-    from ple_prep.fixtures import fixture_config
+    from ple_prep.tools.fixtures import fixture_config
     from ple_prep.ngram import NgramSpec
 
     spec = NgramSpec.from_config(fixture_config(base=20_000_000))
@@ -164,7 +164,7 @@ def test_residency_hints_measured_on_heldout_only(source_and_profile):
 
 
 def test_plan_refuses_another_models_profile(fp8_checkpoint, tmp_path):
-    from ple_prep.fixtures import make_checkpoint
+    from ple_prep.tools.fixtures import make_checkpoint
 
     other = make_checkpoint(tmp_path / "other", base=2000, num_shards=4)
     (tmp_path / "a.txt").write_text("the table")
@@ -186,7 +186,7 @@ def test_gather_rows_equals_read_rows(variant, request):
 
 def test_plan_under_a_cap_fills_page_ends_with_rows_beyond_it():
     """Rows of groups beyond the map's cap fill the slots 8-row groups leave: no placed group is cut."""
-    from ple_prep.fixtures import fixture_config
+    from ple_prep.tools.fixtures import fixture_config
     from ple_prep.ngram import NgramSpec
 
     spec = NgramSpec.from_config(fixture_config(base=20_000_000))

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from ple_prep.chat import render_chat
-from ple_prep.errors import BadInput
+from ple_prep.offline.chat import render_chat
+from ple_prep.core.errors import BadInput
 from ple_prep.ngram import NgramSpec, row_ids
-from ple_prep.profile import (BATCH_TOKENS, Profiler, is_heldout, load_profile, merge_profiles,
+from ple_prep.offline.profile import (BATCH_TOKENS, Profiler, is_heldout, load_profile, merge_profiles,
                               profile_files, save_profile)
 
 EOS = 248044
@@ -108,7 +108,7 @@ def test_profile_merge_of_shards_equals_one_run(fp8_checkpoint, prompt_files, tm
 
 def test_profile_batches_split_requests_like_single_calls(spec, monkeypatch):
     """Requests hashed across several flushes and compactions count as one pass would."""
-    monkeypatch.setattr("ple_prep.profile.BATCH_TOKENS", 64)
+    monkeypatch.setattr("ple_prep.offline.profile.BATCH_TOKENS", 64)
     rng = np.random.default_rng(9)
     requests = [rng.choice([EOS, 7, 8, 9, 10], size=int(rng.integers(1, 40))) for _ in range(200)]
     profiler = Profiler(spec)
@@ -153,7 +153,7 @@ def test_profile_bad_npy_and_missing_tokenizer(fp8_checkpoint, tmp_path):
     np.save(tmp_path / "two.npy", np.zeros((2, 2), dtype=np.int64))
     with pytest.raises(BadInput, match="1-D integer array"):
         profile_files(fp8_checkpoint, [tmp_path / "two.npy"])
-    from ple_prep.fixtures import make_checkpoint
+    from ple_prep.tools.fixtures import make_checkpoint
 
     bare = make_checkpoint(tmp_path / "bare", with_tokenizer=False, num_shards=4)
     (tmp_path / "a.txt").write_text("hello")
@@ -176,7 +176,7 @@ def test_profile_load_refuses_other_files(tmp_path):
 
 
 def test_profile_merge_refuses_other_models(fp8_checkpoint, prompt_files, tmp_path):
-    from ple_prep.fixtures import make_checkpoint
+    from ple_prep.tools.fixtures import make_checkpoint
 
     other = make_checkpoint(tmp_path / "other", base=2000, num_shards=4)
     first = profile_files(fp8_checkpoint, prompt_files[2:])
@@ -187,7 +187,7 @@ def test_profile_merge_refuses_other_models(fp8_checkpoint, prompt_files, tmp_pa
 
 @pytest.mark.parametrize("count, size", [(5, 1000), (5000, 1000)])
 def test_profile_row_sums_dense_and_sorted_agree(count, size):
-    from ple_prep.profile import _sum_by_key, _sum_in_range
+    from ple_prep.offline.profile import _sum_by_key, _sum_in_range
 
     rng = np.random.default_rng(count)
     keys = rng.integers(500, 500 + size, size=count)

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from ple_prep.converters import open_source
-from ple_prep.errors import BadInput
-from ple_prep.layouts.manifest import load_manifest, manifest_path, validate_manifest
-from ple_prep.layouts.ranks import convert_ranks, rank_path, rank_rows
+from ple_prep.core.errors import BadInput
+from ple_prep.format.manifest import load_manifest, manifest_path, validate_manifest
+from ple_prep.offline.ranks import convert_ranks, rank_path, rank_rows
 from ple_prep.runtime import open_table
 
 

@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 
 from ple_prep.cli import cli
-from ple_prep.fixtures import make_checkpoint
-from ple_prep.layouts import writer
-from ple_prep.layouts.manifest import load_manifest, manifest_path
-from ple_prep.verify import verify
+from ple_prep.tools.fixtures import make_checkpoint
+from ple_prep.offline import writer
+from ple_prep.format.manifest import load_manifest, manifest_path
+from ple_prep.offline.verify import verify
 
 REPO = Path(__file__).resolve().parent.parent
 BLOCK_BYTES = 64 << 10
 CHILD = f"""
 import sys
-from ple_prep.layouts import writer
+from ple_prep.offline import writer
 writer.CHECKSUM_BLOCK_BYTES = {BLOCK_BYTES}
 from ple_prep.cli import cli
 cli(sys.argv[1:], prog_name="ple-prep")

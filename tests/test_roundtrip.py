@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from ple_prep.converters import open_source
-from ple_prep.layouts.writer import convert
+from ple_prep.offline.writer import convert
 from ple_prep.runtime import open_table
 
 

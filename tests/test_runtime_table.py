@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from ple_prep.converters import open_source
-from ple_prep.errors import BadInput
-from ple_prep.layouts.manifest import manifest_path
-from ple_prep.layouts.writer import convert
+from ple_prep.core.errors import BadInput
+from ple_prep.format.manifest import manifest_path
+from ple_prep.offline.writer import convert
 from ple_prep.runtime import open_table
 
 

@@ -6,9 +6,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ple_prep.constants import Encoding  # noqa: E402
+from ple_prep.core.constants import Encoding  # noqa: E402
 from ple_prep.converters import open_source  # noqa: E402
-from ple_prep.layouts.writer import convert  # noqa: E402
+from ple_prep.offline.writer import convert  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
 from ple_prep.runtime.dequant import round_to_bf16  # noqa: E402
 from ple_prep.runtime.torch_dequant import TorchDecoder, decode, decoder_for  # noqa: E402

@@ -6,10 +6,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ple_prep.constants import GGML_TYPES, Encoding, row_bytes_for  # noqa: E402
+from ple_prep.core.constants import GGML_TYPES, Encoding, row_bytes_for  # noqa: E402
 from ple_prep.converters import open_source  # noqa: E402
-from ple_prep.fixtures import make_gguf  # noqa: E402
-from ple_prep.layouts.writer import convert  # noqa: E402
+from ple_prep.tools.fixtures import make_gguf  # noqa: E402
+from ple_prep.offline.writer import convert  # noqa: E402
 from ple_prep.runtime import dequant, open_table  # noqa: E402
 from ple_prep.runtime.torch_dequant import decode, decoder_for  # noqa: E402
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import BadInput
+from ..core.errors import BadInput
 from .base import Scale, Segment, SourceFile, TableSource
 
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from ..constants import Encoding
-from ..fileio import read_exactly
+from ..core.constants import Encoding
+from ..core.fileio import read_exactly
 from ..ngram import NgramSpec
 
 # Rows read to fingerprint a source: enough to touch every shard, cheap enough for open time.

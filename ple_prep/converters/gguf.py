@@ -21,9 +21,9 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES, QK_K
 
-from ..constants import (GGML_TYPES, GGUF_ARCHITECTURE, GGUF_JOINED_TENSOR, Encoding,
+from ..core.constants import (GGML_TYPES, GGUF_ARCHITECTURE, GGUF_JOINED_TENSOR, Encoding,
                          row_bytes_for)
-from ..errors import BadInput
+from ..core.errors import BadInput
 from ..ngram import NgramSpec
 from .base import Segment, SourceFile, TableSource
 from .gguf_bounds import check_gguf_bounds

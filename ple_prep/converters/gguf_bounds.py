@@ -12,7 +12,7 @@ import mmap
 import struct
 from pathlib import Path
 
-from ..errors import BadInput
+from ..core.errors import BadInput
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from ..constants import (ENCODING_BLOCKS, HEAD_OFFSETS_SUFFIX, HEAD_SIZES_SUFFIX, MULTIPLIERS_SUFFIX,
+from ..core.constants import (ENCODING_BLOCKS, HEAD_OFFSETS_SUFFIX, HEAD_SIZES_SUFFIX, MULTIPLIERS_SUFFIX,
                          NVFP4_GLOBAL_SCALE_SUFFIXES, SAFETENSORS_MAX_HEADER, SCALE_SUFFIX, Encoding)
-from ..errors import BadInput
+from ..core.errors import BadInput
 from ..ngram import NgramSpec, load_config
 from .base import Scale, Segment, SourceFile, TableSource
 

@@ -10,7 +10,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..constants import ENCODING_BLOCKS, Encoding
+from ..core.constants import ENCODING_BLOCKS, Encoding
 
 
 def _e4m3_table() -> np.ndarray:

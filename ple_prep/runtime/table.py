@@ -8,11 +8,11 @@ from typing import Any
 
 import numpy as np
 
-from ..constants import HEADER_SIZE
-from ..errors import BadInput
-from ..layouts.format import Header
-from ..layouts.manifest import load_manifest, manifest_path
-from ..layouts.order import RowOrder
+from ..core.constants import HEADER_SIZE
+from ..core.errors import BadInput
+from ..format.header import Header
+from ..format.manifest import load_manifest, manifest_path
+from ..format.order import RowOrder
 from .dequant import decode
 from .gather import DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_PAGES, Gatherer
 from .tiers import Lookup, Resident, load_resident, merge, split
@@ -178,7 +178,7 @@ def open_table(path: str | Path, manifest: str | Path | None = None,
     meta = load_manifest(manifest_file)
     if source is not None:
         # Imported here: the converters are not needed to serve a table without this check.
-        from ..staleness import check_source
+        from ..offline.staleness import check_source
 
         check_source(meta, source, path.name)
     try:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..fileio import read_exactly
+from ..core.fileio import read_exactly
 
 if TYPE_CHECKING:
     from .table import Table

@@ -20,7 +20,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from ..constants import ENCODING_BLOCKS, Encoding
+from ..core.constants import ENCODING_BLOCKS, Encoding
 from . import dequant
 
 

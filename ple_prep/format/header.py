@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..constants import (FORMAT_VERSION, HEADER_SIZE, HEADER_STRUCT, MAGIC, MAX_ROWS, ORDER_OFFSET,
+from ..core.constants import (FORMAT_VERSION, HEADER_SIZE, HEADER_STRUCT, MAGIC, MAX_ROWS, ORDER_OFFSET,
                          Encoding, row_bytes_for)
-from ..errors import BadInput
+from ..core.errors import BadInput
 
 # Bytes per placed row in the order map: its row id by slot, and the sorted ids with their slots.
 ORDER_BYTES_PER_PLACED = 12

@@ -8,9 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .converters import open_source
-from .converters.base import TableSource
-from .errors import BadInput
+from ..converters import open_source
+from ..converters.base import TableSource
+from ..core.errors import BadInput
 
 
 def source_changes(manifest: dict[str, Any], source: TableSource) -> list[str]:

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 from safetensors import TensorSpec, serialize_file
 
-from .constants import VALUES_PER_ROW
-from .errors import BadInput
-from .ngram import NgramSpec
+from ..core.constants import VALUES_PER_ROW
+from ..core.errors import BadInput
+from ..ngram import NgramSpec
 
 PREFIX = "model.language_model.layers.1.ple.ple_embedding."
 VARIANTS = ("fp8", "bf16", "nvfp4")

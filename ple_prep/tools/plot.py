@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .errors import BadInput
+from ..core.errors import BadInput
 
 
 def plot_residency(manifest: dict[str, Any], out: str | Path, title: str = "") -> None:

@@ -10,8 +10,8 @@ import functools
 
 import numpy as np
 
-from ..constants import ORDER_DTYPE
-from ..errors import BadInput
+from ..core.constants import ORDER_DTYPE
+from ..core.errors import BadInput
 
 
 class RowOrder:

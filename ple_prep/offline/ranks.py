@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from ..constants import DEFAULT_PAGE_SIZE
+from ..core.constants import DEFAULT_PAGE_SIZE
 from ..converters.base import TableSource
-from ..errors import BadInput
-from .format import Header
+from ..core.errors import BadInput
+from ..format.header import Header
 from .writer import check_free_space, convert
 
 
@@ -42,7 +42,7 @@ def convert_ranks(source: TableSource, out: str | Path, tp_size: int,
     """Write one prepared file per rank in `tp_ranks` (all ranks by default); returns (path, manifest).
 
     `layout_for(first_row, num_rows)`, when given, returns a rank's row order and layout arguments
-    for `convert` (`layouts.planner.plan_for_source`).
+    for `convert` (`offline.planner.plan_for_source`).
 
     Every rank file is atomic on its own; free space for all of them is checked before the first.
     """

@@ -20,10 +20,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .errors import BadInput
-from .ngram import NgramSpec
-from .runtime import open_table
-from .runtime.gather import _MINCORE
+from ..core.errors import BadInput
+from ..ngram import NgramSpec
+from ..runtime import open_table
+from ..runtime.gather import _MINCORE
 
 PREFILL_TOKENS = 4096
 DECODE_TOKENS = (1, 4)

@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BadInput
+from ..core.errors import BadInput
 from ..ngram import rows_of_mixed
-from ..profile import Profile
-from .format import ORDER_BYTES_PER_PLACED
-from .order import RowOrder
+from .profile import Profile
+from ..format.header import ORDER_BYTES_PER_PLACED
+from ..format.order import RowOrder
 
 # The row-order map may cost at most this fraction of the table's bytes by default (the target
 # is far below 2%): 0.5% is 12 bytes a placed row for about 6.7% of an FP8 table's rows.

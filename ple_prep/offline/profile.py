@@ -29,8 +29,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from .errors import BadInput
-from .ngram import NgramSpec, mixed_values, rows_of_mixed
+from ..core.errors import BadInput
+from ..ngram import NgramSpec, mixed_values, rows_of_mixed
 
 MAGIC = b"PLEPROF\x00"
 PROFILE_FORMAT = "ple-prep-profile"
@@ -358,7 +358,7 @@ def profile_files(model: str | Path, prompt_files: Iterable[str | Path], *,
     """Profile prompt files against a checkpoint (its hash spec and tokenizer)."""
     model_dir = Path(model)
     if spec is None:
-        from .converters import open_source
+        from ..converters import open_source
 
         with open_source(model_dir) as source:
             spec = source.spec
@@ -418,7 +418,7 @@ def save_profile(profile: Profile, out: str | Path, *, force: bool = False) -> N
     """Write the profile under a temporary name and rename it when complete."""
     import zstandard
 
-    from .layouts.writer import partial_name
+    from .writer import partial_name
 
     out = Path(out)
     if not out.parent.is_dir():

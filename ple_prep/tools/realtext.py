@@ -14,7 +14,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from .ngram import NgramSpec, row_ids
+from ..ngram import NgramSpec, row_ids
 
 DEFAULT_VOCAB_SIZE = 16000
 TRAIN_BYTES = 2_000_000

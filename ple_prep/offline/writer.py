@@ -19,13 +19,13 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import __version__
-from ..constants import (CHECKSUM_BLOCK_BYTES, DEFAULT_PAGE_SIZE, FORMAT_VERSION, GGML_TYPES,
+from ..core.constants import (CHECKSUM_BLOCK_BYTES, DEFAULT_PAGE_SIZE, FORMAT_VERSION, GGML_TYPES,
                          HEADER_SIZE, HEADER_STRUCT, MAGIC)
 from ..converters.base import TableSource
-from ..errors import BadInput
-from .format import Header
-from .manifest import MANIFEST_FORMAT, manifest_path, write_manifest
-from .order import RowOrder
+from ..core.errors import BadInput
+from ..format.header import Header
+from ..format.manifest import MANIFEST_FORMAT, manifest_path, write_manifest
+from ..format.order import RowOrder
 from .progress import Journal, Resumable, progress_name, truncate_after, verify_prefix
 from .progress import identity as run_identity
 from .progress import load as load_journal
@@ -137,7 +137,7 @@ def convert(source: TableSource, out: str | Path, *, order: RowOrder | None = No
 
     Both files appear at their names only when complete (temporary names, fsync, rename); on any
     failure nothing is left behind, and a rerun removes what a killed run left. With `resume`, a
-    killed run's verified blocks are kept instead (layouts/progress.py). Returns the manifest.
+    killed run's verified blocks are kept instead (offline/progress.py). Returns the manifest.
     `tensor_parallel` ({"rank", "size"}) is recorded in the manifest of a rank's file.
     """
     out = Path(out)

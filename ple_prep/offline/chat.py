@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import BadInput
+from ..core.errors import BadInput
 
 
 def chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> str | None:

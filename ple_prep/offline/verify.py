@@ -9,11 +9,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .converters import open_source
-from .errors import BadInput
-from .fileio import read_exactly
-from .layouts.manifest import load_manifest, manifest_path
-from .runtime import open_table
+from ..converters import open_source
+from ..core.errors import BadInput
+from ..core.fileio import read_exactly
+from ..format.manifest import load_manifest, manifest_path
+from ..runtime import open_table
 from .staleness import source_changes
 
 CHUNK_ROWS = 1 << 16

@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path
 
-from .errors import BadInput
+from ..core.errors import BadInput
 
 # OWNER/NAME or NAME as the hub spells them, then optionally @REVISION (a branch, tag or commit
 # hash) and :QUANT (a GGUF file of the repo, as llama.cpp's `-hf OWNER/NAME:QUANT` picks one).

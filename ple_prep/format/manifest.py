@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..constants import FORMAT_VERSION, GGML_TYPES, MANIFEST_SUFFIX, Encoding
-from ..errors import BadInput
+from ..core.constants import FORMAT_VERSION, GGML_TYPES, MANIFEST_SUFFIX, Encoding
+from ..core.errors import BadInput
 
 MANIFEST_FORMAT = "ple-prep-table"
 MAX_MANIFEST_BYTES = 64 << 20

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .format import Header
+from ..format.header import Header
 
 JOURNAL_KIND = "ple-prep-progress"
 READ_BYTES = 8 << 20
