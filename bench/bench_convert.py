@@ -28,8 +28,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from ple_prep.converters.config import load_config  # noqa: E402
+from ple_prep.ngram import NgramSpec  # noqa: E402
 from ple_prep.tools.benchmark import evict  # noqa: E402
-from ple_prep.ngram import NgramSpec, load_config  # noqa: E402
 
 RSS_TARGET_MIB = 512
 RATIO_TARGET = 0.8

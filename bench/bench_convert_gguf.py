@@ -22,8 +22,8 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-from big_gguf import write_big_gguf  # noqa: E402
 from bench_convert import compare_rounds  # noqa: E402
+from big_gguf import write_big_gguf  # noqa: E402
 
 from ple_prep.converters import open_source  # noqa: E402
 

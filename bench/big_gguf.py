@@ -19,8 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ple_prep.core.constants import GGUF_JOINED_TENSOR, VALUES_PER_ROW  # noqa: E402
-from ple_prep.tools.fixtures import add_gguf_metadata, fixture_config  # noqa: E402
 from ple_prep.ngram import NgramSpec  # noqa: E402
+from ple_prep.tools.fixtures import add_gguf_metadata, fixture_config  # noqa: E402
 
 CHUNK_BYTES = 64 << 20
 

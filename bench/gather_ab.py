@@ -26,9 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gather_bench import DISTINCT_ROWS, distinct_request, in_memory_copy  # noqa: E402
+
 from ple_prep.ngram import NgramSpec  # noqa: E402
-from ple_prep.tools.realtext import real_text_row_ids  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
+from ple_prep.tools.realtext import real_text_row_ids  # noqa: E402
 
 
 def cpu_p50_us(samples: list[int]) -> float:
@@ -48,10 +49,10 @@ def main() -> None:
     with open_table(args.table) as after, open_table_before(args.table) as before:
         row_ids = real_text_row_ids(NgramSpec.from_json(after.manifest["ngram"]), 40_000)
         ids = distinct_request(row_ids, DISTINCT_ROWS, 0)
-        copy, slots = in_memory_copy(after, ids)
+        rows_copy, slots = in_memory_copy(after, ids)
         assert np.array_equal(before.gather(ids), after.gather(ids))
         versions = {"before": before.gather, "after": after.gather}
-        calls = versions | {"np_take": lambda _: np.take(copy, slots, axis=0)}
+        calls = versions | {"np_take": lambda _: np.take(rows_copy, slots, axis=0)}
         warm: dict[str, list[int]] = {name: [] for name in calls}
         for _ in range(args.rounds):
             for name, gather in calls.items():
@@ -66,7 +67,7 @@ def main() -> None:
                     started = time.thread_time_ns()
                     gather(request)
                     decode[name].append(time.thread_time_ns() - started)
-        del copy
+        rows_copy = None  # frees the in-memory copy before the next measurements
     p50 = {name: cpu_p50_us(samples) for name, samples in warm.items()}
     print(json.dumps({
         "warm_cpu_p50_us": p50,

@@ -24,11 +24,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ple_prep.tools.benchmark import (cached_fraction, evict, fio_random_read, major_faults,  # noqa: E402
-                                time_requests)
 from ple_prep.ngram import NgramSpec  # noqa: E402
-from ple_prep.tools.realtext import real_text_row_ids  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
+from ple_prep.tools.benchmark import cached_fraction, evict, fio_random_read, major_faults, time_requests  # noqa: E402
+from ple_prep.tools.realtext import real_text_row_ids  # noqa: E402
 
 DISTINCT_ROWS = 18_000
 
@@ -132,13 +131,13 @@ def main() -> None:
 
     with open_table(path) as table:
         table.gather(ids)
-        copy, slots = in_memory_copy(table, ids)
-        assert np.array_equal(np.take(copy, slots, axis=0), table.gather(ids))
+        rows_copy, slots = in_memory_copy(table, ids)
+        assert np.array_equal(np.take(rows_copy, slots, axis=0), table.gather(ids))
         # Warm: gather, np.take and the plain fancy index alternate, so drift on a shared host
         # hits all three alike; ratios are given on wall time and on the thread's CPU time.
         rows = plain_rows(table)
         warm = {"warm_gather": table.gather,
-                "warm_np_take": lambda _: np.take(copy, slots, axis=0),
+                "warm_np_take": lambda _: np.take(rows_copy, slots, axis=0),
                 "warm_fancy_index": lambda _: rows[np.divmod(slots, table.rows_per_page)]}
         runs: dict[str, list[dict]] = {name: [] for name in warm}
         for _ in range(60):
@@ -154,7 +153,7 @@ def main() -> None:
         table.threads = 2
         report["warm_gather_threads2"] = time_requests(table.gather, [ids] * 30)
         table.threads = 1
-        del copy
+        rows_copy = None  # frees the in-memory copy before the next measurements
         for tokens in (1, 2, 4):
             requests = [row_ids[i:i + tokens].reshape(-1) for i in range(0, 3000 * tokens, tokens)]
             for request in requests:

@@ -22,12 +22,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ple_prep.tools.benchmark import evict  # noqa: E402
 from ple_prep.ngram import NgramSpec  # noqa: E402
-from ple_prep.tools.realtext import real_text_row_ids  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
 from ple_prep.runtime.dequant import round_to_bf16  # noqa: E402
 from ple_prep.runtime.torch import EmbeddingSource  # noqa: E402
+from ple_prep.tools.benchmark import evict  # noqa: E402
+from ple_prep.tools.realtext import real_text_row_ids  # noqa: E402
 
 CHUNK_TOKENS = 4096
 

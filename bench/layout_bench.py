@@ -32,11 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import real_corpus  # noqa: E402
 
-from ple_prep.tools.fixtures import fixture_config  # noqa: E402
 from ple_prep.format.header import ORDER_BYTES_PER_PLACED  # noqa: E402
-from ple_prep.offline.planner import DEFAULT_MAP_FRACTION, max_placed_rows, plan_order  # noqa: E402
 from ple_prep.ngram import NgramSpec, mixed_values, rows_of_mixed  # noqa: E402
+from ple_prep.offline.planner import DEFAULT_MAP_FRACTION, max_placed_rows, plan_order  # noqa: E402
 from ple_prep.offline.profile import Profiler  # noqa: E402
+from ple_prep.tools.fixtures import fixture_config  # noqa: E402
 
 ROW_BYTES = 160
 PAGE_SIZE = 4096

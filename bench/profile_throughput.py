@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import real_corpus  # noqa: E402
 
-from ple_prep.tools.fixtures import make_checkpoint  # noqa: E402
-from ple_prep.ngram import NgramSpec  # noqa: E402
+from ple_prep.converters import read_spec  # noqa: E402
 from ple_prep.offline.profile import Profiler, profile_files  # noqa: E402
+from ple_prep.tools.fixtures import make_checkpoint  # noqa: E402
 
 WORK = Path("/work/bigdata/issue3/throughput")
 REPEATS = 3
@@ -52,7 +52,7 @@ def main() -> None:
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
     checkpoint = make_checkpoint(WORK / "ckpt", "fp8", num_shards=4)
-    spec = NgramSpec.from_checkpoint(checkpoint)
+    spec = read_spec(checkpoint)
     files = []
     for index, request in enumerate(requests):
         path = WORK / "npy" / f"{index:05d}.npy"

@@ -19,10 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-from ple_prep.tools.benchmark import evict
 from ple_prep.converters import open_source
-from ple_prep.tools.fixtures import make_checkpoint
 from ple_prep.offline import writer
+from ple_prep.tools.benchmark import evict
+from ple_prep.tools.fixtures import make_checkpoint
 
 
 def kill_and_resume(model: Path, out: Path, blocks: int) -> tuple[float, float, int]:

@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_corpus  # noqa: E402
 
 from ple_prep.converters import open_source  # noqa: E402
-from ple_prep.tools.fixtures import make_checkpoint  # noqa: E402
 from ple_prep.offline.planner import plan_order  # noqa: E402
 from ple_prep.offline.profile import Profiler  # noqa: E402
+from ple_prep.tools.fixtures import make_checkpoint  # noqa: E402
 
 WORK = Path("/work/bigdata/issue3/gather")
 CHUNK_ROWS = 4096 * 25

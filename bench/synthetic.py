@@ -22,12 +22,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ple_prep.core.constants import Encoding  # noqa: E402
 from ple_prep.converters.base import Scale, Segment, SourceFile, TableSource  # noqa: E402
-from ple_prep.tools.fixtures import FIXTURE_SCALE_BF16, fixture_config  # noqa: E402
+from ple_prep.core.constants import Encoding  # noqa: E402
 from ple_prep.format.order import RowOrder  # noqa: E402
-from ple_prep.offline.writer import convert  # noqa: E402
 from ple_prep.ngram import NgramSpec  # noqa: E402
+from ple_prep.offline.writer import convert  # noqa: E402
+from ple_prep.tools.fixtures import FIXTURE_SCALE_BF16, fixture_config  # noqa: E402
 
 BLOCK_ROWS = 1 << 18
 ROW_BYTES = 160

@@ -69,7 +69,8 @@ def model_option(help: str = "Source checkpoint.", required: bool = True) -> Cal
 
 
 def quiet_option(command: Callable) -> Callable:
-    return click.option("--quiet", "-q", is_flag=True, help="No progress bars and no text summary; --json output and errors still print.")(command)
+    return click.option("--quiet", "-q", is_flag=True,
+                        help="No progress bars and no text summary; --json output and errors still print.")(command)
 
 
 @contextlib.contextmanager
@@ -77,8 +78,9 @@ def progress_bar(total: int, description: str, quiet: bool, unit: str = "B") -> 
     """A tqdm bar on stderr; off with --quiet or when stderr is not a terminal."""
     from tqdm import tqdm
 
-    with tqdm(total=total or None, desc=description, unit=unit, unit_scale=True, unit_divisor=1024 if unit == "B" else 1000,
-              disable=True if quiet else None, file=sys.stderr, leave=False) as bar:
+    with tqdm(total=total or None, desc=description, unit=unit, unit_scale=True,
+              unit_divisor=1024 if unit == "B" else 1000, disable=True if quiet else None, file=sys.stderr,
+              leave=False) as bar:
         yield bar.update
 
 

@@ -1,12 +1,11 @@
-"""The model's n-gram hash: token ids to the 16 table rows each token reads (spec section 2).
+"""The model's n-gram hash: token ids to the 16 table rows each token reads (docs/MODEL.md).
 
-numpy only, so a serving stack can hash with the runtime alone.
+numpy only and no file formats (each converter reads its own metadata into an `NgramSpec`), so a
+serving stack can hash with the runtime alone.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -43,14 +42,20 @@ MAX_HEADS = 4096
 MAX_TABLE_ROWS = 2**32 - 1
 
 
-def _check_table_bounds(heads: int, rows: int, where: str) -> None:
+def check_table_bounds(heads: int, rows: int, where: str) -> None:
     """Refuse hostile geometry before the prime search, whose cost grows with both."""
     if heads > MAX_HEADS or not 0 < rows <= MAX_TABLE_ROWS:
         raise BadInput(f"{where}: {heads} hash heads and {rows} rows are beyond any PLE table "
                        f"(at most {MAX_HEADS} heads and {MAX_TABLE_ROWS} rows)")
 
 
-def _primes_from(start: int, count: int) -> list[int]:
+def running_offsets(sizes: Sequence[int]) -> tuple[int, ...]:
+    """Each head's first row: the running sums of the head sizes, from 0."""
+    return tuple(int(x) for x in np.concatenate([[0], np.cumsum(sizes)[:-1]]))
+
+
+def primes_from(start: int, count: int) -> list[int]:
+    """The `count` primes from `start` on: the head sizes of a table whose base is `start`."""
     primes, candidate = [], start
     while len(primes) < count:
         if _is_prime(candidate):
@@ -110,28 +115,37 @@ class NgramSpec:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], ple_ordinal: int = 0) -> "NgramSpec":
-        """Derive the constants from `config.json` (or its `text_config`) as the model does."""
+        """Derive the constants from the model's config fields (`config.json`, or its `text_config`)."""
         config = config.get("text_config", config)
         missing = [f for f in CONFIG_FIELDS[:-2] if f not in config]
         if missing:
             raise BadInput(f"config.json lacks {', '.join(missing)}")
         try:
-            vocab_size = int(config["vocab_size"])
             eos = config["eos_token_id"]
-            eos_token_id = int(eos[0] if isinstance(eos, list) else eos)
-            ngram_size = int(config["ngram_size"])
-            heads_per_ngram = int(config["heads_per_ngram"])
-            seed = int(config.get("seed") if config.get("seed") is not None else DEFAULT_SEED)
-            base = int(config["ngram_vocab_size_base"])
-            divisible_by = int(config["make_ngram_vocab_size_divisible_by"])
-            embed_dim = int(config["ple_embed_dim"])
+            fields = {"vocab_size": int(config["vocab_size"]),
+                      "eos_token_id": int(eos[0] if isinstance(eos, list) else eos),
+                      "ngram_size": int(config["ngram_size"]),
+                      "heads_per_ngram": int(config["heads_per_ngram"]),
+                      "seed": int(config.get("seed") if config.get("seed") is not None else DEFAULT_SEED),
+                      "ngram_vocab_size_base": int(config["ngram_vocab_size_base"]),
+                      "make_ngram_vocab_size_divisible_by": int(config["make_ngram_vocab_size_divisible_by"]),
+                      "ple_embed_dim": int(config["ple_embed_dim"])}
         except (TypeError, ValueError, OverflowError) as exc:
             raise BadInput(f"config.json has a non-integer hash field: {exc}") from None
+        return cls.derive(**fields, ple_ordinal=ple_ordinal, where="config.json")
+
+    @classmethod
+    def derive(cls, *, vocab_size: int, eos_token_id: int, ngram_size: int, heads_per_ngram: int,
+               seed: int, ngram_vocab_size_base: int, make_ngram_vocab_size_divisible_by: int,
+               ple_embed_dim: int, ple_ordinal: int = 0, where: str = "the model") -> "NgramSpec":
+        """The spec the model derives from its hash parameters: multipliers from the seed, head
+        sizes as the consecutive primes from the base (docs/MODEL.md)."""
+        base, divisible_by, embed_dim = ngram_vocab_size_base, make_ngram_vocab_size_divisible_by, ple_embed_dim
         if not (vocab_size > 0 and ngram_size >= 2 and heads_per_ngram > 0 and base > 1
                 and divisible_by > 0 and seed >= 0):
-            raise BadInput("config.json hash fields out of range")
+            raise BadInput(f"{where}: hash fields out of range")
         heads = (ngram_size - 1) * heads_per_ngram
-        _check_table_bounds((ple_ordinal + 1) * heads, heads * base, "config.json")
+        check_table_bounds((ple_ordinal + 1) * heads, heads * base, where)
         if embed_dim % heads:
             raise BadInput(f"ple_embed_dim {embed_dim} is not a multiple of {heads} heads")
         half_bound = max(1, ((2**63 - 1) // vocab_size) // 2)
@@ -141,81 +155,10 @@ class NgramSpec:
             for i in range(ngram_size)
         )
         first_head = ple_ordinal * heads
-        sizes = tuple(_primes_from(base, first_head + heads)[first_head:])
-        offsets = tuple(int(x) for x in np.concatenate([[0], np.cumsum(sizes)[:-1]]))
+        sizes = tuple(primes_from(base, first_head + heads)[first_head:])
+        offsets = running_offsets(sizes)
         return cls(vocab_size, eos_token_id, ngram_size, heads_per_ngram, seed, ple_ordinal,
                    embed_dim, base, divisible_by, multipliers, sizes, offsets)
-
-    @classmethod
-    def from_gguf_metadata(cls, metadata: Mapping[str, Any], arch: str = "qwen4exp",
-                           divisible_by: int = 128) -> "NgramSpec":
-        """The spec of a GGUF file from its `{arch}.ple.*` keys (plain Python values).
-
-        The stored multipliers, head sizes and offsets are the hash; everything else is checked
-        against them: lengths, offsets as running sums from 0, head sizes as consecutive primes,
-        and (given the vocabulary size) the multipliers the seed derives. GGUF keeps no
-        `ngram_vocab_size_base`; the first head size stands in for it (it gives the same primes).
-        """
-        prefix = f"{arch}.ple."
-        keys = {"multipliers": prefix + "layer_multipliers", "offsets": prefix + "head_offsets",
-                "sizes": prefix + "head_vocab_sizes", "ngram_size": prefix + "ngram_size",
-                "heads_per_ngram": prefix + "heads_per_ngram", "eos": prefix + "eos_token_id",
-                "row_values": f"{arch}.embedding_length_per_layer_input",
-                "vocab_size": f"{arch}.vocab_size"}
-        missing = [key for name, key in keys.items() if name != "vocab_size" and key not in metadata]
-        if missing:
-            raise BadInput(f"GGUF metadata lacks {', '.join(missing)}: not a {arch} n-gram PLE model")
-        values = {name: metadata.get(key) for name, key in keys.items()}
-        values["seed"] = metadata.get(prefix + "seed", DEFAULT_SEED)
-        integers = all(type(v) is int for n, v in values.items()
-                       if n not in ("multipliers", "offsets", "sizes")
-                       and not (n == "vocab_size" and v is None))
-        lists = all(isinstance(values[n], (list, tuple)) and all(type(v) is int for v in values[n])
-                    for n in ("multipliers", "offsets", "sizes"))
-        if not (integers and lists):
-            raise BadInput(f"GGUF metadata {prefix}* must hold integers (never floats: the "
-                           f"multipliers need 45 bits)")
-        ngram_size, heads_per_ngram = values["ngram_size"], values["heads_per_ngram"]
-        multipliers, offsets, sizes = (tuple(values[n]) for n in ("multipliers", "offsets", "sizes"))
-        if ngram_size < 2 or heads_per_ngram < 1 or values["row_values"] < 1:
-            raise BadInput(f"GGUF metadata: ngram_size {ngram_size}, heads_per_ngram "
-                           f"{heads_per_ngram}, {values['row_values']} values per row are out of range")
-        heads = (ngram_size - 1) * heads_per_ngram
-        if len(multipliers) != ngram_size or len(offsets) != heads or len(sizes) != heads:
-            raise BadInput(f"GGUF metadata: {len(multipliers)} multipliers, {len(offsets)} head "
-                           f"offsets and {len(sizes)} head sizes; expected {ngram_size}, {heads}, {heads}")
-        _check_table_bounds(heads, sum(sizes), "GGUF metadata")
-        if any(m <= 0 or m % 2 == 0 or m >= 2**63 for m in multipliers):
-            raise BadInput(f"GGUF metadata multipliers {list(multipliers)} must be odd and positive")
-        running = tuple(int(x) for x in np.concatenate([[0], np.cumsum(sizes)[:-1]]))
-        if offsets != running:
-            raise BadInput(f"GGUF metadata head offsets {list(offsets)} are not the running sums "
-                           f"of the head sizes {list(running)}")
-        if sizes[0] < 2 or tuple(_primes_from(sizes[0], heads)) != sizes:
-            raise BadInput(f"GGUF metadata head sizes {list(sizes)} are not consecutive primes")
-        vocab_size = values["vocab_size"]
-        seed = values["seed"]
-        if vocab_size is not None:
-            derived = cls.from_config({
-                "vocab_size": vocab_size, "eos_token_id": values["eos"], "ple_layer_ids": [],
-                "ple_embed_dim": values["row_values"] * heads, "ngram_size": ngram_size,
-                "heads_per_ngram": heads_per_ngram, "ngram_vocab_size_base": sizes[0],
-                "make_ngram_vocab_size_divisible_by": divisible_by, "seed": seed})
-            if derived.multipliers != multipliers:
-                raise BadInput(f"GGUF metadata multipliers {list(multipliers)} disagree with "
-                               f"{list(derived.multipliers)}, derived from vocab_size {vocab_size} "
-                               f"and seed {seed}")
-        return cls(vocab_size or 0, values["eos"], ngram_size, heads_per_ngram, seed, 0,
-                   values["row_values"] * heads, sizes[0], divisible_by, multipliers, sizes, offsets)
-
-    @classmethod
-    def from_checkpoint(cls, model_dir: str | Path) -> "NgramSpec":
-        """The spec of a checkpoint: a safetensors folder (its stored constant tensors checked
-        against config.json) or a GGUF model (from its metadata)."""
-        from .converters import open_source
-
-        with open_source(model_dir) as source:
-            return source.spec
 
     def check_constants(self, multipliers: Sequence[int] | None, head_offsets: Sequence[int] | None,
                         head_sizes: Sequence[int] | None, where: str) -> None:
@@ -300,13 +243,3 @@ def rows_of_mixed(mixed: np.ndarray, order: int, spec: NgramSpec) -> np.ndarray:
         head = first + k
         rows[:, k] = (mixed % np.uint64(spec.head_sizes[head])).astype(np.int64) + spec.head_offsets[head]
     return rows
-
-
-def load_config(model_dir: str | Path) -> dict[str, Any]:
-    path = Path(model_dir) / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise BadInput(f"{path} not found: is this a checkpoint folder?") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadInput(f"{path} is not JSON: {exc}") from None

@@ -8,8 +8,8 @@ from click.testing import CliRunner
 from hypothesis import settings
 
 from ple_prep.converters import open_source
-from ple_prep.tools.fixtures import make_checkpoint
 from ple_prep.offline.writer import convert
+from ple_prep.tools.fixtures import make_checkpoint
 
 # Every run replays the same fuzz examples, so a red build always reproduces and CI never flakes.
 settings.register_profile("replayable", derandomize=True, database=None)

@@ -12,11 +12,11 @@ import sys
 
 import numpy as np
 import pytest
-
 from handmade import INDEX, Tensor, find, load_tensors, pack_safetensors, save_tensors
+
 from ple_prep.cli import cli
-from ple_prep.tools.fixtures import make_checkpoint
 from ple_prep.runtime import open_table
+from ple_prep.tools.fixtures import make_checkpoint
 
 
 def convert_args(model, out, *extra):

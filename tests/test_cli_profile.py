@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ple_prep.cli import cli
+from ple_prep.offline.profile import load_profile
 
 
 @pytest.fixture(scope="module")
@@ -15,7 +16,8 @@ def prompts(tmp_path_factory):
     folder = tmp_path_factory.mktemp("cli-prompts")
     with open(folder / "chats.jsonl", "w") as handle:
         for i in range(300):
-            handle.write(json.dumps({"messages": [{"role": "user", "content": f"read row {i % 37} of the table"}]}) + "\n")
+            messages = [{"role": "user", "content": f"read row {i % 37} of the table"}]
+            handle.write(json.dumps({"messages": messages}) + "\n")
     (folder / "doc.txt").write_text("the model reads the table from fast storage. " * 20)
     np.save(folder / "ids.npy", np.random.default_rng(0).integers(0, 2000, size=5000))
     return folder
@@ -36,10 +38,12 @@ def test_profile_writes_a_profile_and_reports_json(runner, fp8_checkpoint, promp
 def test_profile_merge_equals_one_run(runner, fp8_checkpoint, prompts, tmp_path):
     files = [str(prompts / n) for n in ("chats.jsonl", "doc.txt", "ids.npy")]
     model = ["--model", str(fp8_checkpoint), "-q"]
-    assert runner.invoke(cli, ["profile", *model, "--prompts", *files, "--out", str(tmp_path / "all.prof")]).exit_code == 0
+    assert runner.invoke(cli, ["profile", *model, "--prompts", *files,
+                               "--out", str(tmp_path / "all.prof")]).exit_code == 0
     assert runner.invoke(cli, ["profile", *model, "--prompts", files[0], "--prompts", files[1],
                                "--out", str(tmp_path / "a.prof")]).exit_code == 0
-    assert runner.invoke(cli, ["profile", *model, "--prompts", files[2], "--out", str(tmp_path / "b.prof")]).exit_code == 0
+    assert runner.invoke(cli, ["profile", *model, "--prompts", files[2],
+                               "--out", str(tmp_path / "b.prof")]).exit_code == 0
     result = runner.invoke(cli, ["profile", "merge", str(tmp_path / "a.prof"), str(tmp_path / "b.prof"),
                                  "-o", str(tmp_path / "merged.prof")])
     assert result.exit_code == 0, result.output
@@ -111,7 +115,8 @@ def test_inspect_plot_draws_png_or_says_why_not(runner, fp8_checkpoint, prompts,
     profile, table = tmp_path / "p.prof", tmp_path / "t.bin"
     runner.invoke(cli, ["profile", "--model", str(fp8_checkpoint), "--prompts", str(prompts / "chats.jsonl"),
                         str(prompts / "ids.npy"), "--out", str(profile), "-q"])
-    runner.invoke(cli, ["convert", "--model", str(fp8_checkpoint), "--profile", str(profile), "--out", str(table), "-q"])
+    runner.invoke(cli, ["convert", "--model", str(fp8_checkpoint), "--profile", str(profile),
+                        "--out", str(table), "-q"])
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -154,3 +159,23 @@ def test_convert_profile_per_tp_rank_keeps_global_ids(runner, fp8_checkpoint, pr
             ids = np.random.default_rng(rank).permutation(np.arange(first, stop))
             assert np.array_equal(table.gather(ids), expected[ids])
             assert np.array_equal(np.sort(table.slot_of(ids)), np.arange(stop - first))
+
+
+def test_profile_needs_only_the_config_and_the_tokenizer(runner, fp8_checkpoint, prompts, tmp_path):
+    # Traffic can be profiled before the weights are downloaded: the hash needs config.json alone.
+    light = tmp_path / "config-and-tokenizer"
+    light.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (light / name).write_bytes((fp8_checkpoint / name).read_bytes())
+    files = [str(prompts / "chats.jsonl"), str(prompts / "doc.txt")]
+    for model, out in ((light, tmp_path / "light.prof"), (fp8_checkpoint, tmp_path / "full.prof")):
+        result = runner.invoke(cli, ["profile", "--model", str(model), "--prompts", *files,
+                                     "--out", str(out), "-q"])
+        assert result.exit_code == 0, result.output
+    light_profile, full_profile = load_profile(tmp_path / "light.prof"), load_profile(tmp_path / "full.prof")
+    assert light_profile.spec == full_profile.spec
+    assert light_profile.summary() == full_profile.summary()
+    for part in ("train", "heldout"):
+        for order, (keys, counts) in full_profile.parts[part].groups.items():
+            assert np.array_equal(light_profile.parts[part].groups[order][0], keys)
+            assert np.array_equal(light_profile.parts[part].groups[order][1], counts)

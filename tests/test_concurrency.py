@@ -9,11 +9,11 @@ import threading
 import numpy as np
 import pytest
 
-from ple_prep.tools.benchmark import evict
 from ple_prep.converters import open_source
 from ple_prep.format.order import RowOrder
 from ple_prep.offline.writer import convert
 from ple_prep.runtime import open_table
+from ple_prep.tools.benchmark import evict
 
 THREADS = 8
 PROCESSES = 2

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from ple_prep.cli import cli
-from ple_prep.core.constants import HEADER_SIZE, HEADER_STRUCT
 from ple_prep.converters import open_source
-from ple_prep.offline import writer
+from ple_prep.core.constants import HEADER_SIZE, HEADER_STRUCT
 from ple_prep.format.order import RowOrder
-from ple_prep.runtime import open_table
+from ple_prep.offline import writer
 from ple_prep.offline.verify import verify
+from ple_prep.runtime import open_table
 
 BLOCK_BYTES = 64 << 10  # small blocks so that a 2.7 MB fixture has many (43)
 RANDOM_FLIPS = 600
@@ -99,7 +99,7 @@ def _check_flip(path, table, position: int, bit: int) -> str:
 
 def test_verify_finds_flipped_bit_in_every_region(placed_table):
     with open_table(placed_table) as table:
-        for region, positions in _regions(table).items():
+        for positions in _regions(table).values():
             for position in positions:
                 for bit in (0, 7):
                     _check_flip(placed_table, table, position, bit)

@@ -3,8 +3,8 @@
 After every kill, no destination name may open as a table unless it is complete and bit-exact; a
 rerun of the same command succeeds, removes what the killed run left, and loses no row. Kill
 points come from three sources: trace events (just before each rename), the partial file's size
-(polled), and delays spread over a whole run. Every other rerun passes --resume. PLE_KILL_POINTS raises the number of delays for a
-longer stress run (docs/RELIABILITY.md); the default keeps the suite fast.
+(polled), and delays spread over a whole run. Every other rerun passes --resume. PLE_KILL_POINTS raises
+the number of delays for a longer stress run (docs/RELIABILITY.md); the default keeps the suite fast.
 """
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ import pytest
 
 from ple_prep.cli import cli
 from ple_prep.core.errors import BadInput
-from ple_prep.tools.fixtures import make_checkpoint
 from ple_prep.format.manifest import manifest_path
-from ple_prep.runtime import open_table
 from ple_prep.offline.verify import verify
+from ple_prep.runtime import open_table
+from ple_prep.tools.fixtures import make_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 DELAY_KILLS = int(os.environ.get("PLE_KILL_POINTS", "6"))

@@ -1,7 +1,7 @@
 """Hostile input: random and mutated headers, metadata and manifests give BadInput and nothing else.
 
 Property-based (hypothesis) over the four parsers that see untrusted bytes: the safetensors header,
-the GGUF metadata (file parse and NgramSpec.from_gguf_metadata), the prepared file's header, and the
+the GGUF metadata (file parse and spec_from_metadata), the prepared file's header, and the
 manifest. Example counts are fixed per test (EXAMPLES below; docs/RELIABILITY.md sums them).
 """
 from __future__ import annotations
@@ -19,14 +19,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ple_prep.core.constants import HEADER_SIZE, HEADER_STRUCT, MAGIC, Encoding
-from ple_prep.converters.gguf import open_gguf
+from ple_prep.converters.gguf import open_gguf, spec_from_metadata
 from ple_prep.converters.safetensors import DTYPE_SIZES, read_header
+from ple_prep.core.constants import HEADER_SIZE, HEADER_STRUCT, MAGIC, Encoding
 from ple_prep.core.errors import BadInput
-from ple_prep.tools.fixtures import add_gguf_metadata, fixture_config, write_safetensors
 from ple_prep.format.header import Header
 from ple_prep.format.manifest import load_manifest, validate_manifest
 from ple_prep.ngram import NgramSpec
+from ple_prep.tools.fixtures import add_gguf_metadata, fixture_config, write_safetensors
 
 # PLE_FUZZ_SCALE multiplies every count for a longer stress run (docs/RELIABILITY.md).
 SCALE = int(os.environ.get("PLE_FUZZ_SCALE", "1"))
@@ -160,26 +160,26 @@ GGUF_KEYS = {
 @given(st.dictionaries(st.sampled_from(sorted(GGUF_KEYS) + ["qwen4exp.ple.seed"]),
                        JSON_VALUES | st.lists(HOSTILE_INTS, max_size=17), max_size=3),
        st.sets(st.sampled_from(sorted(GGUF_KEYS)), max_size=2))
-def test_from_gguf_metadata_hostile_values_give_bad_input(changes, dropped):
+def test_spec_from_metadata_hostile_values_give_bad_input(changes, dropped):
     metadata = {k: v for k, v in GGUF_KEYS.items() if k not in dropped} | changes
     try:
-        spec = NgramSpec.from_gguf_metadata(metadata)
+        spec = spec_from_metadata(metadata)
     except BadInput:
         return
     assert spec.rows_used == sum(spec.head_sizes)
 
 
-def test_from_gguf_metadata_refuses_absurd_sizes_quickly():
+def test_spec_from_metadata_refuses_absurd_sizes_quickly():
     # Head sizes near 2**63 would make the consecutive-prime check run for hours.
     for first in (10**17, 2**62):
         sizes = [first + 2 * i for i in range(16)]
         offsets = [sum(sizes[:i]) for i in range(16)]
         with pytest.raises(BadInput):
-            NgramSpec.from_gguf_metadata(GGUF_KEYS | {"qwen4exp.ple.head_vocab_sizes": sizes,
+            spec_from_metadata(GGUF_KEYS | {"qwen4exp.ple.head_vocab_sizes": sizes,
                                                       "qwen4exp.ple.head_offsets": offsets})
     many = 100_000
     with pytest.raises(BadInput):
-        NgramSpec.from_gguf_metadata(GGUF_KEYS | {
+        spec_from_metadata(GGUF_KEYS | {
             "qwen4exp.ple.heads_per_ngram": many // 2, "qwen4exp.ple.head_vocab_sizes": [3] * many,
             "qwen4exp.ple.head_offsets": [3 * i for i in range(many)]})
 

@@ -1,16 +1,15 @@
 """The gather path and the resident/disk split, against the source bytes, with poisoned buffers."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
-from ple_prep.tools.benchmark import evict
 from ple_prep.converters import open_source
 from ple_prep.format.order import RowOrder
 from ple_prep.offline.writer import convert
 from ple_prep.runtime import open_table
 from ple_prep.runtime.gather import Gatherer
+from ple_prep.tools.benchmark import evict
 
 POISON = 0xA5
 

@@ -7,15 +7,15 @@ import gguf
 import numpy as np
 import pytest
 
+from ple_prep.converters import open_source, read_spec
+from ple_prep.converters.gguf import gguf_files, open_gguf, spec_from_metadata
 from ple_prep.core.constants import ENCODING_BLOCKS, GGML_TYPES, Encoding
-from ple_prep.converters import open_source
-from ple_prep.converters.gguf import gguf_files, open_gguf
 from ple_prep.core.errors import BadInput
-from ple_prep.tools.fixtures import GGUF_TYPES, fixture_config, make_gguf
-from ple_prep.offline.writer import convert
 from ple_prep.ngram import NgramSpec, row_ids
-from ple_prep.runtime import open_table
 from ple_prep.offline.verify import verify
+from ple_prep.offline.writer import convert
+from ple_prep.runtime import open_table
+from ple_prep.tools.fixtures import GGUF_TYPES, fixture_config, make_gguf
 
 SPEC = NgramSpec.from_config(fixture_config())
 CASES = list(itertools.product(GGUF_TYPES, ("joined", "split"), (1, 3)))
@@ -88,7 +88,7 @@ def test_convert_gguf_spec_from_metadata_hashes_like_config(models):
     for field in ("multipliers", "head_sizes", "head_offsets", "eos_token_id", "vocab_size",
                   "rows_used", "rows_stored", "values_per_row"):
         assert getattr(spec, field) == getattr(SPEC, field)
-    assert NgramSpec.from_checkpoint(models[("iq4_nl", "joined", 1)] / "model.gguf") == spec
+    assert read_spec(models[("iq4_nl", "joined", 1)] / "model.gguf") == spec
     tokens = [9707, 11, 1879, 248044, 40]
     assert np.array_equal(row_ids(tokens, spec), row_ids(tokens, SPEC))
 
@@ -110,7 +110,7 @@ def test_convert_gguf_spec_rejects_inconsistent_metadata():
             "qwen4exp.ple.ngram_size": 3, "qwen4exp.ple.heads_per_ngram": 8,
             "qwen4exp.ple.eos_token_id": 248044, "qwen4exp.embedding_length_per_layer_input": 160,
             "qwen4exp.vocab_size": 248320}
-    assert NgramSpec.from_gguf_metadata(good).multipliers == SPEC.multipliers
+    assert spec_from_metadata(good).multipliers == SPEC.multipliers
     bad = {
         "lacks": {"qwen4exp.ple.head_offsets": None},
         "integers": {"qwen4exp.ple.layer_multipliers": [float(m) for m in SPEC.multipliers]},
@@ -124,7 +124,7 @@ def test_convert_gguf_spec_rejects_inconsistent_metadata():
     for message, change in bad.items():
         metadata = {k: v for k, v in (good | change).items() if v is not None}
         with pytest.raises(BadInput, match=message):
-            NgramSpec.from_gguf_metadata(metadata)
+            spec_from_metadata(metadata)
 
 
 def test_convert_gguf_encoding_table_matches_gguf_package():

@@ -13,8 +13,8 @@ import zlib
 import numpy as np
 import pytest
 
-from ple_prep.core.constants import CHECKSUM_BLOCK_BYTES, HEADER_SIZE, MAGIC, Encoding
 from ple_prep.converters import open_source
+from ple_prep.core.constants import CHECKSUM_BLOCK_BYTES, HEADER_SIZE, MAGIC, Encoding
 from ple_prep.core.errors import BadInput
 from ple_prep.format.header import Header
 from ple_prep.format.manifest import manifest_path

@@ -11,8 +11,8 @@ import pytest
 
 from ple_prep.cli import cli
 from ple_prep.core.errors import BadInput
-from ple_prep.tools.fixtures import make_gguf
 from ple_prep.format.manifest import manifest_path, validate_manifest
+from ple_prep.tools.fixtures import make_gguf
 
 SCHEMA = json.loads((Path(__file__).resolve().parent.parent / "docs" / "manifest.schema.json").read_text())
 VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)

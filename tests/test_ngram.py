@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ple_prep.tools.fixtures import fixture_config
 from ple_prep.ngram import NgramSpec, mixed_values, row_ids
+from ple_prep.tools.fixtures import fixture_config
 
 EOS = 248044
 CHECK_TOKENS = [9707, 11, 1879, EOS, 40]

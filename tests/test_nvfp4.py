@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from ple_prep.cli import cli
-from ple_prep.core.constants import Encoding
 from ple_prep.converters import open_source
-from ple_prep.tools.fixtures import make_checkpoint, write_safetensors
+from ple_prep.core.constants import Encoding
 from ple_prep.offline.writer import convert
 from ple_prep.runtime import open_table
 from ple_prep.runtime.dequant import decode
+from ple_prep.tools.fixtures import make_checkpoint, write_safetensors
 
 # safetensors dtype: (name for write_safetensors, numpy dtype holding the stored bytes)
 SAFETENSORS_DTYPES = {"U8": ("uint8", "u1"), "F8_E4M3": ("float8_e4m3fn", "u1"), "F32": ("float32", "<f4"),

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 
 from ple_prep.cli import cli
-from ple_prep.core.constants import HEADER_SIZE, SCALE_SUFFIX
 from ple_prep.converters import open_source
 from ple_prep.converters.safetensors import read_header
+from ple_prep.core.constants import HEADER_SIZE, SCALE_SUFFIX
 from ple_prep.core.errors import BadInput
-from ple_prep.tools.fixtures import make_checkpoint
 from ple_prep.format.manifest import manifest_path
 from ple_prep.format.order import RowOrder
 from ple_prep.offline.writer import convert
 from ple_prep.runtime import open_table
+from ple_prep.tools.fixtures import make_checkpoint
 
 
 def test_open_table_placed_rows_read_back_exact(fp8_checkpoint, tmp_path):
@@ -87,7 +87,8 @@ def test_open_table_refuses_source_with_same_sizes_other_values(table_path, tmp_
 
 def test_open_table_refuses_source_with_other_files(table_path, tmp_path):
     other = make_checkpoint(tmp_path / "refiled", "fp8", num_files=4)
-    with pytest.raises(BadInput, match="stale: .*model-00001-of-00003.safetensors is gone; model-00001-of-00004.safetensors is new"):
+    with pytest.raises(BadInput, match="stale: .*model-00001-of-00003.safetensors is gone; "
+                                       "model-00001-of-00004.safetensors is new"):
         open_table(table_path, source=other)
     resharded = make_checkpoint(tmp_path / "resharded", "fp8", num_shards=64)
     with pytest.raises(BadInput, match="stale: .* bytes, now"):

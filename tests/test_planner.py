@@ -1,18 +1,16 @@
 """Access-ordered layouts: rows stay reachable by global id, groups share pages, hints are honest."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
 from ple_prep.converters import open_source
 from ple_prep.core.errors import BadInput
 from ple_prep.format.header import ORDER_BYTES_PER_PLACED
-from ple_prep.offline.planner import (_pack, max_placed_rows, plan_for_source, plan_order,
-                                      residency_hints)
-from ple_prep.offline.writer import convert
 from ple_prep.ngram import rows_of_mixed
+from ple_prep.offline.planner import _pack, max_placed_rows, plan_for_source, plan_order, residency_hints
 from ple_prep.offline.profile import Profiler, profile_files
+from ple_prep.offline.writer import convert
 from ple_prep.runtime import open_table
 
 EOS = 248044
@@ -89,8 +87,8 @@ def test_plan_places_hottest_first_and_groups_on_one_page(source_and_profile):
 
 def test_plan_real_geometry_puts_each_seen_ngram_on_one_page():
     """At the model's 320M rows collisions are rare: a seen n-gram's 8 rows share one page."""
-    from ple_prep.tools.fixtures import fixture_config
     from ple_prep.ngram import NgramSpec
+    from ple_prep.tools.fixtures import fixture_config
 
     spec = NgramSpec.from_config(fixture_config(base=20_000_000))
     profile = corpus_profile(spec, seed=4, requests=300)
@@ -186,8 +184,8 @@ def test_gather_rows_equals_read_rows(variant, request):
 
 def test_plan_under_a_cap_fills_page_ends_with_rows_beyond_it():
     """Rows of groups beyond the map's cap fill the slots 8-row groups leave: no placed group is cut."""
-    from ple_prep.tools.fixtures import fixture_config
     from ple_prep.ngram import NgramSpec
+    from ple_prep.tools.fixtures import fixture_config
 
     spec = NgramSpec.from_config(fixture_config(base=20_000_000))
     profile = corpus_profile(spec, seed=4, requests=300)
@@ -197,7 +195,7 @@ def test_plan_under_a_cap_fills_page_ends_with_rows_beyond_it():
     order_groups = sorted(((int(c), n, int(k)) for n, (keys, counts) in profile.parts["train"].groups.items()
                            for k, c in zip(keys, counts)), key=lambda g: (-g[0], g[1], g[2]))
     taken: set[int] = set()
-    for count, order_n, key in order_groups[:plan.groups_placed]:
+    for _count, order_n, key in order_groups[:plan.groups_placed]:
         rows = rows_of_mixed(np.array([key], np.uint64), order_n, spec)[0]
         if not taken & set(rows.tolist()):  # rows shared with a hotter group stay where it put them
             assert np.ptp(plan.order.slot_of(rows) // 25) == 0

@@ -7,18 +7,26 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from ple_prep.offline.chat import render_chat
+from ple_prep.converters import read_spec
 from ple_prep.core.errors import BadInput
 from ple_prep.ngram import NgramSpec, row_ids
-from ple_prep.offline.profile import (BATCH_TOKENS, Profiler, is_heldout, load_profile, merge_profiles,
-                              profile_files, save_profile)
+from ple_prep.offline.chat import render_chat
+from ple_prep.offline.profile import (
+    BATCH_TOKENS,
+    Profiler,
+    is_heldout,
+    load_profile,
+    merge_profiles,
+    profile_files,
+    save_profile,
+)
 
 EOS = 248044
 
 
 @pytest.fixture(scope="module")
 def spec(fp8_checkpoint) -> NgramSpec:
-    return NgramSpec.from_checkpoint(fp8_checkpoint)
+    return read_spec(fp8_checkpoint)
 
 
 @pytest.fixture(scope="module")

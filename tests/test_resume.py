@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from ple_prep.cli import cli
-from ple_prep.tools.fixtures import make_checkpoint
-from ple_prep.offline import writer
 from ple_prep.format.manifest import load_manifest, manifest_path
+from ple_prep.offline import writer
 from ple_prep.offline.verify import verify
+from ple_prep.tools.fixtures import make_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 BLOCK_BYTES = 64 << 10

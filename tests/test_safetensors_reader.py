@@ -6,11 +6,11 @@ import struct
 
 import numpy as np
 import pytest
-
 from handmade import INDEX, find, load_tensors, pack_safetensors, save_tensors
-from ple_prep.core.constants import Encoding
+
 from ple_prep.converters import open_source
 from ple_prep.converters.safetensors import open_checkpoint, read_header
+from ple_prep.core.constants import Encoding
 from ple_prep.core.errors import BadInput
 from ple_prep.tools.fixtures import FIXTURE_SCALE_BF16, make_checkpoint
 

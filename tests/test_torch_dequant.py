@@ -6,8 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ple_prep.core.constants import Encoding  # noqa: E402
 from ple_prep.converters import open_source  # noqa: E402
+from ple_prep.core.constants import Encoding  # noqa: E402
 from ple_prep.offline.writer import convert  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
 from ple_prep.runtime.dequant import round_to_bf16  # noqa: E402

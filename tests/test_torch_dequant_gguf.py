@@ -6,12 +6,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ple_prep.core.constants import GGML_TYPES, Encoding, row_bytes_for  # noqa: E402
 from ple_prep.converters import open_source  # noqa: E402
-from ple_prep.tools.fixtures import make_gguf  # noqa: E402
+from ple_prep.core.constants import GGML_TYPES, Encoding, row_bytes_for  # noqa: E402
 from ple_prep.offline.writer import convert  # noqa: E402
 from ple_prep.runtime import dequant, open_table  # noqa: E402
 from ple_prep.runtime.torch_dequant import decode, decoder_for  # noqa: E402
+from ple_prep.tools.fixtures import make_gguf  # noqa: E402
 
 FLOAT_WORDS = {Encoding.GGUF_F32: ("<u4", 0x7F800000, 0x40000000),
                Encoding.GGUF_F16: ("<u2", 0x7C00, 0x4000), Encoding.GGUF_BF16: ("<u2", 0x7F80, 0x4000)}

@@ -8,8 +8,8 @@ torch = pytest.importorskip("torch")
 
 from ple_prep.converters import open_source  # noqa: E402
 from ple_prep.format.order import RowOrder  # noqa: E402
-from ple_prep.offline.writer import convert  # noqa: E402
 from ple_prep.ngram import row_ids  # noqa: E402
+from ple_prep.offline.writer import convert  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
 from ple_prep.runtime.dequant import round_to_bf16  # noqa: E402
 from ple_prep.runtime.torch import EmbeddingSource  # noqa: E402

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..core.errors import BadInput
+from ..ngram import NgramSpec
 from .base import Scale, Segment, SourceFile, TableSource
 
 
@@ -16,7 +17,7 @@ def open_source(model: str | Path) -> TableSource:
     path = Path(model)
     if not path.exists():
         raise BadInput(f"{path} does not exist")
-    if path.is_file() or (path.is_dir() and any(path.glob("*.gguf"))):
+    if _is_gguf(path):
         if path.is_file() and path.suffix != ".gguf":
             raise BadInput(f"{path} is a file but not a .gguf; give a checkpoint folder or a .gguf file")
         if path.is_dir() and any(path.glob("*.safetensors")):
@@ -30,4 +31,21 @@ def open_source(model: str | Path) -> TableSource:
     return open_checkpoint(path)
 
 
-__all__ = ["Scale", "Segment", "SourceFile", "TableSource", "open_source"]
+def _is_gguf(path: Path) -> bool:
+    return path.is_file() or (path.is_dir() and any(path.glob("*.gguf")))
+
+
+def read_spec(model: str | Path) -> NgramSpec:
+    """The hash spec of a checkpoint: a GGUF model's from its metadata; a folder's from config.json,
+    checked against the weights' stored constants when the folder holds weights. A folder with
+    only config.json (and the tokenizer) is enough: profiling needs no weights."""
+    path = Path(model)
+    if path.is_dir() and not _is_gguf(path) and not any(path.glob("*.safetensors")):
+        from .config import config_spec
+
+        return config_spec(path)
+    with open_source(path) as source:
+        return source.spec
+
+
+__all__ = ["Scale", "Segment", "SourceFile", "TableSource", "open_source", "read_spec"]

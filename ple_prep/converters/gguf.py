@@ -21,10 +21,9 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES, QK_K
 
-from ..core.constants import (GGML_TYPES, GGUF_ARCHITECTURE, GGUF_JOINED_TENSOR, Encoding,
-                         row_bytes_for)
+from ..core.constants import DEFAULT_SEED, GGML_TYPES, GGUF_ARCHITECTURE, GGUF_JOINED_TENSOR, Encoding, row_bytes_for
 from ..core.errors import BadInput
-from ..ngram import NgramSpec
+from ..ngram import NgramSpec, check_table_bounds, primes_from, running_offsets
 from .base import Segment, SourceFile, TableSource
 from .gguf_bounds import check_gguf_bounds
 
@@ -161,6 +160,67 @@ def _field_value(field: Any) -> Any:
     return int(value) if kind in INTEGER_TYPES else value
 
 
+def spec_from_metadata(metadata: dict[str, Any], arch: str = GGUF_ARCHITECTURE,
+                       divisible_by: int = 128) -> NgramSpec:
+    """The hash spec of a GGUF model from its `{arch}.ple.*` keys (plain Python values).
+
+    The stored multipliers, head sizes and offsets are the hash; everything else is checked
+    against them: lengths, offsets as running sums from 0, head sizes as consecutive primes,
+    and (given the vocabulary size) the multipliers the seed derives. GGUF keeps no
+    `ngram_vocab_size_base`; the first head size stands in for it (it gives the same primes).
+    """
+    prefix = f"{arch}.ple."
+    keys = {"multipliers": prefix + "layer_multipliers", "offsets": prefix + "head_offsets",
+            "sizes": prefix + "head_vocab_sizes", "ngram_size": prefix + "ngram_size",
+            "heads_per_ngram": prefix + "heads_per_ngram", "eos": prefix + "eos_token_id",
+            "row_values": f"{arch}.embedding_length_per_layer_input",
+            "vocab_size": f"{arch}.vocab_size"}
+    missing = [key for name, key in keys.items() if name != "vocab_size" and key not in metadata]
+    if missing:
+        raise BadInput(f"GGUF metadata lacks {', '.join(missing)}: not a {arch} n-gram PLE model")
+    values = {name: metadata.get(key) for name, key in keys.items()}
+    values["seed"] = metadata.get(prefix + "seed", DEFAULT_SEED)
+    integers = all(type(v) is int for n, v in values.items()
+                   if n not in ("multipliers", "offsets", "sizes")
+                   and not (n == "vocab_size" and v is None))
+    lists = all(isinstance(values[n], (list, tuple)) and all(type(v) is int for v in values[n])
+                for n in ("multipliers", "offsets", "sizes"))
+    if not (integers and lists):
+        raise BadInput(f"GGUF metadata {prefix}* must hold integers (never floats: the "
+                       f"multipliers need 45 bits)")
+    ngram_size, heads_per_ngram = values["ngram_size"], values["heads_per_ngram"]
+    multipliers, offsets, sizes = (tuple(values[n]) for n in ("multipliers", "offsets", "sizes"))
+    if ngram_size < 2 or heads_per_ngram < 1 or values["row_values"] < 1:
+        raise BadInput(f"GGUF metadata: ngram_size {ngram_size}, heads_per_ngram "
+                       f"{heads_per_ngram}, {values['row_values']} values per row are out of range")
+    heads = (ngram_size - 1) * heads_per_ngram
+    if len(multipliers) != ngram_size or len(offsets) != heads or len(sizes) != heads:
+        raise BadInput(f"GGUF metadata: {len(multipliers)} multipliers, {len(offsets)} head "
+                       f"offsets and {len(sizes)} head sizes; expected {ngram_size}, {heads}, {heads}")
+    check_table_bounds(heads, sum(sizes), "GGUF metadata")
+    if any(m <= 0 or m % 2 == 0 or m >= 2**63 for m in multipliers):
+        raise BadInput(f"GGUF metadata multipliers {list(multipliers)} must be odd and positive")
+    running = running_offsets(sizes)
+    if offsets != running:
+        raise BadInput(f"GGUF metadata head offsets {list(offsets)} are not the running sums "
+                       f"of the head sizes {list(running)}")
+    if sizes[0] < 2 or tuple(primes_from(sizes[0], heads)) != sizes:
+        raise BadInput(f"GGUF metadata head sizes {list(sizes)} are not consecutive primes")
+    vocab_size, seed = values["vocab_size"], values["seed"]
+    if vocab_size is not None:
+        derived = NgramSpec.derive(
+            vocab_size=vocab_size, eos_token_id=values["eos"], ngram_size=ngram_size,
+            heads_per_ngram=heads_per_ngram, seed=seed, ngram_vocab_size_base=sizes[0],
+            make_ngram_vocab_size_divisible_by=divisible_by, ple_embed_dim=values["row_values"] * heads,
+            where="GGUF metadata")
+        if derived.multipliers != multipliers:
+            raise BadInput(f"GGUF metadata multipliers {list(multipliers)} disagree with "
+                           f"{list(derived.multipliers)}, derived from vocab_size {vocab_size} "
+                           f"and seed {seed}")
+    return NgramSpec(vocab_size or 0, values["eos"], ngram_size, heads_per_ngram, seed, 0,
+                     values["row_values"] * heads, sizes[0], divisible_by, multipliers, sizes, offsets)
+
+
 def _check_tensors(reader: GGUFReader, path: Path, file_size: int) -> list[GGUFTensor]:
     """Every tensor's offset and length against the file, before any tensor byte is read."""
     tensors, problems = [], []
@@ -262,7 +322,7 @@ def open_gguf(path: str | Path) -> TableSource:
                        f"(Gemma 3n/4 use the same tensor names for a different table)")
     if f"{GGUF_ARCHITECTURE}.vocab_size" not in metadata and "tokenizer.ggml.tokens" in metadata:
         metadata[f"{GGUF_ARCHITECTURE}.vocab_size"] = len(metadata["tokenizer.ggml.tokens"])
-    spec = NgramSpec.from_gguf_metadata(metadata, GGUF_ARCHITECTURE)
+    spec = spec_from_metadata(metadata, GGUF_ARCHITECTURE)
     width = spec.values_per_row
 
     joined = tensors.get(GGUF_JOINED_TENSOR)

@@ -15,11 +15,19 @@ from typing import Any
 
 import numpy as np
 
-from ..core.constants import (ENCODING_BLOCKS, HEAD_OFFSETS_SUFFIX, HEAD_SIZES_SUFFIX, MULTIPLIERS_SUFFIX,
-                         NVFP4_GLOBAL_SCALE_SUFFIXES, SAFETENSORS_MAX_HEADER, SCALE_SUFFIX, Encoding)
+from ..core.constants import (
+    ENCODING_BLOCKS,
+    HEAD_OFFSETS_SUFFIX,
+    HEAD_SIZES_SUFFIX,
+    MULTIPLIERS_SUFFIX,
+    NVFP4_GLOBAL_SCALE_SUFFIXES,
+    SAFETENSORS_MAX_HEADER,
+    SCALE_SUFFIX,
+    Encoding,
+)
 from ..core.errors import BadInput
-from ..ngram import NgramSpec, load_config
 from .base import Scale, Segment, SourceFile, TableSource
+from .config import config_spec
 
 DTYPE_SIZES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
@@ -171,7 +179,7 @@ def open_checkpoint(model_dir: str | Path) -> TableSource:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise BadInput(f"{model_dir} is not a folder")
-    spec = NgramSpec.from_config(load_config(model_dir))
+    spec = config_spec(model_dir)
     tensors: dict[str, TensorInfo] = {}
     for path in _checkpoint_files(model_dir):
         tensors.update(read_header(path))

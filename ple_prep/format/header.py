@@ -3,8 +3,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..core.constants import (FORMAT_VERSION, HEADER_SIZE, HEADER_STRUCT, MAGIC, MAX_ROWS, ORDER_OFFSET,
-                         Encoding, row_bytes_for)
+from ..core.constants import (
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    HEADER_STRUCT,
+    MAGIC,
+    MAX_ROWS,
+    ORDER_OFFSET,
+    Encoding,
+    row_bytes_for,
+)
 from ..core.errors import BadInput
 
 # Bytes per placed row in the order map: its row id by slot, and the sorted ids with their slots.
@@ -86,9 +94,10 @@ class Header:
                                values_per_row=values_per_row, num_rows=num_rows,
                                first_row=first_row, num_placed=num_placed, file_id=file_id)
         stored = (rows_per_page, order_offset, data_offset)
-        if stored != (header.rows_per_page, header.order_offset, header.data_offset):
+        derived = (header.rows_per_page, header.order_offset, header.data_offset)
+        if stored != derived:
             raise BadInput(f"{name}: header geometry (rows per page, order offset, data offset) "
-                           f"{stored} disagrees with its own fields {(header.rows_per_page, header.order_offset, header.data_offset)}")
+                           f"{stored} disagrees with its own fields {derived}")
         if file_size != header.file_size:
             raise BadInput(f"{name}: {file_size} bytes but the header describes {header.file_size} "
                            f"(truncated or extended)")

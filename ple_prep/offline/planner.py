@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 
 from ..core.errors import BadInput
-from ..ngram import rows_of_mixed
-from .profile import Profile
 from ..format.header import ORDER_BYTES_PER_PLACED
 from ..format.order import RowOrder
+from ..ngram import rows_of_mixed
+from .profile import Profile
 
 # The row-order map may cost at most this fraction of the table's bytes by default (the target
 # is far below 2%): 0.5% is 12 bytes a placed row for about 6.7% of an FP8 table's rows.

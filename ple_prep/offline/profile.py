@@ -358,10 +358,9 @@ def profile_files(model: str | Path, prompt_files: Iterable[str | Path], *,
     """Profile prompt files against a checkpoint (its hash spec and tokenizer)."""
     model_dir = Path(model)
     if spec is None:
-        from ..converters import open_source
+        from ..converters import read_spec
 
-        with open_source(model_dir) as source:
-            spec = source.spec
+        spec = read_spec(model_dir)
     if model_dir.is_file():
         model_dir = model_dir.parent
     paths = [Path(p) for p in prompt_files]

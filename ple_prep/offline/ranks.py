@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from ..core.constants import DEFAULT_PAGE_SIZE
 from ..converters.base import TableSource
+from ..core.constants import DEFAULT_PAGE_SIZE
 from ..core.errors import BadInput
 from ..format.header import Header
 from .writer import check_free_space, convert

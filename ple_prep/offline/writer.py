@@ -19,9 +19,16 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import __version__
-from ..core.constants import (CHECKSUM_BLOCK_BYTES, DEFAULT_PAGE_SIZE, FORMAT_VERSION, GGML_TYPES,
-                         HEADER_SIZE, HEADER_STRUCT, MAGIC)
 from ..converters.base import TableSource
+from ..core.constants import (
+    CHECKSUM_BLOCK_BYTES,
+    DEFAULT_PAGE_SIZE,
+    FORMAT_VERSION,
+    GGML_TYPES,
+    HEADER_SIZE,
+    HEADER_STRUCT,
+    MAGIC,
+)
 from ..core.errors import BadInput
 from ..format.header import Header
 from ..format.manifest import MANIFEST_FORMAT, manifest_path, write_manifest

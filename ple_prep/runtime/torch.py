@@ -11,8 +11,8 @@ Resident rows (the file's leading slots, the hottest with an access-ordered layo
 device next to a staging area; the row-to-slot map lives there too, so the device finds every id's
 slot. Only the distinct slots travel to the host, which gathers each distinct disk row once into a
 pinned buffer; one non-blocking copy puts them in the staging area, and one index on the device
-picks each position's row from exactly one tier before decoding. The returned tensor is a view of a buffer allocated once,
-so a captured CUDA graph can read it; each call overwrites it.
+picks each position's row from exactly one tier before decoding. The returned tensor is a view of a
+buffer allocated once, so a captured CUDA graph can read it; each call overwrites it.
 
 Imported only when asked: needs torch (`pip install 'ple-prep[torch]'`).
 """

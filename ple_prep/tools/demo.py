@@ -8,11 +8,11 @@ from typing import Any
 import numpy as np
 
 from ..converters import open_source
-from .fixtures import make_checkpoint
-from ..offline.writer import convert
 from ..ngram import row_ids
-from ..runtime import open_table
 from ..offline.verify import verify
+from ..offline.writer import convert
+from ..runtime import open_table
+from .fixtures import make_checkpoint
 
 # The spec's public check: a fresh request's tokens, with an EOS cutting the last window.
 CHECK_TOKENS = [9707, 11, 1879, 248044, 40]

@@ -1,4 +1,4 @@
-"""docs/CLI.md, generated from every command's --help. `python -m ple_prep.tools.cli_reference --write`."""
+"""docs/CLI.md, generated from every command's --help. `python -m ple_prep.cli_reference --write`."""
 from __future__ import annotations
 
 import sys
@@ -9,8 +9,8 @@ import click
 
 # Fixed, so the text does not depend on the terminal that regenerates it.
 HELP_WIDTH = 100
-REFERENCE_PATH = Path(__file__).resolve().parents[2] / "docs" / "CLI.md"
-REGENERATE = "python -m ple_prep.tools.cli_reference --write"
+REFERENCE_PATH = Path(__file__).resolve().parents[1] / "docs" / "CLI.md"
+REGENERATE = "python -m ple_prep.cli_reference --write"
 
 _PREAMBLE = f"""# ple-prep command reference
 
@@ -55,7 +55,7 @@ def render(root: click.Command) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from ..cli import cli
+    from .cli import cli
 
     text = render(cli)
     if argv == ["--write"]:
