@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ple_prep.converters import open_source
 from ple_prep.offline import writer
+from ple_prep.offline.writer import WriteOptions  # noqa: E402
 from ple_prep.tools.benchmark import evict
 from ple_prep.tools.fixtures import make_checkpoint
 
@@ -60,7 +61,7 @@ def timed_convert(model: Path, out: Path, journal: bool) -> float:
             evict(path)
         with open_source(model) as source:
             started = time.perf_counter()
-            writer.convert(source, out, force=True)
+            writer.convert(source, out, WriteOptions(force=True))
             return time.perf_counter() - started
     finally:
         writer._write_chunk = write_chunk

@@ -24,9 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ple_prep.converters.base import Scale, Segment, SourceFile, TableSource  # noqa: E402
 from ple_prep.core.constants import Encoding  # noqa: E402
+from ple_prep.format.layout import TableLayout  # noqa: E402
 from ple_prep.format.order import RowOrder  # noqa: E402
 from ple_prep.ngram import NgramSpec  # noqa: E402
-from ple_prep.offline.writer import convert  # noqa: E402
+from ple_prep.offline.writer import (
+    WriteOptions,  # noqa: E402
+    convert,  # noqa: E402
+)
 from ple_prep.tools.fixtures import FIXTURE_SCALE_BF16, fixture_config  # noqa: E402
 
 BLOCK_ROWS = 1 << 18
@@ -97,8 +101,8 @@ def main() -> None:
     source = SyntheticSource(args.base)
     order = hot_order(source.spec, source.num_rows, args.profile_tokens) if args.profile_tokens else None
     started = time.perf_counter()
-    manifest = convert(source, args.out, order=order, force=True,
-                       layout={"kind": "access-order", "num_placed": order.num_placed} if order else None)
+    layout = TableLayout(order, {"kind": "access-order", "num_placed": order.num_placed}) if order else None
+    manifest = convert(source, args.out, WriteOptions(force=True), layout=layout)
     print(json.dumps({"table": str(args.out), "rows": manifest["num_rows"],
                       "file_bytes": manifest["file_size"], "placed": order.num_placed if order else 0,
                       "seconds": round(time.perf_counter() - started, 1)}))

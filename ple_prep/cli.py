@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 import click
 
 from . import __version__
-from .core.constants import GGUF_FIXTURE_VARIANTS
+from .core.constants import DEFAULT_MAP_FRACTION, DEFAULT_PAGE_SIZE, GGUF_FIXTURE_VARIANTS
 from .core.errors import BadInput, CheckFailed
 
 
@@ -112,10 +112,10 @@ def cli() -> None:
 @model_option("Checkpoint to convert.")
 @click.option("--out", required=True, type=click.Path(path_type=Path),
               help="Prepared table to write; the manifest goes to OUT.json.")
-@click.option("--page-size", default=4096, show_default=True, help="Page size in bytes.")
+@click.option("--page-size", default=DEFAULT_PAGE_SIZE, show_default=True, help="Page size in bytes.")
 @click.option("--profile", "profile_path", type=click.Path(path_type=Path),
               help="Profile (ple-prep profile) to lay the rows out by access; hints go to the manifest.")
-@click.option("--map-fraction", default=0.005, show_default=True, type=float,
+@click.option("--map-fraction", default=DEFAULT_MAP_FRACTION, show_default=True, type=float,
               help="With --profile: most RAM the row-order map may cost, as a fraction of the table.")
 @click.option("--force", is_flag=True, help="Replace an existing table.")
 @click.option("--tp-size", type=click.IntRange(min=1),
@@ -142,6 +142,8 @@ def convert(model: Path, out: Path, page_size: int, profile_path: Path | None, m
         ple-prep convert --model ./Qwen3.8-Flash-Next-FP8 --profile chats.prof --out /nvme/ple.bin
     """
     from .converters import open_source
+    from .offline.ranks import convert_ranks
+    from .offline.writer import WriteOptions
     from .offline.writer import convert as write_table
 
     if tp_rank is not None and tp_size is None:
@@ -149,55 +151,43 @@ def convert(model: Path, out: Path, page_size: int, profile_path: Path | None, m
     started = time.perf_counter()
     profile = None
     if profile_path is not None:
-        from .offline.planner import check_map_fraction
+        from .offline.planner import check_map_fraction, plan_for_source
         from .offline.profile import load_profile
 
         check_map_fraction(map_fraction)
         profile = load_profile(profile_path)
-    if tp_size is not None:
-        _convert_ranks(model, out, page_size, force, tp_size, tp_rank, as_json, quiet, profile,
-                       map_fraction, resume)
-        return
+    options = WriteOptions(page_size=page_size, force=force, resume=resume)
     with open_source(model) as source:
-        layout = {}
-        if profile is not None:
-            from .offline.planner import plan_for_source
+        def layout_for(first_row: int, num_rows: int) -> Any:
+            if profile is None:
+                return None
+            return plan_for_source(source, profile, page_size=page_size, map_fraction=map_fraction,
+                                   first_row=first_row, num_rows=num_rows)
 
-            layout = plan_for_source(source, profile, page_size=page_size, map_fraction=map_fraction)
-        with progress_bar(source.num_rows * source.row_bytes, "convert", quiet) as advance:
-            manifest = write_table(source, out, page_size=page_size, force=force, resume=resume,
-                                   progress=advance, **layout)
-    seconds = time.perf_counter() - started
-    summary = {"out": str(out), "rows": manifest["num_rows"], "encoding": manifest["encoding"],
-               "file_size": manifest["file_size"], "seconds": round(seconds, 3)}
-    if as_json:
-        echo_json(summary)
-    elif not quiet:
-        click.echo(f"wrote {out}: {summary['rows']:,} {summary['encoding']} rows, "
-                   f"{summary['file_size'] / 2**20:.1f} MiB in {seconds:.1f} s")
-
-
-def _convert_ranks(model: Path, out: Path, page_size: int, force: bool, tp_size: int,
-                   tp_rank: int | None, as_json: bool, quiet: bool, profile: Any = None,
-                   map_fraction: float = 0.0, resume: bool = False) -> None:
-    from .converters import open_source
-    from .offline.ranks import convert_ranks
-
-    started = time.perf_counter()
-    ranks = None if tp_rank is None else [tp_rank]
-    with open_source(model) as source:
-        rows = source.num_rows if ranks is None else source.num_rows // tp_size
-        layout_for = None
-        if profile is not None:
-            from .offline.planner import plan_for_source
-
-            def layout_for(first_row: int, num_rows: int) -> dict[str, Any]:
-                return plan_for_source(source, profile, page_size=page_size, map_fraction=map_fraction,
-                                       first_row=first_row, num_rows=num_rows)
+        rows = source.num_rows if tp_size is None or tp_rank is None else source.num_rows // tp_size
         with progress_bar(rows * source.row_bytes, "convert", quiet) as advance:
-            written = convert_ranks(source, out, tp_size, ranks, page_size=page_size, force=force,
-                                    resume=resume, progress=advance, layout_for=layout_for)
-    seconds = time.perf_counter() - started
+            if tp_size is None:
+                written = [(out, write_table(source, out, options, layout=layout_for(0, source.num_rows),
+                                             progress=advance))]
+            else:
+                written = convert_ranks(source, out, tp_size, None if tp_rank is None else [tp_rank], options,
+                                        progress=advance, layout_for=layout_for if profile else None)
+    _print_written(written, tp_size, time.perf_counter() - started, as_json, quiet)
+
+
+def _print_written(written: list[tuple[Path, dict[str, Any]]], tp_size: int | None, seconds: float,
+                   as_json: bool, quiet: bool) -> None:
+    """convert's summary: one table, or one file per tensor-parallel rank."""
+    if tp_size is None:
+        out, manifest = written[0]
+        summary = {"out": str(out), "rows": manifest["num_rows"], "encoding": manifest["encoding"],
+                   "file_size": manifest["file_size"], "seconds": round(seconds, 3)}
+        if as_json:
+            echo_json(summary)
+        elif not quiet:
+            click.echo(f"wrote {out}: {summary['rows']:,} {summary['encoding']} rows, "
+                       f"{summary['file_size'] / 2**20:.1f} MiB in {seconds:.1f} s")
+        return
     files = [{"out": str(path), "tp_rank": m["tensor_parallel"]["rank"], "first_row": m["first_row"],
               "rows": m["num_rows"], "file_size": m["file_size"]} for path, m in written]
     if as_json:
@@ -208,7 +198,7 @@ def _convert_ranks(model: Path, out: Path, page_size: int, force: bool, tp_size:
             click.echo(f"wrote {entry['out']}: rank {entry['tp_rank']} of {tp_size}, rows "
                        f"{entry['first_row']:,} to {entry['first_row'] + entry['rows']:,}, "
                        f"{entry['file_size'] / 2**20:.1f} MiB")
-        click.echo(f"{len(files)} file(s) in {seconds:.1f} s")
+        click.echo(f"{len(files)} file{'s' if len(files) != 1 else ''} in {seconds:.1f} s")
 
 
 @cli.command()

@@ -223,6 +223,13 @@ def test_convert_existing_output_without_force(fp8_checkpoint, runner, tmp_path)
     assert_refused(result, tmp_path, "t.bin.json exists", left=["t.bin.json"])
 
 
+def test_convert_resume_of_a_finished_table_says_there_is_nothing_to_resume(fp8_checkpoint, runner, tmp_path):
+    out = tmp_path / "t.bin"
+    assert runner.invoke(cli, convert_args(fp8_checkpoint, out)).exit_code == 0
+    result = runner.invoke(cli, convert_args(fp8_checkpoint, out, "--resume"))
+    assert_refused(result, tmp_path, "t.bin is already complete: nothing to resume", left=["t.bin", "t.bin.json"])
+
+
 def test_convert_force_replaces(fp8_checkpoint, runner, tmp_path):
     out = tmp_path / "t.bin"
     assert runner.invoke(cli, convert_args(fp8_checkpoint, out)).exit_code == 0

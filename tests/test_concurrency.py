@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from ple_prep.converters import open_source
+from ple_prep.format.layout import TableLayout
 from ple_prep.format.order import RowOrder
 from ple_prep.offline.writer import convert
 from ple_prep.runtime import open_table
@@ -27,7 +28,7 @@ def shared_table(fp8_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("concurrent") / "t.bin"
     with open_source(fp8_checkpoint) as source:
         placed = np.random.default_rng(6).choice(source.num_rows, 2000, replace=False)
-        convert(source, out, order=RowOrder.from_placed(placed, source.num_rows))
+        convert(source, out, layout=TableLayout(RowOrder.from_placed(placed, source.num_rows)))
         return out, source.read_rows(0, source.num_rows)
 
 

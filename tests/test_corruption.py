@@ -14,6 +14,7 @@ import pytest
 from ple_prep.cli import cli
 from ple_prep.converters import open_source
 from ple_prep.core.constants import HEADER_SIZE, HEADER_STRUCT
+from ple_prep.format.layout import TableLayout
 from ple_prep.format.order import RowOrder
 from ple_prep.offline import writer
 from ple_prep.offline.verify import verify
@@ -32,7 +33,7 @@ def placed_table(fp8_checkpoint, tmp_path_factory):
     try:
         with open_source(fp8_checkpoint) as source:
             placed = np.random.default_rng(4).choice(source.num_rows, 300, replace=False)
-            writer.convert(source, out, order=RowOrder.from_placed(placed, source.num_rows))
+            writer.convert(source, out, layout=TableLayout(RowOrder.from_placed(placed, source.num_rows)))
     finally:
         patch.undo()
     return out

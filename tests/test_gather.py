@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from ple_prep.converters import open_source
+from ple_prep.format.layout import TableLayout
 from ple_prep.format.order import RowOrder
-from ple_prep.offline.writer import convert
+from ple_prep.offline.writer import WriteOptions, convert
 from ple_prep.runtime import open_table
 from ple_prep.runtime.gather import Gatherer
 from ple_prep.tools.benchmark import evict
@@ -29,7 +30,7 @@ def table_path(request, fp8_checkpoint, tmp_path_factory):
             # A scattered hot set placed first, so slot order differs from row order.
             placed = np.random.default_rng(5).permutation(source.num_rows)[:3000]
             order = RowOrder.from_placed(placed, source.num_rows)
-        convert(source, path, order=order)
+        convert(source, path, layout=None if order is None else TableLayout(order))
     return path
 
 
@@ -193,7 +194,7 @@ def test_gather_other_page_sizes(fp8_checkpoint, source_rows, tmp_path, monkeypa
                                  cached):
     monkeypatch.setattr(Gatherer, "_cached", lambda self, slots: cached)
     with open_source(fp8_checkpoint) as source:
-        convert(source, tmp_path / "t.bin", page_size=page_size)
+        convert(source, tmp_path / "t.bin", WriteOptions(page_size=page_size))
     with open_table(tmp_path / "t.bin", window_pages=2) as table:
         ids = real_like_ids(table.num_rows, 2000, 6)
         assert np.array_equal(table.gather(ids), source_rows[ids])

@@ -19,7 +19,7 @@ from ple_prep.core.errors import BadInput
 from ple_prep.format.header import Header
 from ple_prep.format.manifest import manifest_path
 from ple_prep.format.order import RowOrder
-from ple_prep.offline.writer import convert
+from ple_prep.offline.writer import WriteOptions, convert
 from ple_prep.runtime import open_table
 
 
@@ -68,7 +68,7 @@ def test_convert_rows_never_straddle_pages(converted):
 
 def test_convert_page_size_changes_geometry(fp8_checkpoint, tmp_path):
     with open_source(fp8_checkpoint) as source:
-        convert(source, tmp_path / "t.bin", page_size=8192)
+        convert(source, tmp_path / "t.bin", WriteOptions(page_size=8192))
         rows = source.read_rows(0, source.num_rows)
     with open_table(tmp_path / "t.bin") as table:
         assert (table.page_size, table.rows_per_page, table.header.data_offset) == (8192, 51, 8192)
@@ -78,7 +78,7 @@ def test_convert_page_size_changes_geometry(fp8_checkpoint, tmp_path):
 @pytest.mark.parametrize("page_size", [100, 1000, 256, 1 << 27])
 def test_convert_refuses_bad_page_size(fp8_checkpoint, tmp_path, page_size):
     with open_source(fp8_checkpoint) as source, pytest.raises(BadInput, match="page size"):
-        convert(source, tmp_path / "t.bin", page_size=page_size)
+        convert(source, tmp_path / "t.bin", WriteOptions(page_size=page_size))
     assert list(tmp_path.iterdir()) == []
 
 
@@ -167,7 +167,7 @@ def test_convert_refuses_existing_output_and_force_replaces(fp8_checkpoint, tmp_
         with pytest.raises(BadInput, match="--force"):
             convert(source, out)
         assert open_table(out).manifest["file_id"] == first["file_id"]
-        second = convert(source, out, force=True)
+        second = convert(source, out, WriteOptions(force=True))
     assert second["file_id"] != first["file_id"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.bin", "t.bin.json"]
     with open_table(out) as table:

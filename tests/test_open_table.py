@@ -17,6 +17,7 @@ from ple_prep.converters import open_source
 from ple_prep.converters.safetensors import read_header
 from ple_prep.core.constants import HEADER_SIZE, SCALE_SUFFIX
 from ple_prep.core.errors import BadInput
+from ple_prep.format.layout import TableLayout
 from ple_prep.format.manifest import manifest_path
 from ple_prep.format.order import RowOrder
 from ple_prep.offline.writer import convert
@@ -27,7 +28,7 @@ from ple_prep.tools.fixtures import make_checkpoint
 def test_open_table_placed_rows_read_back_exact(fp8_checkpoint, tmp_path):
     with open_source(fp8_checkpoint) as source:
         order = RowOrder.from_placed(np.array([500, 3, 77, source.num_rows - 1]), source.num_rows)
-        convert(source, tmp_path / "t.bin", order=order)
+        convert(source, tmp_path / "t.bin", layout=TableLayout(order))
         expected = source.read_rows(0, source.num_rows)
     with open_table(tmp_path / "t.bin") as table:
         ids = np.random.default_rng(2).permutation(table.num_rows)

@@ -40,8 +40,8 @@ def test_convert_profile_gather_and_values_by_global_id(variant, request, tmp_pa
     with open_source(checkpoint) as source:
         profile = corpus_profile(source.spec)
         plan = plan_for_source(source, profile, page_size=4096, map_fraction=0.019)
-        assert plan["order"].num_placed > 0
-        convert(source, tmp_path / "t.bin", **plan)
+        assert plan.order.num_placed > 0
+        convert(source, tmp_path / "t.bin", layout=plan)
         reference = tmp_path / "ref.bin"
         convert(source, reference)
         expected = source.read_rows(0, source.num_rows)
@@ -52,7 +52,7 @@ def test_convert_profile_gather_and_values_by_global_id(variant, request, tmp_pa
         slots = table.slot_of(ids)
         assert np.array_equal(np.sort(slots), np.arange(table.num_rows))
         assert np.array_equal(table.page_of(ids), slots // table.rows_per_page)
-        placed = plan["order"].slot_rows
+        placed = plan.order.slot_rows
         assert np.array_equal(table.slot_of(placed), np.arange(len(placed)))
 
 

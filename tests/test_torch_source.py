@@ -7,6 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ple_prep.converters import open_source  # noqa: E402
+from ple_prep.format.layout import TableLayout  # noqa: E402
 from ple_prep.format.order import RowOrder  # noqa: E402
 from ple_prep.ngram import row_ids  # noqa: E402
 from ple_prep.offline.writer import convert  # noqa: E402
@@ -26,7 +27,7 @@ def table(request, tmp_path_factory):
         spec = source.spec
         # Hot rows of one text placed first, so the resident tier is not simply the first rows.
         hot = np.unique(row_ids(np.random.default_rng(9).integers(0, 5000, 400), spec))
-        convert(source, path, order=RowOrder.from_placed(hot[::-1], source.num_rows))
+        convert(source, path, layout=TableLayout(RowOrder.from_placed(hot[::-1], source.num_rows)))
     with open_table(path) as opened:
         opened.spec = spec
         yield opened

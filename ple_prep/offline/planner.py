@@ -16,15 +16,15 @@ from typing import Any
 
 import numpy as np
 
+from ..converters.base import TableSource
+from ..core.constants import DEFAULT_MAP_FRACTION
 from ..core.errors import BadInput
 from ..format.header import ORDER_BYTES_PER_PLACED
+from ..format.layout import TableLayout
 from ..format.order import RowOrder
 from ..ngram import rows_of_mixed
 from .profile import Profile
 
-# The row-order map may cost at most this fraction of the table's bytes by default (the target
-# is far below 2%): 0.5% is 12 bytes a placed row for about 6.7% of an FP8 table's rows.
-DEFAULT_MAP_FRACTION = 0.005
 MAX_MAP_FRACTION = 0.02
 BUDGETS_GIB = (0.25, 0.5, 1, 2, 4, 8, 16)
 BUDGETS_PERCENT = (1, 2, 5, 10, 20)
@@ -223,11 +223,11 @@ def residency_hints(order: RowOrder, profile: Profile, *, row_bytes: int, rows_p
     return hints
 
 
-def plan_for_source(source: Any, profile: Profile, *, page_size: int,
+def plan_for_source(source: TableSource, profile: Profile, *, page_size: int,
                     map_fraction: float = DEFAULT_MAP_FRACTION, first_row: int = 0,
-                    num_rows: int | None = None) -> dict[str, Any]:
-    """The `order`, `layout` and `residency` arguments of `writer.convert` for rows
-    [first_row, first_row + num_rows) of this source (all rows by default)."""
+                    num_rows: int | None = None) -> TableLayout:
+    """The layout `writer.convert` writes for rows [first_row, first_row + num_rows) of this source
+    (all rows by default): the access order, its manifest entry and the residency hints."""
     num_rows = source.num_rows - first_row if num_rows is None else num_rows
     limit = max_placed_rows(num_rows, source.row_bytes, map_fraction)
     if profile.spec != source.spec:
@@ -239,4 +239,4 @@ def plan_for_source(source: Any, profile: Profile, *, page_size: int,
     plan = plan_order(profile, num_rows, rows_per_page, max_placed=limit, first_row=first_row)
     residency = residency_hints(plan.order, profile, row_bytes=source.row_bytes,
                                 rows_per_page=rows_per_page, page_size=page_size, first_row=first_row)
-    return {"order": plan.order, "layout": plan.layout(profile, map_fraction), "residency": residency}
+    return TableLayout(plan.order, plan.layout(profile, map_fraction), tuple(residency))

@@ -21,10 +21,12 @@ from typing import Any
 
 import numpy as np
 
+from ..core.errors import BadInput
+from ..core.fileio import read_exactly
 from ..format.header import Header
+from ..format.pages import page_rows, rows_in_block
 
 JOURNAL_KIND = "ple-prep-progress"
-READ_BYTES = 8 << 20
 
 
 def progress_name(final: Path) -> Path:
@@ -103,7 +105,6 @@ def verify_prefix(path: Path, header: Header, block_bytes: int, header_crc: int,
     go into the SHA-256 only once its CRC has matched.
     """
     digest = hashlib.sha256()
-    pages_per_block = block_bytes // header.page_size
     descriptor = os.open(path, os.O_RDONLY)
     reader = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     hasher = concurrent.futures.ThreadPoolExecutor(max_workers=1)
@@ -122,8 +123,8 @@ def verify_prefix(path: Path, header: Header, block_bytes: int, header_crc: int,
                                         buffers[(block + 1) % 3])
             if raw is None or zlib.crc32(raw) != expected:
                 return block, digest
-            rows_left = header.num_rows - block * pages_per_block * header.rows_per_page
-            rows = min(rows_left, pages_per_block * header.rows_per_page)
+            first_slot, stop_slot = rows_in_block(header, block, block_bytes)
+            rows = stop_slot - first_slot
             if hashed is not None:
                 hashed.result()
             hashed = hasher.submit(_hash_rows, digest, raw, header, rows)
@@ -138,22 +139,18 @@ def verify_prefix(path: Path, header: Header, block_bytes: int, header_crc: int,
 
 
 def _read_block(descriptor: int, start: int, buffer: np.ndarray) -> np.ndarray | None:
-    view, done = memoryview(buffer), 0
-    while done < len(buffer):
-        count = os.preadv(descriptor, [view[done:done + READ_BYTES]], start + done)
-        if count <= 0:
-            return None
-        done += count
+    """One whole block, or None when the file ends first (a block the killed run never wrote)."""
+    try:
+        read_exactly(descriptor, memoryview(buffer), start, "the partial table")
+    except BadInput:
+        return None
     return buffer
 
 
 def _hash_rows(digest, raw: np.ndarray, header: Header, rows: int) -> None:
     """Add the rows of one block (each page's rows, not its padding) to `digest`."""
-    pages = raw.reshape(-1, header.page_size)
-    full, leftover = divmod(rows, header.rows_per_page)
-    digest.update(np.ascontiguousarray(pages[:full, :header.rows_per_page * header.row_bytes]))
-    if leftover:
-        digest.update(pages[full, :leftover * header.row_bytes])
+    for run in page_rows(raw.reshape(-1, header.page_size), rows, header.rows_per_page, header.row_bytes):
+        digest.update(np.ascontiguousarray(run))
 
 
 def truncate_after(journal: Path, blocks: int) -> None:

@@ -1,4 +1,4 @@
-"""Tensor-parallel rank files (spec section 6): rank r of T owns global rows [r*P, (r+1)*P), P = rows/T.
+"""Tensor-parallel rank files (docs/MODEL.md): rank r of T owns global rows [r*P, (r+1)*P), P = rows/T.
 
 Each rank's file is a whole prepared table of its own (header `first_row` and the manifest's
 `first_row`/`total_rows` carry the global range), written by the same atomic writer. Names put
@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..converters.base import TableSource
-from ..core.constants import DEFAULT_PAGE_SIZE
 from ..core.errors import BadInput
 from ..format.header import Header
-from .writer import check_free_space, convert
+from ..format.layout import TableLayout
+from .writer import RowRange, WriteOptions, check_free_space, convert
 
 
 def rank_rows(total_rows: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
@@ -24,7 +24,7 @@ def rank_rows(total_rows: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
         raise BadInput(f"--tp-rank {tp_rank} is outside 0..{tp_size - 1} for --tp-size {tp_size}")
     if total_rows % tp_size:
         raise BadInput(f"{total_rows} rows do not split evenly over {tp_size} ranks "
-                       f"(spec: every rank owns rows/T rows); choose a divisor")
+                       f"(every rank owns rows/T rows); choose a divisor")
     per_rank = total_rows // tp_size
     return tp_rank * per_rank, per_rank
 
@@ -35,32 +35,31 @@ def rank_path(out: str | Path, tp_rank: int, tp_size: int) -> Path:
 
 
 def convert_ranks(source: TableSource, out: str | Path, tp_size: int,
-                  tp_ranks: list[int] | None = None, *,
+                  tp_ranks: list[int] | None = None, options: WriteOptions | None = None, *,
                   progress: Callable[[int], None] | None = None,
-                  layout_for: Callable[[int, int], dict[str, Any]] | None = None,
-                  **options: Any) -> list[tuple[Path, dict[str, Any]]]:
+                  layout_for: Callable[[int, int], TableLayout] | None = None) -> list[tuple[Path, dict[str, Any]]]:
     """Write one prepared file per rank in `tp_ranks` (all ranks by default); returns (path, manifest).
 
-    `layout_for(first_row, num_rows)`, when given, returns a rank's row order and layout arguments
-    for `convert` (`offline.planner.plan_for_source`).
-
-    Every rank file is atomic on its own; free space for all of them is checked before the first.
+    `layout_for(first_row, num_rows)`, when given, returns a rank's layout
+    (`offline.planner.plan_for_source`). Every rank file is atomic on its own; free space for all
+    of them is checked before the first.
     """
+    options = options or WriteOptions()
     ranks = list(range(tp_size)) if tp_ranks is None else list(tp_ranks)
     ranges = [rank_rows(source.num_rows, tp_size, rank) for rank in ranks]
     out = Path(out)
     if out.parent.is_dir():
-        sizes = [Header.for_table(page_size=options.get("page_size", DEFAULT_PAGE_SIZE),
-                                  row_bytes=source.row_bytes, encoding=source.encoding,
-                                  values_per_row=source.values_per_row, num_rows=num_rows,
-                                  first_row=first_row, num_placed=0, file_id=bytes(16)).file_size
+        sizes = [Header.for_table(page_size=options.page_size, row_bytes=source.row_bytes,
+                                  encoding=source.encoding, values_per_row=source.values_per_row,
+                                  num_rows=num_rows, first_row=first_row, num_placed=0,
+                                  file_id=bytes(16)).file_size
                  for first_row, num_rows in ranges]
         check_free_space(out.parent, sum(sizes))
     written = []
     for rank, (first_row, num_rows) in zip(ranks, ranges):
         path = rank_path(out, rank, tp_size)
-        layout = layout_for(first_row, num_rows) if layout_for is not None else {}
-        manifest = convert(source, path, first_row=first_row, num_rows=num_rows, progress=progress,
-                           tensor_parallel={"rank": rank, "size": tp_size}, **options, **layout)
+        layout = layout_for(first_row, num_rows) if layout_for is not None else None
+        manifest = convert(source, path, options, layout=layout, progress=progress,
+                           rows=RowRange(first_row, num_rows, tp_rank=rank, tp_size=tp_size))
         written.append((path, manifest))
     return written

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import errno
 import fcntl
 import glob
@@ -31,8 +32,10 @@ from ..core.constants import (
 )
 from ..core.errors import BadInput
 from ..format.header import Header
+from ..format.layout import TableLayout
 from ..format.manifest import MANIFEST_FORMAT, manifest_path, write_manifest
 from ..format.order import RowOrder
+from ..format.pages import pack_rows, rows_in_block
 from .progress import Journal, Resumable, progress_name, truncate_after, verify_prefix
 from .progress import identity as run_identity
 from .progress import load as load_journal
@@ -134,46 +137,62 @@ def check_free_space(folder: Path, needed: int) -> None:
                        f"{needed / 2**30:.2f} GiB, {free / 2**30:.2f} GiB is free")
 
 
-def convert(source: TableSource, out: str | Path, *, order: RowOrder | None = None,
-            page_size: int = DEFAULT_PAGE_SIZE, force: bool = False,
-            progress: Callable[[int], None] | None = None, first_row: int = 0,
-            num_rows: int | None = None, layout: dict[str, Any] | None = None,
-            residency: list[dict[str, Any]] | None = None,
-            tensor_parallel: dict[str, int] | None = None, resume: bool = False) -> dict[str, Any]:
-    """Write rows [first_row, first_row + num_rows) of `source` to `out` and its manifest.
+@dataclasses.dataclass(frozen=True)
+class WriteOptions:
+    """How `convert` writes: the page size, whether an existing table may be replaced, and whether a
+    killed run of the same output is continued (offline/progress.py)."""
+
+    page_size: int = DEFAULT_PAGE_SIZE
+    force: bool = False
+    resume: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RowRange:
+    """The source rows one file holds, [first_row, first_row + num_rows) (all rows when num_rows is
+    None), and for a tensor-parallel rank's file, its rank and the number of ranks."""
+
+    first_row: int = 0
+    num_rows: int | None = None
+    tp_rank: int | None = None
+    tp_size: int | None = None
+
+
+def convert(source: TableSource, out: str | Path, options: WriteOptions | None = None, *,
+            layout: TableLayout | None = None, rows: RowRange | None = None,
+            progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Write `rows` of `source` (all by default) to `out` and its manifest, in `layout`'s order
+    (source order by default). Returns the manifest.
 
     Both files appear at their names only when complete (temporary names, fsync, rename); on any
-    failure nothing is left behind, and a rerun removes what a killed run left. With `resume`, a
-    killed run's verified blocks are kept instead (offline/progress.py). Returns the manifest.
-    `tensor_parallel` ({"rank", "size"}) is recorded in the manifest of a rank's file.
+    failure nothing is left behind, and a rerun removes what a killed run left. With
+    `options.resume`, a killed run's verified blocks are kept instead (offline/progress.py).
     """
+    options, rows = options or WriteOptions(), rows or RowRange()
     out = Path(out)
     manifest_out = manifest_path(out)
     if not out.parent.is_dir():
         raise BadInput(f"output folder {out.parent} does not exist")
     if out.is_dir():
         raise BadInput(f"{out} is a folder; give a file name")
-    resumable = _find_resumable(out) if resume else None
+    resumable = _find_resumable(out) if options.resume else None
     for final in (out, manifest_out, progress_name(out)):
         remove_stale_partials(final, keep=resumable and (resumable.data, resumable.journal))
-    existing = [p for p in (out, manifest_out) if p.exists()]
-    if existing and not force and not is_interrupted_publish(out, manifest_out):
-        raise BadInput(f"{existing[0]} exists; pass --force to replace it")
-    if num_rows is None:
-        num_rows = source.num_rows - first_row
-    order = order or RowOrder.identity(num_rows)
-    if order.num_rows != num_rows:
-        raise BadInput(f"the row order covers {order.num_rows} rows, the table {num_rows}")
+    _check_replaceable(out, manifest_out, options)
+    num_rows = source.num_rows - rows.first_row if rows.num_rows is None else rows.num_rows
+    layout = layout or TableLayout(RowOrder.identity(num_rows))
+    if layout.order.num_rows != num_rows:
+        raise BadInput(f"the row order covers {layout.order.num_rows} rows, the table {num_rows}")
+    fingerprint = source.fingerprint()
 
     def start(file_id: bytes) -> tuple[Header, bytes, dict[str, Any]]:
-        header = Header.for_table(page_size=page_size, row_bytes=source.row_bytes,
+        header = Header.for_table(page_size=options.page_size, row_bytes=source.row_bytes,
                                   encoding=source.encoding, values_per_row=source.values_per_row,
-                                  num_rows=num_rows, first_row=first_row,
-                                  num_placed=order.num_placed, file_id=file_id)
-        prefix = (header.pack() + order.to_bytes()).ljust(header.data_offset, b"\0")
+                                  num_rows=num_rows, first_row=rows.first_row,
+                                  num_placed=layout.order.num_placed, file_id=file_id)
+        prefix = (header.pack() + layout.order.to_bytes()).ljust(header.data_offset, b"\0")
         return header, prefix, run_identity(header, prefix, fingerprint, CHECKSUM_BLOCK_BYTES)
 
-    fingerprint = source.fingerprint()
     if resumable is not None:
         header, prefix, run = start(resumable.file_id)
         if run != resumable.first_line:
@@ -191,12 +210,11 @@ def convert(source: TableSource, out: str | Path, *, order: RowOrder | None = No
         if resumable is not None:
             os.rename(resumable.data, temporary_data)
             os.rename(resumable.journal, temporary_journal)
-        checksums, table_sha256 = _write_data(source, header, order, prefix, temporary_data,
-                                              temporary_journal, run, resumable, progress)
-        manifest = _manifest(source, header, checksums, table_sha256, out.name, layout, residency,
-                             fingerprint)
-        if tensor_parallel is not None:
-            manifest["tensor_parallel"] = dict(tensor_parallel)
+        output = _Output(temporary_data, temporary_journal, header, prefix, run, resumable)
+        checksums, table_sha256 = _write_data(source, layout.order, output, progress)
+        manifest = _manifest(source, header, checksums, table_sha256, out.name, layout, fingerprint)
+        if rows.tp_size is not None:
+            manifest["tensor_parallel"] = {"rank": rows.tp_rank, "size": rows.tp_size}
         write_manifest(manifest, temporary_manifest)
         # Data first: a crash between the renames leaves a new table beside an old manifest, whose
         # file id no longer matches, so the pair is refused rather than misread.
@@ -212,6 +230,15 @@ def convert(source: TableSource, out: str | Path, *, order: RowOrder | None = No
                            f"partial files removed") from None
         raise
     return manifest
+
+
+def _check_replaceable(out: Path, manifest_out: Path, options: WriteOptions) -> None:
+    existing = [p for p in (out, manifest_out) if p.exists()]
+    if not existing or options.force or is_interrupted_publish(out, manifest_out):
+        return
+    if options.resume and out.exists():
+        raise BadInput(f"{out} is already complete: nothing to resume (pass --force to write it again)")
+    raise BadInput(f"{existing[0]} exists; pass --force to replace it")
 
 
 def _read_slots(source: TableSource, order: RowOrder, first_row: int, start: int,
@@ -235,96 +262,81 @@ def _prefetch_slots(source: TableSource, order: RowOrder, first_row: int, start:
         source.prefetch(first_row + int(first), first_row + int(last) + 1)
 
 
-class _PageBuffer:
-    """One chunk of output pages, reused: rows go to each page's head, the padding stays zero."""
+@dataclasses.dataclass
+class _Output:
+    """The partial data file and journal a run writes, and what it resumes from."""
 
-    def __init__(self, header: Header, pages: int):
-        self.header = header
-        self.pages = _aligned_zeros(pages * header.page_size).reshape(pages, header.page_size)
-        self.used_bytes = header.rows_per_page * header.row_bytes
-
-    def pack(self, rows: np.ndarray) -> np.ndarray:
-        """The pages holding `rows` (a view of this buffer)."""
-        rows_per_page, row_bytes = self.header.rows_per_page, self.header.row_bytes
-        full_pages, leftover = divmod(len(rows), rows_per_page)
-        pages = self.pages[:full_pages + bool(leftover)]
-        pages[:full_pages, :self.used_bytes] = rows[:full_pages * rows_per_page].reshape(
-            full_pages, self.used_bytes)
-        if leftover:
-            # Only the table's last chunk ends in a partial page; clear what earlier chunks left.
-            pages[full_pages] = 0
-            pages[full_pages, :leftover * row_bytes] = rows[full_pages * rows_per_page:].reshape(-1)
-        return pages
+    path: Path
+    journal_path: Path
+    header: Header
+    prefix: bytes
+    run: dict[str, Any]
+    resumable: Resumable | None
 
 
-def _write_data(source: TableSource, header: Header, order: RowOrder, prefix: bytes, path: Path,
-                journal_path: Path, run: dict[str, Any], resumable: Resumable | None,
+class _ChunkReader:
+    """Reads chunk `index` (rows_per_chunk slots) into one of a ring of reused row buffers, and keeps
+    the kernel PREFETCH_AHEAD chunks ahead, each chunk hinted once, from a thread of its own (the
+    hint allocates cache pages and queues I/O: CPU the read needs)."""
+
+    def __init__(self, source: TableSource, order: RowOrder, header: Header, chunk_starts: range,
+                 rows_per_chunk: int, prefetcher: concurrent.futures.Executor):
+        self.source, self.order, self.header = source, order, header
+        self.chunk_starts, self.rows_per_chunk = chunk_starts, rows_per_chunk
+        self.prefetcher = prefetcher
+        # A row buffer is free again once its chunk is packed and hashed (which may trail by one).
+        self.buffers = [np.empty((rows_per_chunk, header.row_bytes), dtype=np.uint8)
+                        for _ in range(READ_AHEAD + 2)]
+
+    def _stop(self, start: int) -> int:
+        return min(start + self.rows_per_chunk, self.header.num_rows)
+
+    def read(self, index: int) -> np.ndarray:
+        low = index + 1 if index == 0 else index + PREFETCH_AHEAD
+        high = min(index + PREFETCH_AHEAD, len(self.chunk_starts) - 1)
+        if low <= high:
+            self.prefetcher.submit(_prefetch_slots, self.source, self.order, self.header.first_row,
+                                   self.chunk_starts[low], self._stop(self.chunk_starts[high]))
+        start = self.chunk_starts[index]
+        return _read_slots(self.source, self.order, self.header.first_row, start, self._stop(start),
+                           self.buffers[index % len(self.buffers)])
+
+
+def _write_data(source: TableSource, order: RowOrder, output: _Output,
                 progress: Callable[[int], None] | None) -> tuple[dict[str, Any], str]:
-    """Stream the rows into `path`; returns the checksums and the sha256 of the table bytes read.
+    """Stream the rows into the partial file; returns the checksums and the sha256 of the rows read.
 
     Four stages overlap, each on its own thread so each stays in order: reading runs up to
-    READ_AHEAD chunks ahead (and hints the kernel one chunk further), sha256 of the rows trails the
-    reads, this thread packs rows into pages and CRCs them, and writing runs up to WRITE_BEHIND
-    chunks behind. sha256, crc32 and the I/O release the GIL. The slack between stages absorbs
-    stalls in any one of them (a busy disk, a busy CPU). Buffers are allocated once and reused, so
-    memory stays a few chunks and no time goes to faulting in fresh pages. Pages are written with
-    O_DIRECT where the filesystem takes it: a table the size of RAM would otherwise push everything
-    else out of the page cache, and copying it through the cache costs as much CPU as hashing it.
+    READ_AHEAD chunks ahead (and hints the kernel further), sha256 of the rows trails the reads,
+    this thread packs rows into pages and CRCs them, and writing runs up to WRITE_BEHIND chunks
+    behind. sha256, crc32 and the I/O release the GIL. The slack between stages absorbs stalls in
+    any one of them (a busy disk, a busy CPU). Buffers are allocated once and reused, so memory
+    stays a few chunks and no time goes to faulting in fresh pages. Pages are written with O_DIRECT
+    where the filesystem takes it: a table the size of RAM would otherwise push everything else out
+    of the page cache, and copying it through the cache costs as much CPU as hashing it.
 
     Each finished checksum block is fsynced and then listed in the progress journal, so that
     `resume` can continue after the blocks a killed run wrote (they are re-read and re-checked).
     """
+    header = output.header
     pages_per_block = CHECKSUM_BLOCK_BYTES // header.page_size
     pages_per_chunk = max(1, pages_per_block // CHUNKS_PER_CHECKSUM_BLOCK)
+    header_crc = zlib.crc32(output.prefix)
+    block_crcs, table_digest = _verified_blocks(output, header_crc, progress)
+    first_slot, _ = rows_in_block(header, len(block_crcs), CHECKSUM_BLOCK_BYTES)
     rows_per_chunk = pages_per_chunk * header.rows_per_page
-    header_crc = zlib.crc32(prefix)
-    table_digest = hashlib.sha256()
-    block_crcs: list[int] = []
-    if resumable is not None:
-        kept, table_digest = verify_prefix(path, header, CHECKSUM_BLOCK_BYTES, header_crc,
-                                           resumable.block_crcs, progress)
-        block_crcs = resumable.block_crcs[:kept]
-        truncate_after(journal_path, kept)
-    block_crc, block_filled = 0, 0
-    first_slot = len(block_crcs) * pages_per_block * header.rows_per_page
     chunk_starts = range(first_slot, header.num_rows, rows_per_chunk)
-    # A row buffer is free again once its chunk is packed (here) and hashed (which may trail by one).
-    row_buffers = [np.empty((rows_per_chunk, header.row_bytes), dtype=np.uint8)
-                   for _ in range(READ_AHEAD + 2)]
-    page_buffers = [_PageBuffer(header, pages_per_chunk) for _ in range(WRITE_BEHIND + 1)]
-
-    def read(index: int) -> np.ndarray:
-        # Keep the kernel PREFETCH_AHEAD chunks ahead of this read, each chunk asked for once, from
-        # a thread of its own (the hint allocates cache pages and queues I/O: CPU the read needs).
-        low = index + 1 if index == 0 else index + PREFETCH_AHEAD
-        high = min(index + PREFETCH_AHEAD, len(chunk_starts) - 1)
-        if low <= high:
-            prefetcher.submit(_prefetch_slots, source, order, header.first_row, chunk_starts[low],
-                              min(chunk_starts[high] + rows_per_chunk, header.num_rows))
-        start = chunk_starts[index]
-        return _read_slots(source, order, header.first_row, start,
-                           min(start + rows_per_chunk, header.num_rows),
-                           row_buffers[index % len(row_buffers)])
-
-    if resumable is None:
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        journal = Journal(journal_path, run)
-    else:
-        descriptor = os.open(path, os.O_WRONLY)
-        journal = Journal(journal_path, None)
+    page_buffers = [_aligned_zeros(pages_per_chunk * header.page_size).reshape(pages_per_chunk, -1)
+                    for _ in range(WRITE_BEHIND + 1)]
+    descriptor, journal = _open_output(output)
     stages = [concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"convert-{name}")
               for name in ("prefetch", "read", "hash", "write")]
     prefetcher, reader, hasher, writer = stages
+    chunks = _ChunkReader(source, order, header, chunk_starts, rows_per_chunk, prefetcher)
+    block_crc, block_filled = 0, 0
     try:
-        head = _aligned_zeros(header.data_offset)
-        head[:] = np.frombuffer(prefix, dtype=np.uint8)
-        # A resumed file keeps its verified blocks; the head is rewritten whatever its state.
-        os.ftruncate(descriptor, header.data_offset + len(block_crcs) * CHECKSUM_BLOCK_BYTES)
-        if header.page_size % DIRECT_IO_ALIGNMENT == 0:
-            _set_direct(descriptor, True)
-        _write_all(descriptor, head)
-        os.lseek(descriptor, header.data_offset + len(block_crcs) * CHECKSUM_BLOCK_BYTES, os.SEEK_SET)
-        reads = collections.deque(reader.submit(read, index)
+        _write_head(descriptor, output, len(block_crcs))
+        reads = collections.deque(reader.submit(chunks.read, index)
                                   for index in range(min(READ_AHEAD, len(chunk_starts))))
         hashes: collections.deque[concurrent.futures.Future] = collections.deque()
         writes: collections.deque[concurrent.futures.Future] = collections.deque()
@@ -335,10 +347,10 @@ def _write_data(source: TableSource, header: Header, order: RowOrder, prefix: by
                 hashes.popleft().result()
             # The next read reuses the buffer of chunk index-2, packed and now hashed.
             if index + READ_AHEAD < len(chunk_starts):
-                reads.append(reader.submit(read, index + READ_AHEAD))
+                reads.append(reader.submit(chunks.read, index + READ_AHEAD))
             while len(writes) >= len(page_buffers):
                 writes.popleft().result()
-            pages = page_buffers[index % len(page_buffers)].pack(rows)
+            pages = pack_rows(rows, page_buffers[index % len(page_buffers)], header.rows_per_page)
             block_crc = zlib.crc32(pages, block_crc)
             block_filled += len(pages)
             finished_block = None
@@ -363,6 +375,38 @@ def _write_data(source: TableSource, header: Header, order: RowOrder, prefix: by
     checksums = {"algorithm": "crc32", "block_bytes": CHECKSUM_BLOCK_BYTES,
                  "header_crc32": header_crc, "blocks": block_crcs}
     return checksums, table_digest.hexdigest()
+
+
+def _verified_blocks(output: _Output, header_crc: int,
+                     progress: Callable[[int], None] | None) -> tuple[list[int], Any]:
+    """The CRCs of the blocks a resumed run keeps (re-read and re-checked) and the running sha256 of
+    their rows; nothing for a fresh run."""
+    if output.resumable is None:
+        return [], hashlib.sha256()
+    kept, digest = verify_prefix(output.path, output.header, CHECKSUM_BLOCK_BYTES, header_crc,
+                                 output.resumable.block_crcs, progress)
+    truncate_after(output.journal_path, kept)
+    return output.resumable.block_crcs[:kept], digest
+
+
+def _open_output(output: _Output) -> tuple[int, Journal]:
+    if output.resumable is None:
+        descriptor = os.open(output.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        return descriptor, Journal(output.journal_path, output.run)
+    return os.open(output.path, os.O_WRONLY), Journal(output.journal_path, None)
+
+
+def _write_head(descriptor: int, output: _Output, kept_blocks: int) -> None:
+    """Header and row order (rewritten whatever their state), then the position after the kept
+    blocks; O_DIRECT from here on where the page size allows it."""
+    header = output.header
+    head = _aligned_zeros(header.data_offset)
+    head[:] = np.frombuffer(output.prefix, dtype=np.uint8)
+    os.ftruncate(descriptor, header.data_offset + kept_blocks * CHECKSUM_BLOCK_BYTES)
+    if header.page_size % DIRECT_IO_ALIGNMENT == 0:
+        _set_direct(descriptor, True)
+    _write_all(descriptor, head)
+    os.lseek(descriptor, header.data_offset + kept_blocks * CHECKSUM_BLOCK_BYTES, os.SEEK_SET)
 
 
 def _aligned_zeros(nbytes: int) -> np.ndarray:
@@ -423,8 +467,7 @@ def ggml_type_json(encoding) -> dict[str, Any] | None:
 
 
 def _manifest(source: TableSource, header: Header, checksums: dict[str, Any], table_sha256: str,
-              data_file: str, layout: dict[str, Any] | None,
-              residency: list[dict[str, Any]] | None, fingerprint: dict[str, Any]) -> dict[str, Any]:
+              data_file: str, layout: TableLayout, fingerprint: dict[str, Any]) -> dict[str, Any]:
     scale = source.scale.to_json() if source.scale is not None else None
     return {
         "format": MANIFEST_FORMAT,
@@ -448,6 +491,6 @@ def _manifest(source: TableSource, header: Header, checksums: dict[str, Any], ta
         "source": fingerprint | {"model": str(source.model_dir.resolve()),
                                           "table_sha256": table_sha256, **source.extra},
         "checksums": checksums,
-        "layout": layout or {"kind": "source-order", "num_placed": header.num_placed},
-        "residency": residency or [],
+        "layout": layout.entry or {"kind": "source-order", "num_placed": header.num_placed},
+        "residency": list(layout.residency),
     }

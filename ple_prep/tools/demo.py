@@ -10,7 +10,7 @@ import numpy as np
 from ..converters import open_source
 from ..ngram import row_ids
 from ..offline.verify import verify
-from ..offline.writer import convert
+from ..offline.writer import WriteOptions, convert
 from ..runtime import open_table
 from .fixtures import make_checkpoint
 
@@ -23,7 +23,7 @@ def run_demo(folder: Path, variant: str = "fp8") -> dict[str, Any]:
     table_path = folder / f"ple-{variant}.bin"
     started = time.perf_counter()
     with open_source(checkpoint) as source:
-        manifest = convert(source, table_path, force=True)
+        manifest = convert(source, table_path, WriteOptions(force=True))
         spec = source.spec
     seconds = time.perf_counter() - started
     report = verify(table_path, checkpoint)
