@@ -5,10 +5,12 @@ the first 8 bytes), so any row read back can be checked without keeping a copy. 
 model's with a smaller base (every rule kept, head sizes the primes after the base), so real text
 through `ple_prep.ngram.row_ids` gives ids inside this table.
 
-    python bench/synthetic.py /work/bigdata/issue4/ple-6g.bin --base 2500000 [--profile-tokens N]
+    python bench/synthetic.py /work/bigdata/issue4/ple-6g.bin --base 2500000 [--profile-tokens N] [--placed N]
 
 With --profile-tokens, the rows real text reads most (from a profile part of the text disjoint from
-the one the benchmarks measure) are placed first, hottest first: an access-ordered layout.
+the one the benchmarks measure) are placed first, hottest first: an access-ordered layout. With
+--placed, rows drawn at random (seeded) follow them until the map holds that many rows: a map of
+the real table's default size (21M placed rows) on a smaller table.
 """
 from __future__ import annotations
 
@@ -82,13 +84,21 @@ class SyntheticSource(TableSource):
         """Nothing to read ahead: rows are computed."""
 
 
-def hot_order(spec: NgramSpec, num_rows: int, profile_tokens: int) -> RowOrder:
-    """Rows read by the profile part of the real text, most read first."""
+def hot_order(spec: NgramSpec, num_rows: int, profile_tokens: int, placed: int = 0) -> RowOrder:
+    """Rows read by the profile part of the real text, most read first, then random rows up to
+    `placed` rows in all."""
     from ple_prep.tools.realtext import real_text_row_ids
 
-    ids = real_text_row_ids(spec, profile_tokens, part=1, parts=2).reshape(-1)
-    rows, counts = np.unique(ids, return_counts=True)
-    hottest = rows[np.argsort(-counts, kind="stable")]
+    hottest = np.zeros(0, dtype=np.int64)
+    if profile_tokens:
+        ids = real_text_row_ids(spec, profile_tokens, part=1, parts=2).reshape(-1)
+        rows, counts = np.unique(ids, return_counts=True)
+        hottest = rows[np.argsort(-counts, kind="stable")]
+    if placed > len(hottest):
+        others = np.ones(num_rows, dtype=bool)
+        others[hottest] = False
+        fill = np.random.default_rng(1).permutation(np.flatnonzero(others))[:placed - len(hottest)]
+        hottest = np.concatenate([hottest, fill])
     return RowOrder.from_placed(hottest, num_rows)
 
 
@@ -97,9 +107,12 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--base", type=int, default=2_500_000)
     parser.add_argument("--profile-tokens", type=int, default=0)
+    parser.add_argument("--placed", type=int, default=0,
+                        help="Rows in the order map: the profile's hottest, then random rows.")
     args = parser.parse_args()
     source = SyntheticSource(args.base)
-    order = hot_order(source.spec, source.num_rows, args.profile_tokens) if args.profile_tokens else None
+    order = hot_order(source.spec, source.num_rows, args.profile_tokens, args.placed) \
+        if args.profile_tokens or args.placed else None
     started = time.perf_counter()
     layout = TableLayout(order, {"kind": "access-order", "num_placed": order.num_placed}) if order else None
     manifest = convert(source, args.out, WriteOptions(force=True), layout=layout)

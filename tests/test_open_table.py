@@ -1,4 +1,4 @@
-"""open_table: placed rows, refusals at open (other conversion, truncated, wrong size), staleness."""
+"""open_table: placed rows, refusals at open (other conversion, wrong size); open_checked: staleness."""
 from __future__ import annotations
 
 import json
@@ -20,6 +20,7 @@ from ple_prep.core.errors import BadInput
 from ple_prep.format.layout import TableLayout
 from ple_prep.format.manifest import manifest_path
 from ple_prep.format.order import RowOrder
+from ple_prep.offline.staleness import open_checked
 from ple_prep.offline.writer import convert
 from ple_prep.runtime import open_table
 from ple_prep.tools.fixtures import make_checkpoint
@@ -71,7 +72,7 @@ def test_open_table_refuses_missing_manifest_and_missing_file(table_path):
 
 
 def test_open_table_with_unchanged_source_opens(fp8_checkpoint, table_path):
-    with open_table(table_path, source=fp8_checkpoint) as table:
+    with open_checked(table_path, fp8_checkpoint) as table:
         assert table.num_rows == 16_896
 
 
@@ -83,17 +84,17 @@ def _copy_checkpoint(checkpoint, destination):
 def test_open_table_refuses_source_with_same_sizes_other_values(table_path, tmp_path):
     other = make_checkpoint(tmp_path / "reexport", "fp8", seed=7)
     with pytest.raises(BadInput, match="stale: .* sampled rows differ"):
-        open_table(table_path, source=other)
+        open_checked(table_path, other)
 
 
 def test_open_table_refuses_source_with_other_files(table_path, tmp_path):
     other = make_checkpoint(tmp_path / "refiled", "fp8", num_files=4)
     with pytest.raises(BadInput, match="stale: .*model-00001-of-00003.safetensors is gone; "
                                        "model-00001-of-00004.safetensors is new"):
-        open_table(table_path, source=other)
+        open_checked(table_path, other)
     resharded = make_checkpoint(tmp_path / "resharded", "fp8", num_shards=64)
     with pytest.raises(BadInput, match="stale: .* bytes, now"):
-        open_table(table_path, source=resharded)
+        open_checked(table_path, resharded)
 
 
 def test_open_table_refuses_source_with_other_scale(fp8_checkpoint, table_path, tmp_path):
@@ -106,7 +107,7 @@ def test_open_table_refuses_source_with_other_scale(fp8_checkpoint, table_path, 
         handle.seek(scale.offset)
         handle.write(np.array([0x3954], dtype="<u2").tobytes())
     with pytest.raises(BadInput, match="stale: .*the scale was 5339, now 5439"):
-        open_table(table_path, source=copy)
+        open_checked(table_path, copy)
 
 
 def test_verify_reports_changed_source(runner, table_path, tmp_path):

@@ -1,19 +1,26 @@
 """The runtime reader: exact bytes and values back, and refusal of any file that does not belong."""
 from __future__ import annotations
 
+import ast
 import json
 import math
 import shutil
 import struct
 import subprocess
 import sys
+import time
+import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import ple_prep.runtime
 from ple_prep.converters import open_source
+from ple_prep.core.constants import ORDER_DTYPE
 from ple_prep.core.errors import BadInput
 from ple_prep.format.manifest import manifest_path
+from ple_prep.format.order import RowOrder
 from ple_prep.offline.writer import convert
 from ple_prep.runtime import open_table
 
@@ -197,3 +204,112 @@ def test_import_runtime_pulls_numpy_only():
             "'tokenizers', 'huggingface_hub', 'numpy') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "['numpy']"
+
+
+def test_runtime_imports_nothing_above_it_even_inside_functions():
+    """The runtime reads the prepared format; converters and offline tools are layers above it."""
+    above = ("converters", "offline", "tools", "cli", "integrations")
+    runtime = Path(ple_prep.runtime.__file__).parent
+    for module in runtime.glob("*.py"):
+        for node in ast.walk(ast.parse(module.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [("." * node.level) + (node.module or "")]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.lstrip(".").split(".")
+                assert not set(parts) & set(above), f"{module.name} imports {name}"
+
+
+# --- Host lookups on an access-ordered table: cost independent of the order map's size ---------------
+
+def _every_other_row_placed(num_placed: int) -> RowOrder:
+    """A map placing rows 0, 2, 4, ... in ascending slots (built directly: a 21M-row map in 0.1 s)."""
+    sorted_rows = np.arange(0, 2 * num_placed, 2, dtype=ORDER_DTYPE)
+    return RowOrder(2 * num_placed, sorted_rows, sorted_rows,
+                    np.arange(num_placed, dtype=ORDER_DTYPE))
+
+
+def _expected_slots(num_placed: int, rows: np.ndarray) -> np.ndarray:
+    return np.where(rows % 2 == 0, rows // 2, num_placed + rows // 2)
+
+
+def _allocated_peak(call) -> int:
+    tracemalloc.start()
+    try:
+        call()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def _fastest_ns(call, repeats: int) -> int:
+    best = None
+    for _ in range(repeats):
+        started = time.perf_counter_ns()
+        call()
+        elapsed = time.perf_counter_ns() - started
+        best = elapsed if best is None else min(best, elapsed)
+    return best
+
+
+@pytest.fixture(scope="module")
+def real_size_order():
+    """An order map of the real table's default size (21M placed rows, 252 MB)."""
+    return _every_other_row_placed(21_000_000)
+
+
+@pytest.mark.parametrize("count", [16, 1000])
+def test_row_order_lookup_cost_does_not_grow_with_the_map(real_size_order, count):
+    small = _every_other_row_placed(1000)
+    rng = np.random.default_rng(count)
+    for order in (small, real_size_order):
+        rows = rng.integers(0, order.num_rows, count)
+        assert np.array_equal(order.slot_of(rows), _expected_slots(order.num_placed, rows))
+    big_rows = rng.integers(0, real_size_order.num_rows, count)
+    small_rows = rng.integers(0, small.num_rows, count)
+    # No copy or conversion of the map: a lookup allocates about what its answer takes, not the
+    # map's 84 MB per array (converting `sorted_rows` to int64 would take 168 MB).
+    assert _allocated_peak(lambda: real_size_order.slot_of(big_rows)) < 256 * count + (64 << 10)
+    # And no pass over it: a map 21,000 times larger costs a few cache misses more per id, not
+    # 21,000 times the work (the fastest of many calls, so load from other work cancels out).
+    big = _fastest_ns(lambda: real_size_order.slot_of(big_rows), 300)
+    little = _fastest_ns(lambda: small.slot_of(small_rows), 300)
+    assert big < 20 * little, (big, little)
+
+
+def test_row_order_search_and_rank_paths_agree(monkeypatch):
+    rng = np.random.default_rng(3)
+    for num_rows, num_placed in ((130, 64), (5000, 0), (5000, 1), (5000, 4999), (100_000, 37_000)):
+        order = RowOrder.from_placed(rng.permutation(num_rows)[:num_placed], num_rows)
+        rows = np.concatenate([rng.integers(0, num_rows, 3000), [0, num_rows - 1]])
+        by_search = np.concatenate([order.slot_of(rows[i:i + 16]) for i in range(0, len(rows), 16)])
+        by_rank = order.slot_of(rows)
+        assert np.array_equal(by_search, by_rank)
+        assert np.array_equal(np.sort(order.slot_of(np.arange(num_rows))), np.arange(num_rows))
+        assert np.array_equal(order.rows_at(0, num_rows)[order.slot_of(rows)], rows)
+        # numpy < 2.0 has no bitwise_count: the fallback counts bits the same.
+        monkeypatch.delattr(np, "bitwise_count", raising=False)
+        assert np.array_equal(RowOrder(num_rows, order.slot_rows, order.sorted_rows,
+                                       order.sorted_slots).slot_of(rows), by_rank)
+        monkeypatch.undo()
+
+
+def test_table_lookups_do_not_convert_the_order_map(fp8_checkpoint, tmp_path):
+    with open_source(fp8_checkpoint) as source:
+        num_rows = source.num_rows
+        placed = np.random.default_rng(8).permutation(num_rows)[:15_000]
+        convert(source, tmp_path / "t.bin", order=RowOrder.from_placed(placed, num_rows))
+        rows = source.read_rows(0, num_rows)
+    with open_table(tmp_path / "t.bin") as table:
+        table.resident(budget_bytes=100 * table.row_bytes)
+        ids = np.random.default_rng(9).integers(0, num_rows, 16)
+        out = np.empty((16, table.row_bytes), dtype=np.uint8)
+        table.gather(ids)
+        # The map's int64 conversion would take 120 kB here; a 16-row answer takes 2.5 kB.
+        for call in (lambda: table.gather(ids), lambda: table.lookup(ids, out=out),
+                     lambda: table.slot_of(ids)):
+            assert _allocated_peak(call) < 32 << 10
+        assert np.array_equal(table.gather(ids), rows[ids]) and np.array_equal(out, rows[ids])

@@ -11,6 +11,7 @@ from typing import Any
 from ..converters import open_source
 from ..converters.base import TableSource
 from ..core.errors import BadInput
+from ..runtime import Table, open_table
 
 
 def source_changes(manifest: dict[str, Any], source: TableSource) -> list[str]:
@@ -51,3 +52,16 @@ def check_source(manifest: dict[str, Any], source_dir: str | Path, table_name: s
         shown = "; ".join(changes[:5]) + (f" (and {len(changes) - 5} more)" if len(changes) > 5 else "")
         raise BadInput(f"{table_name} is stale: {source_dir} changed since conversion: {shown}; "
                        f"convert again")
+
+
+def open_checked(path: str | Path, source_dir: str | Path, manifest: str | Path | None = None,
+                 **options: Any) -> Table:
+    """`open_table(path, manifest, **options)`, refusing (BadInput) a table whose source checkpoint
+    `source_dir` changed since conversion."""
+    table = open_table(path, manifest, **options)
+    try:
+        check_source(table.manifest, source_dir, table.path.name)
+    except BaseException:
+        table.close()
+        raise
+    return table

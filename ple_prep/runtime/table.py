@@ -138,7 +138,7 @@ class Table:
         any earlier resident tier; `lookup` then serves those rows from it.
         """
         self._resident = None
-        self._resident = load_resident(self, budget_bytes, device)
+        self._resident = load_resident(self.path, self.header, budget_bytes, device)
         return self._resident
 
     @property
@@ -151,7 +151,7 @@ class Table:
         tensor on the resident tier's device) the merged rows are written there, each position
         once, from its tier.
         """
-        found = split(self, ids, self._resident)
+        found = split(self.slot_of(ids), self._resident, self._gatherer)
         if out is not None:
             count = len(found.resident_positions) + len(found.disk_positions)
             if tuple(out.shape) != (count, self.row_bytes):
@@ -164,23 +164,18 @@ class Table:
         return decode(self.header.encoding, self.gather(ids), self.values_per_row, self.scale)
 
 
-def open_table(path: str | Path, manifest: str | Path | None = None,
-               source: str | Path | None = None, *,
+def open_table(path: str | Path, manifest: str | Path | None = None, *,
                window_pages: int = DEFAULT_WINDOW_PAGES,
                window_bytes: int = DEFAULT_WINDOW_BYTES) -> Table:
     """Open a prepared table and its manifest, refusing any pair that does not belong together.
 
-    With `source` (the checkpoint folder), also refuse a table whose source changed since conversion.
     `window_pages`/`window_bytes` bound the read-ahead advice of cold gathers (docs/RUNTIME.md).
+    To also refuse a table whose source checkpoint changed since conversion, open it with
+    `ple_prep.offline.staleness.open_checked` (that check reads the checkpoint's format).
     """
     path = Path(path)
     manifest_file = Path(manifest) if manifest is not None else manifest_path(path)
     meta = load_manifest(manifest_file)
-    if source is not None:
-        # Imported here: the converters are not needed to serve a table without this check.
-        from ..offline.staleness import check_source
-
-        check_source(meta, source, path.name)
     try:
         descriptor = os.open(path, os.O_RDONLY)
     except OSError as exc:

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ..core.fileio import read_exactly
-
-if TYPE_CHECKING:
-    from .table import Table
+from ..format.header import Header
+from .gather import Gatherer
 
 # Bytes read per positioned read while loading the resident tier (through the file descriptor,
 # so the kernel's sequential readahead applies, which the mapping's MADV_RANDOM turns off).
@@ -42,55 +42,57 @@ class Lookup:
     disk_rows: np.ndarray           # uint8 (len(disk_positions), row_bytes), request order
 
 
-def load_resident(table: "Table", budget_bytes: int, device: str = "cpu") -> Resident:
-    """Copy the leading slots that fit in `budget_bytes` to `device` ('cpu', 'cuda', 'cuda:N')."""
+def load_resident(path: Path, header: Header, budget_bytes: int, device: str = "cpu") -> Resident:
+    """Copy the leading slots of the table at `path` that fit in `budget_bytes` to `device`
+    ('cpu', 'cuda', 'cuda:N')."""
     if budget_bytes < 0:
         raise ValueError("budget_bytes must be >= 0")
-    num_slots = int(min(table.num_rows, budget_bytes // table.row_bytes))
+    num_slots = int(min(header.num_rows, budget_bytes // header.row_bytes))
     if device == "cpu":
-        rows = np.empty((num_slots, table.row_bytes), dtype=np.uint8)
+        rows = np.empty((num_slots, header.row_bytes), dtype=np.uint8)
 
         def put_in_memory(start: int, chunk: np.ndarray) -> None:
             rows[start:start + len(chunk)] = chunk
 
-        read_leading_slots(table, num_slots, put_in_memory)
+        read_leading_slots(path, header, num_slots, put_in_memory)
         return Resident(num_slots, rows, device)
     import torch
 
-    rows = torch.empty((num_slots, table.row_bytes), dtype=torch.uint8, device=device)
+    rows = torch.empty((num_slots, header.row_bytes), dtype=torch.uint8, device=device)
 
     def put(start: int, chunk: np.ndarray) -> None:
         rows[start:start + len(chunk)].copy_(torch.from_numpy(chunk))
 
-    read_leading_slots(table, num_slots, put)
+    read_leading_slots(path, header, num_slots, put)
     return Resident(num_slots, rows, str(rows.device))
 
 
-def read_leading_slots(table: "Table", num_slots: int, put) -> None:
-    """Read slots [0, num_slots) page-chunk by chunk, dropping page padding, and `put` them."""
-    pages_per_chunk = max(1, LOAD_CHUNK_BYTES // table.page_size)
-    rows_per_chunk = pages_per_chunk * table.rows_per_page
-    buffer = np.empty((pages_per_chunk, table.page_size), dtype=np.uint8)
-    used = table.rows_per_page * table.row_bytes
-    descriptor = os.open(table.path, os.O_RDONLY)
+def read_leading_slots(path: Path, header: Header, num_slots: int, put) -> None:
+    """Read slots [0, num_slots) of the table at `path` page-chunk by chunk, dropping page padding,
+    and `put(first_slot, rows)` them."""
+    pages_per_chunk = max(1, LOAD_CHUNK_BYTES // header.page_size)
+    rows_per_chunk = pages_per_chunk * header.rows_per_page
+    buffer = np.empty((pages_per_chunk, header.page_size), dtype=np.uint8)
+    used = header.rows_per_page * header.row_bytes
+    descriptor = os.open(path, os.O_RDONLY)
     try:
         for start in range(0, num_slots, rows_per_chunk):
             count = min(rows_per_chunk, num_slots - start)
-            pages = -(-count // table.rows_per_page)
-            offset = table.header.data_offset + start // table.rows_per_page * table.page_size
-            read_exactly(descriptor, memoryview(buffer[:pages]).cast("B"), offset, table.path.name)
-            put(start, np.ascontiguousarray(buffer[:pages, :used]).reshape(-1, table.row_bytes)[:count])
+            pages = -(-count // header.rows_per_page)
+            offset = header.data_offset + start // header.rows_per_page * header.page_size
+            read_exactly(descriptor, memoryview(buffer[:pages]).cast("B"), offset, Path(path).name)
+            put(start, np.ascontiguousarray(buffer[:pages, :used]).reshape(-1, header.row_bytes)[:count])
     finally:
         os.close(descriptor)
 
 
-def split(table: "Table", ids: np.ndarray, resident: Resident | None) -> Lookup:
-    slots = table.slot_of(ids)
+def split(slots: np.ndarray, resident: Resident | None, gatherer: Gatherer) -> Lookup:
+    """Positions of `slots` (int64) served by the resident tier, and the rest gathered from disk."""
     num_slots = resident.num_slots if resident is not None else 0
     in_memory = slots < num_slots
     resident_positions = np.flatnonzero(in_memory)
     disk_positions = np.flatnonzero(~in_memory)
-    disk_rows = table.gather_slots(slots[disk_positions])
+    disk_rows = gatherer.gather_slots(slots[disk_positions])
     return Lookup(resident_positions, slots[resident_positions], disk_positions, disk_rows)
 
 

@@ -64,7 +64,7 @@ class EmbeddingSource:
         def put(start: int, chunk: np.ndarray) -> None:
             self._tiers[start:start + len(chunk)].copy_(torch.from_numpy(chunk))
 
-        read_leading_slots(table, self.num_resident, put)
+        read_leading_slots(table.path, table.header, self.num_resident, put)
         order = table.order
         self._num_placed = order.num_placed
         self._sorted_rows = torch.from_numpy(order.sorted_rows.astype(np.int64)).to(self.device)
