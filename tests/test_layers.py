@@ -27,12 +27,8 @@ LAYERS = {
 # What an integration with a serving stack may import: the reader, the hash and the basics.
 INTEGRATION_MAY_IMPORT = ("ple_prep.runtime", "ple_prep.runtime.torch", "ple_prep.ngram", "ple_prep.core")
 
-# Edges the runtime is still shedding (tiers take path, header and slots instead of a Table; the
-# source check moves out of open_table). Each entry must still exist: remove it with the import.
-PENDING = {
-    ("ple_prep.runtime.table", "ple_prep.offline.staleness"),
-    ("ple_prep.runtime.tiers", "ple_prep.runtime.table"),
-}
+# Edges being shed; each entry must still exist: remove it with the import.
+PENDING: set[tuple[str, str]] = set()
 
 
 def module_name(path: Path) -> str:
