@@ -16,6 +16,7 @@ import pytest
 from ple_prep.converters import open_source
 from ple_prep.core.constants import ORDER_DTYPE
 from ple_prep.core.errors import BadInput
+from ple_prep.format.layout import TableLayout
 from ple_prep.format.manifest import manifest_path
 from ple_prep.format.order import RowOrder
 from ple_prep.offline.writer import convert
@@ -281,7 +282,7 @@ def test_table_lookups_do_not_convert_the_order_map(fp8_checkpoint, tmp_path):
     with open_source(fp8_checkpoint) as source:
         num_rows = source.num_rows
         placed = np.random.default_rng(8).permutation(num_rows)[:15_000]
-        convert(source, tmp_path / "t.bin", order=RowOrder.from_placed(placed, num_rows))
+        convert(source, tmp_path / "t.bin", layout=TableLayout(RowOrder.from_placed(placed, num_rows)))
         rows = source.read_rows(0, num_rows)
     with open_table(tmp_path / "t.bin") as table:
         table.resident(budget_bytes=100 * table.row_bytes)
