@@ -68,7 +68,7 @@ def _expected(table_path: Path, chunks) -> np.ndarray:
 
 
 def test_serving_doc_embedding_layer_gives_the_model_values(served):
-    layer, usage, _ = _blocks()
+    layer, usage = _blocks()[:2]
     namespace = _run(usage, served, _run(layer, served, {}))
     prompt = [9707, 11, 1879, 248044, 40]
     # The usage block's last call: a request's next token, then a new request, in one batch.

@@ -83,7 +83,7 @@ def test_torch_source_serves_gguf_tokens(device, tmp_path):
     with open_table(tmp_path / "t.bin") as table:
         ids = row_ids(np.random.default_rng(3).integers(0, 248320, 64), spec)
         serving = EmbeddingSource(table, device=device, resident_bytes=table.row_bytes * 4000,
-                                  max_tokens=64)
+                                  max_ids=64 * 16)
         got = serving(torch.from_numpy(ids).to(device))
         expected = reference_bits(table.values(ids.reshape(-1))).reshape(64, -1)
         assert np.array_equal(torch_bits(got), expected)

@@ -1,4 +1,5 @@
-"""EmbeddingSource: bf16 values equal to `Table.values` per token, from both tiers, buffers reused."""
+"""EmbeddingSource: bf16 values equal to `Table.values`, from host ids, through both tiers and the
+split call (start/finish), with every buffer it reuses poisoned between calls."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,6 +13,7 @@ from ple_prep.format.order import RowOrder  # noqa: E402
 from ple_prep.ngram import row_ids  # noqa: E402
 from ple_prep.offline.writer import convert  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
+from ple_prep.runtime import torch as runtime_torch  # noqa: E402
 from ple_prep.runtime.dequant import round_to_bf16  # noqa: E402
 from ple_prep.runtime.torch import EmbeddingSource  # noqa: E402
 
@@ -40,85 +42,174 @@ def token_ids(table, tokens: int, seed: int) -> np.ndarray:
 
 
 def expected_bits(table, ids: np.ndarray) -> np.ndarray:
-    values = table.values(ids.reshape(-1)).reshape(len(ids), -1)
-    return (round_to_bf16(values.astype(np.float64)).view(np.uint32) >> 16).astype(np.uint16)
+    """bf16 bits of each id's values in id order, flat, rounded as the model rounds."""
+    values = table.values(ids.reshape(-1))
+    return (round_to_bf16(values.astype(np.float64)).view(np.uint32) >> 16).astype(np.uint16).reshape(-1)
 
 
 def bits(tensor) -> np.ndarray:
-    return tensor.cpu().view(torch.int16).numpy().view(np.uint16)
+    return tensor.cpu().reshape(-1).view(torch.int16).numpy().view(np.uint16)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_torch_source_equals_values_per_token_across_reused_buffers(table, device):
-    source = EmbeddingSource(table, device=device, resident_bytes=3000 * table.row_bytes,
-                             max_tokens=300)
+def poison(source: EmbeddingSource) -> None:
+    """Fill every buffer a call rewrites: 0xFF rows decode to NaN in every encoding tested here."""
     source.output.fill_(float("nan"))
-    for tokens, seed in ((300, 1), (120, 2), (300, 3), (1, 4)):
-        ids = token_ids(table, tokens, seed)
-        values = source(torch.from_numpy(ids).to(device))
-        assert values.shape == (tokens, 16 * table.values_per_row) and values.dtype == torch.bfloat16
-        assert values.data_ptr() == source.output.data_ptr()
-        assert np.array_equal(bits(values), expected_bits(table, ids))
-        if tokens > 1:
-            assert 0 < source.last_disk_rows < len(np.unique(ids))
+    source._rows.fill_(0xFF)
+    source._host_rows.fill(0xFF)
+    source._tiers[source.num_resident:].fill_(0xFF)
+
+
+def disk_rows(table, source, ids: np.ndarray) -> int:
+    slots = table.slot_of(ids.reshape(-1))
+    return len(np.unique(slots[slots >= source.num_resident]))
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_torch_source_takes_flat_ids_and_any_integer_dtype(table, device):
-    source = EmbeddingSource(table, device=device, resident_bytes=table.num_rows * table.row_bytes,
-                             max_tokens=64)
+def test_host_ids_give_values_per_position_across_poisoned_buffers(table, device):
+    source = EmbeddingSource(table, device=device, resident_bytes=3000 * table.row_bytes, max_ids=300 * 16)
+    # Both sides of INLINE_IDS (worker thread and inline), shrinking and growing between calls.
+    for tokens, seed in ((300, 1), (120, 2), (300, 3), (1, 4), (64, 5)):
+        ids = token_ids(table, tokens, seed)
+        poison(source)
+        source.start(ids)
+        values = source.finish()
+        assert values.shape == (tokens * 16, table.values_per_row) and values.dtype == torch.bfloat16
+        assert values.device == source.device and values.data_ptr() == source.output.data_ptr()
+        assert np.array_equal(bits(values), expected_bits(table, ids))
+        # Each distinct disk row read once (dedup applies past DEDUP_MIN_ROWS disk positions).
+        if tokens > 4:
+            assert source.last_disk_rows == disk_rows(table, source, ids) > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ids_as_cpu_tensor_device_tensor_and_any_integer_dtype(table, device):
+    source = EmbeddingSource(table, device=device, resident_bytes=500 * table.row_bytes, max_ids=64 * 16)
     ids = token_ids(table, 64, 5)
-    values = source(torch.from_numpy(ids.reshape(-1).astype(np.int32)).to(device))
-    assert source.last_disk_rows == 0
-    assert np.array_equal(bits(values), expected_bits(table, ids))
+    for given in (torch.from_numpy(ids), torch.from_numpy(ids.astype(np.int32)).to(device),
+                  ids.astype(np.uint32)):
+        poison(source)
+        values = source(given)
+        assert values.shape == (64, 16 * table.values_per_row)
+        assert np.array_equal(bits(values), expected_bits(table, ids))
+    flat = source(ids.reshape(-1)[:40])
+    assert flat.shape == (40, table.values_per_row)
+    assert np.array_equal(bits(flat), expected_bits(table, ids.reshape(-1)[:40]))
 
 
-def test_torch_source_profile_records_every_stage(table):
-    source = EmbeddingSource(table, device="cpu", resident_bytes=500 * table.row_bytes,
-                             max_tokens=50)
-    source.profile = True
-    ids = token_ids(table, 50, 11)
-    assert np.array_equal(bits(source(torch.from_numpy(ids))), expected_bits(table, ids))
-    assert set(source.last_stages) == {"slots_on_device_to_host", "host_gather", "host_to_device",
-                                       "tier_index", "decode"}
-    assert source(torch.zeros((0, 16), dtype=torch.int64)).shape == (0, 16 * table.values_per_row)
-
-
-def test_torch_source_all_from_disk(table):
-    source = EmbeddingSource(table, device="cpu", resident_bytes=0, max_tokens=50)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("resident_rows", [0, "all"])
+def test_all_from_disk_and_all_resident(table, device, resident_rows):
+    resident = table.num_rows if resident_rows == "all" else 0
+    source = EmbeddingSource(table, device=device, resident_bytes=resident * table.row_bytes, max_ids=800)
     ids = token_ids(table, 50, 6)
-    assert np.array_equal(bits(source(torch.from_numpy(ids))), expected_bits(table, ids))
-    assert source.last_disk_rows == len(np.unique(ids))
+    poison(source)
+    assert np.array_equal(bits(source(ids)), expected_bits(table, ids))
+    assert source.last_disk_rows == (0 if resident else len(np.unique(ids)))
 
 
-def test_torch_source_refuses_bad_requests(table):
-    source = EmbeddingSource(table, device="cpu", resident_bytes=1000 * table.row_bytes,
-                             max_tokens=4)
+@pytest.mark.parametrize("device", DEVICES)
+def test_split_call_overlaps_other_work_and_pads_to_a_fixed_count(table, device):
+    source = EmbeddingSource(table, device=device, resident_bytes=1000 * table.row_bytes, max_ids=200 * 16)
+    ids = token_ids(table, 150, 7)  # past INLINE_IDS: the worker thread gathers
+    poison(source)
+    source.start(ids)
+    # Other work of the model while the host gathers and copies.
+    other = torch.randn(256, 256, device=device)
+    for _ in range(20):
+        other = torch.tanh(other @ other)
+    values = source.finish(count=200 * 16)
+    assert values.shape == (200 * 16, table.values_per_row)
+    assert np.array_equal(bits(values[:150 * 16]), expected_bits(table, ids))
+    assert not torch.isnan(other).any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tokens", [3, 100])  # inline and on the worker thread
+def test_errors_surface_at_finish_and_the_source_goes_on(table, device, tokens):
+    source = EmbeddingSource(table, device=device, resident_bytes=1000 * table.row_bytes, max_ids=100 * 16)
+    bad = token_ids(table, tokens, 8).reshape(-1)
+    bad[-1] = table.num_rows
+    source.start(bad)
     with pytest.raises(IndexError, match=f"row id {table.num_rows} is outside"):
-        source(torch.tensor([0] * 15 + [table.num_rows]))
-    with pytest.raises(ValueError, match="not a whole number of tokens"):
-        source(torch.arange(17))
-    with pytest.raises(ValueError, match="exceed max_tokens"):
-        source(torch.zeros((5, 16), dtype=torch.int64))
+        source.finish()
+    with pytest.raises(RuntimeError, match="without a start"):
+        source.finish()
+    ids = token_ids(table, tokens, 9)
+    poison(source)
+    source.start(ids)
+    assert np.array_equal(bits(source.finish()), expected_bits(table, ids))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_second_start_before_finish_is_refused(table, device):
+    source = EmbeddingSource(table, device=device, resident_bytes=1000 * table.row_bytes, max_ids=64)
+    first, second = token_ids(table, 4, 10), token_ids(table, 4, 11)
+    source.start(first)
+    with pytest.raises(RuntimeError, match="start\\(\\) called again before finish\\(\\)"):
+        source.start(second)
+    assert np.array_equal(bits(source.finish()), expected_bits(table, first))
+    source.start(second)
+    assert np.array_equal(bits(source.finish()), expected_bits(table, second))
+
+
+def test_bad_arguments_are_refused_at_start(table):
+    source = EmbeddingSource(table, device="cpu", resident_bytes=1000 * table.row_bytes, max_ids=64)
+    with pytest.raises(ValueError, match="65 row ids exceed this source's max_ids = 64"):
+        source.start(np.zeros(65, dtype=np.int64))
+    with pytest.raises(TypeError, match="row ids must be integers"):
+        source.start(np.zeros(4, dtype=np.float32))
+    source.start(np.zeros(0, dtype=np.int64))
+    assert source.finish().shape == (0, table.values_per_row)
+    source.start(np.arange(4))
+    with pytest.raises(ValueError, match="count 2 is smaller than the 4 ids"):
+        source.finish(count=2)
+
+
+def test_the_start_copies_the_callers_ids(table, monkeypatch):
+    """The worker reads its own copy: the caller may refill its array right after start()."""
+    monkeypatch.setattr(runtime_torch, "INLINE_IDS", 0)
+    source = EmbeddingSource(table, device="cpu", resident_bytes=1000 * table.row_bytes, max_ids=1600)
+    ids = token_ids(table, 100, 12)
+    given = ids.copy()
+    source.start(given)
+    given[...] = table.num_rows  # out of range: an error if the worker saw it
+    assert np.array_equal(bits(source.finish()), expected_bits(table, ids))
 
 
 @needs_cuda
-def test_torch_source_output_feeds_a_captured_cuda_graph(table):
-    source = EmbeddingSource(table, device="cuda", resident_bytes=2000 * table.row_bytes,
-                             max_tokens=128)
-    first = token_ids(table, 128, 7)
-    source(torch.from_numpy(first).cuda())
-    seen = torch.empty((128, 16 * table.values_per_row), dtype=torch.bfloat16, device="cuda")
+def test_finish_replays_in_a_captured_cuda_graph_for_varying_counts(table):
+    capacity = 96 * 16
+    source = EmbeddingSource(table, device="cuda", resident_bytes=2000 * table.row_bytes, max_ids=capacity)
+    warm = token_ids(table, 96, 13)
+    source.start(warm)
+    source.finish()
+    source.start(warm)
+    source.join()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
+    seen = torch.empty((capacity, table.values_per_row), dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
-        graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            # A stand-in for the model layer: reads the stable output buffer.
-            seen.copy_(source.output.view(128, -1))
+            # The PLE layer's share of a captured forward pass: finish, then a consumer.
+            seen.copy_(source.finish(count=capacity))
     torch.cuda.current_stream().wait_stream(stream)
-    second = token_ids(table, 128, 8)
-    source(torch.from_numpy(second).cuda())
-    graph.replay()
-    torch.cuda.synchronize()
-    assert np.array_equal(bits(seen), expected_bits(table, second))
+    for tokens, seed in ((96, 14), (1, 15), (40, 16), (96, 17)):
+        ids = token_ids(table, tokens, seed)
+        poison(source)
+        seen.fill_(float("nan"))
+        source.start(ids)
+        source.join()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert np.array_equal(bits(seen[:tokens * 16]), expected_bits(table, ids))
+
+
+@needs_cuda
+def test_capturing_finish_with_an_unjoined_start_is_refused(table):
+    source = EmbeddingSource(table, device="cuda", resident_bytes=2000 * table.row_bytes, max_ids=64)
+    source.start(token_ids(table, 4, 18))
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="join\\(\\) the pending start"):
+        with torch.cuda.graph(graph):
+            source.finish(count=64)

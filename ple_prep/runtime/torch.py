@@ -1,23 +1,30 @@
-"""The PLE layer's input as a torch tensor: row ids on the device in, bf16 values out.
+"""The PLE layer's input as a torch tensor: row ids from the host in, bf16 values on the device out.
 
     from ple_prep.runtime import open_table
     from ple_prep.runtime.torch import EmbeddingSource
 
     source = EmbeddingSource(open_table("/nvme/ple.bin"), device="cuda",
-                             resident_bytes=2 << 30, max_tokens=4096)
-    values = source(row_ids)   # row_ids: (T, 16) or flat, on the device -> bf16 (T, 2560)
+                             resident_bytes=2 << 30, max_ids=4096 * 16)
+    source.start(row_ids)       # numpy int64 (or a CPU tensor) of any shape; returns at once
+    ...                         # earlier layers run on the device meanwhile
+    values = source.finish()    # bf16 (len(row_ids), 160) on the device
+    values = source(row_ids)    # both in one call: (T, 16) ids -> bf16 (T, 2560)
 
 Resident rows (the file's leading slots, the hottest with an access-ordered layout) live on the
-device next to a staging area; the row-to-slot map lives there too, so the device finds every id's
-slot. Only the distinct slots travel to the host, which gathers each distinct disk row once into a
-pinned buffer; one non-blocking copy puts them in the staging area, and one index on the device
-picks each position's row from exactly one tier before decoding. The returned tensor is a view of a
-buffer allocated once, so a captured CUDA graph can read it; each call overwrites it.
+device. `start` runs on the host (inline for a few ids, else on a worker thread): the table's host
+lookup finds each id's slot, the positions whose rows are not resident are deduplicated and those
+rows gathered once each into a pinned buffer, and a per-position tier index is written next to
+them; one non-blocking copy on a side stream carries both to the device. `finish` makes the
+current stream wait for that copy (an event: no host synchronisation when the copy was launched in
+time), then one index picks every position's row from its tier and the decoder writes bf16 into an
+output buffer allocated once. The device half launches kernels only, on fixed buffers, so it can
+be captured in a CUDA graph and replayed; docs/SERVING.md gives the contract.
 
 Imported only when asked: needs torch (`pip install 'ple-prep[torch]'`).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import time
 
 import numpy as np
@@ -27,129 +34,230 @@ from .table import Table
 from .tiers import read_leading_slots
 from .torch_dequant import decoder_for
 
+# Up to this many ids, `start` does its host work inline: a hop to the worker thread costs more.
+INLINE_IDS = 1024
+# Up to this many disk positions, rows are gathered without deduplication: the sort costs more
+# than copying a rare duplicate row (and a duplicate's page is cached by its first read).
+DEDUP_MIN_ROWS = 64
 
-class _Clock:
-    """Seconds per stage of one call, the device synchronised at each mark (profiling only)."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.stages: dict[str, float] = {}
-        self._last = time.perf_counter()
+def _distinct(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Ascending distinct values of a non-negative int64 array and each element's rank among them."""
+    count = len(values)
+    shift = max(1, (count - 1).bit_length())
+    # One sort of (value, position) packed in an int64: cheaper than np.unique's argsort.
+    keys = values << shift
+    keys |= np.arange(count, dtype=np.int64)
+    keys.sort()
+    ordered = keys >> shift
+    first = np.empty(count, dtype=bool)
+    first[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    rank = np.cumsum(first)
+    rank -= 1
+    inverse = np.empty(count, dtype=np.int64)
+    inverse[keys & ((1 << shift) - 1)] = rank
+    return ordered[first], inverse
 
-    def mark(self, name: str) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        now = time.perf_counter()
-        self.stages[name] = now - self._last
-        self._last = now
+
+class _Done:
+    """A start whose host work ran inline: its outcome, shaped like a future's."""
+
+    def __init__(self, count: int, error: BaseException | None = None):
+        self.count = count
+        self.error = error
+
+    def result(self) -> int:
+        if self.error is not None:
+            raise self.error
+        return self.count
 
 
 class EmbeddingSource:
-    """bf16 `(T, heads * values_per_row)` PLE values for row ids, from a resident and a disk tier."""
+    """bf16 PLE values on a torch device for row ids given on the host, from a resident and a disk tier."""
 
-    def __init__(self, table: Table, *, device: str | torch.device = "cuda",
-                 resident_bytes: int = 0, max_tokens: int = 4096, heads: int = 16):
+    def __init__(self, table: Table, *, device: str | torch.device = "cuda", resident_bytes: int = 0,
+                 max_ids: int = 4096 * 16):
+        if max_ids < 1:
+            raise ValueError("max_ids must be >= 1")
         self.table = table
         # Resolved ('cuda' -> 'cuda:0') so it compares equal to the devices of tensors.
         self.device = torch.empty(0, device=device).device
-        self.heads = heads
-        self.max_rows = max_tokens * heads
+        self.capacity = int(max_ids)
         self.num_resident = int(min(table.num_rows, max(0, resident_bytes) // table.row_bytes))
-        row_bytes = table.row_bytes
-        # Slots [0, num_resident) hold the resident rows; the rest is the staging area for disk
-        # rows of one call, so one index picks every position's row from its tier.
-        self._tiers = torch.empty((self.num_resident + self.max_rows, row_bytes), dtype=torch.uint8,
-                                  device=self.device)
+        rows, row_bytes, capacity = self.num_resident, table.row_bytes, self.capacity
+        # One device buffer: [lead][resident rows][staging rows][pad][tier index, int32 per position].
+        # The staging rows fill from their end, so a call's disk rows and its index are one
+        # contiguous span: one copy. The lead and pad keep the span and the index 4-byte aligned.
+        lead = -rows * row_bytes % 4
+        pad = -capacity * row_bytes % 4
+        self._index_at = capacity * row_bytes + pad          # within the span
+        span_bytes = self._index_at + 4 * capacity
+        buffer = torch.empty(lead + rows * row_bytes + span_bytes, dtype=torch.uint8, device=self.device)
+        self._tiers = buffer[lead:lead + (rows + capacity) * row_bytes].view(rows + capacity, row_bytes)
+        self._span = buffer[lead + rows * row_bytes:]
+        # Every index entry, also past a call's count, names a real tier row: a graph captured
+        # for more positions than a replay's call has reads stale rows there, never outside.
+        self._span[self._index_at:].zero_()
+        self._index = self._span[self._index_at:].view(torch.int32)
 
         def put(start: int, chunk: np.ndarray) -> None:
             self._tiers[start:start + len(chunk)].copy_(torch.from_numpy(chunk))
 
-        read_leading_slots(table.path, table.header, self.num_resident, put)
-        order = table.order
-        self._num_placed = order.num_placed
-        self._sorted_rows = torch.from_numpy(order.sorted_rows.astype(np.int64)).to(self.device)
-        self._sorted_slots = torch.from_numpy(order.sorted_slots.astype(np.int64)).to(self.device)
-        pin = self.device.type == "cuda"
-        self._slots_host = torch.empty(self.max_rows, dtype=torch.int64, pin_memory=pin)
-        self._staging = torch.empty((self.max_rows, row_bytes), dtype=torch.uint8, pin_memory=pin)
-        self._rows = torch.empty((self.max_rows, row_bytes), dtype=torch.uint8, device=self.device)
-        self.output = torch.empty((self.max_rows, table.values_per_row), dtype=torch.bfloat16,
-                                  device=self.device)
+        read_leading_slots(table.path, table.header, rows, put)
+        self._cuda = self.device.type == "cuda"
+        if self._cuda:
+            self._host_span = torch.zeros(span_bytes, dtype=torch.uint8, pin_memory=True)
+            self._copy_stream = torch.cuda.Stream(self.device)
+            # External events: captured in a graph they become record/wait nodes on these events.
+            self._copied = torch.cuda.Event(external=True)
+            self._consumed = torch.cuda.Event(external=True)
+        else:
+            # On the CPU the host writes the span in place: there is nothing to copy.
+            self._host_span = self._span
+        self._host_rows = self._host_span[:capacity * row_bytes].view(capacity, row_bytes).numpy()
+        self._host_index = self._host_span[self._index_at:].view(torch.int32).numpy()
+        self._rows = torch.empty((capacity, row_bytes), dtype=torch.uint8, device=self.device)
+        self.output = torch.empty((capacity, table.values_per_row), dtype=torch.bfloat16, device=self.device)
         self._decoder = decoder_for(table.encoding, table.values_per_row, table.scale, self.device)
-        self._distinct = torch.empty(self.max_rows, dtype=torch.int64, device=self.device)
-        self._count_host = torch.empty(1, dtype=torch.int64, pin_memory=pin)
-        # Distinct rows the last call read from the disk tier.
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: concurrent.futures.Future | _Done | None = None
+        self._joined: int | None = None
+        # Distinct rows the last start read from the disk tier.
         self.last_disk_rows = 0
-        # With profile on, each call synchronises after every stage and records its seconds.
-        self.profile = False
+        # Seconds of the last start's host stages: lookup, split, gather, copy (the launch).
         self.last_stages: dict[str, float] = {}
 
-    def slot_of(self, local: torch.Tensor) -> torch.Tensor:
-        """File slot of each local row id, on the device (as `RowOrder.slot_of`)."""
-        if not self._num_placed:
-            return local.clone()
-        position = torch.searchsorted(self._sorted_rows, local)
-        clipped = position.clamp(max=self._num_placed - 1)
-        placed = self._sorted_rows[clipped] == local
-        return torch.where(placed, self._sorted_slots[clipped], self._num_placed + local - position)
+    # --- the host half -------------------------------------------------------------------------
 
-    def __call__(self, row_ids: torch.Tensor) -> torch.Tensor:
-        """bf16 `(T, heads * values_per_row)`: a view of `output`, valid until the next call."""
-        flat = row_ids.reshape(-1)
-        count = flat.numel()
-        if count % self.heads:
-            raise ValueError(f"{count} row ids is not a whole number of tokens of {self.heads} heads")
-        if count > self.max_rows:
-            raise ValueError(f"{count} row ids exceed max_tokens * heads = {self.max_rows}")
-        if flat.device != self.device:
-            raise ValueError(f"row ids are on {flat.device}, this source serves {self.device}")
-        clock = _Clock(self.device) if self.profile else None
-        if not count:
-            return self.output[:0].view(0, self.heads * self.table.values_per_row)
-        local = flat.to(torch.int64) - self.table.first_row
-        outside = (local < 0) | (local >= self.table.num_rows)
-        slots = torch.where(outside, -1, self.slot_of(local.clamp(0, self.table.num_rows - 1)))
-        # Distinct slots, ascending (bad ids, resident, then disk rows), by one sort on the device;
-        # only they cross to the host, which reads each distinct disk row once, in address order.
-        sorted_slots, order = torch.sort(slots)
-        is_first = torch.ones(count, dtype=torch.bool, device=self.device)
-        torch.ne(sorted_slots[1:], sorted_slots[:-1], out=is_first[1:])
-        rank = torch.cumsum(is_first, 0) - 1
-        inverse = torch.empty_like(rank).scatter_(0, order, rank)
-        distinct = self._distinct[:count].scatter_(0, rank, sorted_slots)
-        self._slots_host[:count].copy_(distinct, non_blocking=True)
-        self._count_host.copy_(rank[-1:] + 1, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        if clock:
-            clock.mark("slots_on_device_to_host")
-        unique_count = int(self._count_host[0])
-        host = self._slots_host[:unique_count].numpy()
-        if host[0] < 0:
-            bad = flat[(slots < 0).nonzero()[0, 0]].item()
-            first, stop = self.table.row_range
-            raise IndexError(f"row id {bad} is outside this table's rows [{first}, {stop})")
-        first_disk = int(np.searchsorted(host, self.num_resident))
-        disk = unique_count - first_disk
-        self.last_disk_rows = disk
+    def start(self, row_ids, *, inline: bool | None = None) -> None:
+        """Begin serving `row_ids` (numpy or a CPU tensor: no synchronisation; a device tensor is
+        copied to the host first, which waits for it). Returns once the host work is handed off.
+
+        Up to INLINE_IDS ids it runs inline, else on a worker thread (`inline` forces either way).
+        Errors of that work (ids outside the table, I/O) are raised by `join` or `finish`.
+        """
+        if self._pending is not None:
+            raise RuntimeError("start() called again before finish() or join() of the previous start()")
+        ids = self._host_ids(row_ids)
+        self._joined = None
+        if inline is None:
+            inline = len(ids) <= INLINE_IDS
+        if inline:
+            try:
+                self._pending = _Done(self._prepare(ids))
+            except Exception as error:  # raised at finish(), as from the worker
+                self._pending = _Done(len(ids), error)
+            return
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ple-prep-start")
+        self._pending = self._worker.submit(self._prepare, ids)
+
+    def join(self) -> int:
+        """Wait for the last start's host work (the copy launched, not finished); raise its error.
+
+        Returns the number of ids. `finish` calls it; call it yourself before replaying a graph
+        that captured `finish`. After it, the next `start` may come.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            if self._joined is None:
+                raise RuntimeError("finish() or join() without a start()")
+            return self._joined
+        self._joined = pending.result()
+        return self._joined
+
+    def _host_ids(self, row_ids) -> np.ndarray:
+        if isinstance(row_ids, torch.Tensor):
+            row_ids = row_ids.detach().to("cpu").numpy()
+        ids = np.asarray(row_ids)
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"row ids must be integers, not {ids.dtype}")
+        if ids.size > self.capacity:
+            raise ValueError(f"{ids.size} row ids exceed this source's max_ids = {self.capacity}")
+        # A copy: the caller may reuse its array while the worker reads this one.
+        return ids.reshape(-1).astype(np.int64)
+
+    def _prepare(self, ids: np.ndarray) -> int:
+        """Slots, the resident/disk split, the disk rows and the tier index into the span; the copy."""
+        count = len(ids)
+        began = time.perf_counter()
+        if self._cuda:
+            # The previous copy has left the pinned span before this call rewrites it.
+            self._copied.synchronize()
+        slots = self.table.slot_of(ids)
+        looked_up = time.perf_counter()
+        index = self._host_index[:count]
+        np.copyto(index, slots, casting="unsafe")
+        disk_positions = np.flatnonzero(slots >= self.num_resident)
+        disk = len(disk_positions)
         if disk:
-            self.table.gather_slots(host[first_disk:], out=self._staging[:disk].numpy())
-            if clock:
-                clock.mark("host_gather")
-            self._tiers[self.num_resident:self.num_resident + disk].copy_(self._staging[:disk],
-                                                                           non_blocking=True)
-            if clock:
-                clock.mark("host_to_device")
-        # Each position reads one tier: its resident slot, or its distinct disk row's staging place.
-        source = torch.where(slots < self.num_resident, slots,
-                             inverse + (self.num_resident - first_disk))
-        rows = self._rows[:count]
-        torch.index_select(self._tiers, 0, source, out=rows)
-        if clock:
-            clock.mark("tier_index")
+            disk_slots = slots[disk_positions]
+            if disk > DEDUP_MIN_ROWS:
+                disk_slots, inverse = _distinct(disk_slots)
+                disk = len(disk_slots)
+            else:
+                inverse = np.arange(disk)
+            # Staging is filled from its end: tier rows [num_resident + capacity - disk, ...).
+            first = self.capacity - disk
+            index[disk_positions] = inverse + (self.num_resident + first)
+            split = time.perf_counter()
+            self.table.gather_slots(disk_slots, out=self._host_rows[first:])
+        else:
+            split = time.perf_counter()
+        gathered = time.perf_counter()
+        self.last_disk_rows = disk
+        if self._cuda:
+            low, high = (self.capacity - disk) * self.table.row_bytes, self._index_at + 4 * count
+            with torch.cuda.stream(self._copy_stream):
+                # The device span is rewritten only after the last finish has read it.
+                self._copy_stream.wait_event(self._consumed)
+                self._span[low:high].copy_(self._host_span[low:high], non_blocking=True)
+                self._copied.record(self._copy_stream)
+        self.last_stages = {"lookup": looked_up - began, "split": split - looked_up,
+                            "gather": gathered - split, "copy": time.perf_counter() - gathered}
+        return count
+
+    # --- the device half -----------------------------------------------------------------------
+
+    def finish(self, count: int | None = None) -> torch.Tensor:
+        """bf16 `(count, values_per_row)` for the last start's ids: a view of `output`, valid until
+        the next finish (or graph replay) overwrites it.
+
+        `count` defaults to the number of ids; a larger one (up to max_ids) also decodes the
+        positions past them from stale, in-range rows: the fixed shape a captured graph needs.
+        While the current stream captures a CUDA graph only the device half is recorded, and the
+        last start must have been joined before the capture began.
+        """
+        capturing = self._cuda and torch.cuda.is_current_stream_capturing()
+        if capturing:
+            if self._pending is not None:
+                raise RuntimeError("join() the pending start() before capturing finish() in a graph")
+            if count is None:
+                raise ValueError("finish() in a captured graph needs count (the graph's fixed size)")
+        else:
+            joined = self.join()
+            self._joined = None
+            count = joined if count is None else count
+            if count < joined:
+                raise ValueError(f"count {count} is smaller than the {joined} ids started")
+        if not 0 <= count <= self.capacity:
+            raise ValueError(f"count {count} is outside [0, max_ids = {self.capacity}]")
+        if self._cuda:
+            self._copied.wait(torch.cuda.current_stream(self.device))
+        rows = torch.index_select(self._tiers, 0, self._index[:count], out=self._rows[:count])
         values = self.output[:count]
         self._decoder(rows, out=values)
-        if clock:
-            clock.mark("decode")
-            self.last_stages = clock.stages
-        return values.view(count // self.heads, self.heads * self.table.values_per_row)
+        if self._cuda:
+            self._consumed.record(torch.cuda.current_stream(self.device))
+        return values
+
+    def __call__(self, row_ids) -> torch.Tensor:
+        """`start` inline then `finish`: bf16 values on the device, each row of ids concatenated;
+        ids `(T, 16)` give `(T, 16 * values_per_row)`, flat ids `(n, values_per_row)`."""
+        self.start(row_ids, inline=True)
+        values = self.finish()
+        shape = tuple(row_ids.shape)
+        if len(shape) < 2:
+            return values
+        return values.view(*shape[:-1], shape[-1] * self.table.values_per_row)

@@ -92,7 +92,7 @@ class NVFP4Packed(TorchDecoder, encoding=Encoding.NVFP4_PACKED):
         code_bytes = self.values_per_row // 2
         codes = rows[:, :code_bytes].long()
         # Element 2k sits in the low nibble of byte k.
-        nibbles = torch.stack([codes & 0xF, codes >> 4], dim=-1).reshape(len(rows), -1)
+        nibbles = torch.stack([codes & 0xF, codes >> 4], dim=-1).reshape(len(rows), self.values_per_row)
         block_scales = self.e4m3[rows[:, code_bytes:].long()].repeat_interleave(16, dim=1)
         # Same float32 operations, in the same order, as the numpy reference; then one rounding.
         values = self.e2m1[nibbles] * block_scales * self.global_scale
