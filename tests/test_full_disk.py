@@ -53,10 +53,10 @@ def test_convert_disk_full_during_data_is_one_line_and_leaves_nothing(
     assert list(small_disk.iterdir()) == []
 
 
-@pytest.mark.parametrize("small_disk", ["2777088"], indirect=True)
+@pytest.mark.parametrize("small_disk", ["2781184"], indirect=True)
 def test_convert_disk_full_at_manifest_leaves_nothing(small_disk, fp8_checkpoint, monkeypatch):
-    # The disk holds the data file and the one-page progress journal to the byte, nothing more:
-    # the manifest write fails.
+    # The disk holds the data file, the one-page progress journal and the one-page lock file to
+    # the byte, nothing more: the manifest write fails.
     assert _table_size(fp8_checkpoint) == 2772992
     monkeypatch.setattr(writer, "check_free_space", lambda folder, needed: None)
     manifests_started = []
@@ -64,7 +64,7 @@ def test_convert_disk_full_at_manifest_leaves_nothing(small_disk, fp8_checkpoint
 
     def recording_write_manifest(manifest, path):
         manifests_started.append(path)
-        write_manifest(manifest, path)
+        return write_manifest(manifest, path)
 
     monkeypatch.setattr(writer, "write_manifest", recording_write_manifest)
     with open_source(fp8_checkpoint) as source:

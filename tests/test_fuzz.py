@@ -277,7 +277,7 @@ def test_header_unpack_hostile_fields_give_bad_input(keep, fields, size_from_hea
     valid = HEADER_STRUCT.unpack(VALID_HEADER.pack()[:HEADER_STRUCT.size])
     # Keep some of the valid fields so that deep checks (geometry, file size) are reached too.
     mixed = [valid[1 + i] if i < keep else fields[i] for i in range(11)]
-    raw = HEADER_STRUCT.pack(MAGIC, *mixed, bytes(16)).ljust(HEADER_SIZE, b"\0")
+    raw = HEADER_STRUCT.pack(MAGIC, *mixed, bytes(16), bytes(32)).ljust(HEADER_SIZE, b"\0")
     file_size = (VALID_HEADER.file_size if size_from_header else 0) + size_error
     _unpack(raw, max(0, file_size))
 
@@ -290,7 +290,7 @@ def _valid_manifest() -> dict:
         "data_file": "t.bin", "file_size": VALID_HEADER.file_size, "page_size": 4096,
         "rows_per_page": 25, "data_offset": VALID_HEADER.data_offset, "encoding": "fp8_e4m3",
         "row_bytes": 160, "values_per_row": 160, "num_rows": 16896, "first_row": 0,
-        "total_rows": 16896, "scale": {"dtype": "BF16", "hex": "5339", "value": 2.0e-4},
+        "total_rows": 16896, "scale": {"dtype": "BF16", "hex": "5339", "value": 0.00020122528076171875},
         "ngram": SPEC.to_json(), "source": {"format": "safetensors", "files": []},
         "checksums": {"algorithm": "crc32", "block_bytes": 64 << 20, "header_crc32": 0, "blocks": [0]},
         "layout": {"kind": "source-order", "num_placed": 0}, "residency": [],
@@ -351,12 +351,12 @@ def test_load_manifest_refuses_huge_or_deep_files_before_reading():
     with open(huge, "wb") as handle:
         handle.truncate((64 << 20) + 1)  # sparse: costs no disk
     tracemalloc.start()
-    with pytest.raises(BadInput, match="too large"):
+    with pytest.raises(BadInput, match="over the 64 MiB limit"):
         load_manifest(huge)
     assert tracemalloc.get_traced_memory()[1] < 1 << 20
     tracemalloc.stop()
     huge.unlink()
-    with pytest.raises(BadInput, match="not JSON"):
+    with pytest.raises(BadInput, match="nests deeper than 64 levels"):
         load_manifest(_write("deep.json", b"{\"a\":" * 50_000 + b"1" + b"}" * 50_000))
 
 

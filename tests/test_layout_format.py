@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -36,15 +37,19 @@ def converted(fp8_checkpoint, tmp_path_factory):
 def test_convert_header_fields(converted):
     out, manifest, _ = converted
     raw = out.read_bytes()
-    fields = struct.unpack_from("<8sIIIIIIQQQQQ16s", raw)
+    fields = struct.unpack_from("<8sIIIIIIQQQQQ16s32s", raw)
     magic, version, page_size, row_bytes, rows_per_page, encoding, values_per_row = fields[:7]
-    num_rows, first_row, num_placed, order_offset, data_offset, file_id = fields[7:]
+    num_rows, first_row, num_placed, order_offset, data_offset, file_id, digest = fields[7:]
     assert (magic, version, page_size, row_bytes, rows_per_page) == (b"PLEPREP\0", 1, 4096, 160, 25)
     assert (encoding, values_per_row) == (Encoding.FP8_E4M3.value, 160) == (1, 160)
     assert (num_rows, first_row, num_placed, order_offset, data_offset) == (16896, 0, 0, 128, 4096)
     assert file_id.hex() == manifest["file_id"] and uuid.UUID(bytes=file_id).version == 4
-    used = struct.calcsize("<8sIIIIIIQQQQQ16s")
-    assert used == 88 and raw[used:HEADER_SIZE] == bytes(HEADER_SIZE - used)
+    # The spec digest: SHA-256 of the canonical JSON of the scale's dtype and bytes and the hash spec.
+    covered = {"scale": {"dtype": manifest["scale"]["dtype"], "hex": manifest["scale"]["hex"]},
+               "ngram": manifest["ngram"]}
+    assert digest == hashlib.sha256(json.dumps(covered, sort_keys=True, separators=(",", ":")).encode()).digest()
+    used = struct.calcsize("<8sIIIIIIQQQQQ16s32s")
+    assert used == 120 and raw[used:HEADER_SIZE] == bytes(HEADER_SIZE - used)
     assert not any(raw[HEADER_SIZE:data_offset])
 
 

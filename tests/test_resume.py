@@ -51,19 +51,23 @@ def _kill_after_blocks(model: Path, out: Path, blocks: int) -> tuple[Path, Path,
     """Start a convert, SIGKILL it once its journal lists `blocks` blocks; its partial, journal, file id."""
     process = subprocess.Popen([sys.executable, "-c", CHILD, "convert", "--model", str(model),
                                 "--out", str(out), "-q"], cwd=REPO)
-    journal = out.with_name(f".{out.name}.progress.{process.pid}.partial")
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if journal.read_bytes().count(b"\n") >= blocks + 1:
-                break
-        except FileNotFoundError:
-            pass
+        journal = _journal_of(out, process.pid)
+        if journal is not None and journal.read_bytes().count(b"\n") >= blocks + 1:
+            break
     process.kill()
     assert process.wait() == -9, "the convert finished before it could be killed"
-    data = out.with_name(f".{out.name}.{process.pid}.partial")
+    journal = _journal_of(out, process.pid)
+    data = out.with_name(journal.name.replace(".progress.", ".", 1))
     file_id = json.loads(journal.read_bytes().split(b"\n")[0])["file_id"]
     return data, journal, file_id
+
+
+def _journal_of(out: Path, pid: int) -> Path | None:
+    """The journal of `pid`'s convert of `out` (its name ends in a random token), once it exists."""
+    found = list(out.parent.glob(f".{out.name}.progress.{pid}-*.partial"))
+    return found[0] if found else None
 
 
 def _resume(runner, model: Path, out: Path, *extra: str) -> dict:
@@ -142,12 +146,13 @@ def test_convert_resume_tp_rank(fp8_checkpoint, tmp_path, runner):
     process = subprocess.Popen([sys.executable, "-c", CHILD, "convert", "--model",
                                 str(fp8_checkpoint), "--out", str(out), "--tp-size", "2",
                                 "--tp-rank", "1", "-q"], cwd=REPO)
-    journal = rank_file.with_name(f".{rank_file.name}.progress.{process.pid}.partial")
     while process.poll() is None:
-        if journal.exists() and journal.read_bytes().count(b"\n") >= 6:
+        journal = _journal_of(rank_file, process.pid)
+        if journal is not None and journal.read_bytes().count(b"\n") >= 6:
             break
     process.kill()
     assert process.wait() == -9
+    journal = _journal_of(rank_file, process.pid)
     file_id = json.loads(journal.read_bytes().split(b"\n")[0])["file_id"]
     result = runner.invoke(cli, ["convert", "--model", str(fp8_checkpoint), "--out", str(out),
                                  "--tp-size", "2", "--tp-rank", "1", "--resume", "-q"])

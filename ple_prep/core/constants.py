@@ -14,8 +14,9 @@ FORMAT_VERSION = 1
 DEFAULT_PAGE_SIZE = 4096
 # Little-endian fixed header: magic, then u32 version, page_size, row_bytes, rows_per_page, encoding,
 # values_per_row, then u64 num_rows, first_row, num_placed, order_offset, data_offset, then the
-# 16-byte file id. HEADER_SIZE bytes in all, the unused tail zero.
-HEADER_STRUCT = struct.Struct("<8sIIIIIIQQQQQ16s")
+# 16-byte file id and the 32-byte spec digest of the manifest (format/manifest.py: spec_digest).
+# HEADER_SIZE bytes in all, the unused tail zero.
+HEADER_STRUCT = struct.Struct("<8sIIIIIIQQQQQ16s32s")
 HEADER_SIZE = 128
 # The row-order map starts right after the header; its arrays are uint32 (row ids < 2**32).
 ORDER_OFFSET = HEADER_SIZE

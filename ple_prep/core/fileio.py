@@ -102,18 +102,19 @@ def check_json_depth(data: bytes, max_depth: int, where: str) -> None:
     """Refuse JSON nesting deeper than `max_depth` before any parser recurses into it.
 
     Strings are removed, then everything but brackets; each pass deletes the innermost pairs, so
-    well-formed JSON is empty after as many passes as it nests deep.
+    well-formed JSON is empty after as many passes as it nests deep. Unmatched brackets in shallow
+    text are left for the parser to report.
     """
     brackets = _JSON_STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
-    for _ in range(max_depth):
-        if not brackets:
+    for passes in range(max_depth + 1):
+        # Unmatched brackets left after `passes` passes nest at most passes + len(brackets) deep.
+        if passes + len(brackets) <= max_depth:
             return
         shorter = brackets.replace(b"[]", b"").replace(b"{}", b"")
         if len(shorter) == len(brackets):
             break
         brackets = shorter
-    if brackets:
-        raise BadInput(f"{where} nests deeper than {max_depth} levels (or its brackets do not "
+    raise BadInput(f"{where} nests deeper than {max_depth} levels (or its brackets do not "
                        f"match): refused before parsing")
 
 

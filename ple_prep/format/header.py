@@ -32,11 +32,14 @@ class Header:
     order_offset: int
     data_offset: int
     file_id: bytes
+    # SHA-256 of the manifest's scale bytes and hash spec (format/manifest.py: spec_digest).
+    spec_digest: bytes = bytes(32)
     version: int = FORMAT_VERSION
 
     @classmethod
     def for_table(cls, *, page_size: int, row_bytes: int, encoding: Encoding, values_per_row: int,
-                  num_rows: int, first_row: int, num_placed: int, file_id: bytes) -> "Header":
+                  num_rows: int, first_row: int, num_placed: int, file_id: bytes,
+                  spec_digest: bytes = bytes(32)) -> "Header":
         """The header of a new file; raises BadInput on geometry the format cannot hold."""
         if page_size < 512 or page_size & (page_size - 1) or page_size > 1 << 26:
             raise BadInput(f"page size {page_size} must be a power of two from 512 to 64 MiB")
@@ -49,7 +52,7 @@ class Header:
         order_end = ORDER_OFFSET + ORDER_BYTES_PER_PLACED * num_placed
         data_offset = -(-order_end // page_size) * page_size
         return cls(page_size, row_bytes, page_size // row_bytes, encoding, values_per_row, num_rows,
-                   first_row, num_placed, ORDER_OFFSET, data_offset, file_id)
+                   first_row, num_placed, ORDER_OFFSET, data_offset, file_id, spec_digest)
 
     @property
     def num_pages(self) -> int:
@@ -63,7 +66,7 @@ class Header:
         packed = HEADER_STRUCT.pack(MAGIC, self.version, self.page_size, self.row_bytes,
                                     self.rows_per_page, int(self.encoding), self.values_per_row,
                                     self.num_rows, self.first_row, self.num_placed,
-                                    self.order_offset, self.data_offset, self.file_id)
+                                    self.order_offset, self.data_offset, self.file_id, self.spec_digest)
         return packed.ljust(HEADER_SIZE, b"\0")
 
     @classmethod
@@ -72,9 +75,11 @@ class Header:
         if len(raw) < HEADER_SIZE or file_size < HEADER_SIZE:
             raise BadInput(f"{name}: {file_size} bytes is too short for a ple-prep table")
         (magic, version, page_size, row_bytes, rows_per_page, encoding, values_per_row, num_rows,
-         first_row, num_placed, order_offset, data_offset, file_id) = HEADER_STRUCT.unpack_from(raw)
+         first_row, num_placed, order_offset, data_offset, file_id,
+         spec_digest) = HEADER_STRUCT.unpack_from(raw)
         if magic != MAGIC:
-            raise BadInput(f"{name}: not a ple-prep table (magic {magic!r})")
+            # The bytes themselves are not printed: they failed validation.
+            raise BadInput(f"{name}: not a ple-prep table (wrong magic bytes)")
         if version != FORMAT_VERSION:
             raise BadInput(f"{name}: format version {version}; this ple-prep reads {FORMAT_VERSION}")
         if any(raw[HEADER_STRUCT.size:HEADER_SIZE]):
@@ -92,7 +97,8 @@ class Header:
                            f"{encoding.label} values")
         header = cls.for_table(page_size=page_size, row_bytes=row_bytes, encoding=encoding,
                                values_per_row=values_per_row, num_rows=num_rows,
-                               first_row=first_row, num_placed=num_placed, file_id=file_id)
+                               first_row=first_row, num_placed=num_placed, file_id=file_id,
+                               spec_digest=spec_digest)
         stored = (rows_per_page, order_offset, data_offset)
         derived = (header.rows_per_page, header.order_offset, header.data_offset)
         if stored != derived:

@@ -1,17 +1,22 @@
 """The sidecar manifest `<table>.json` (docs/FORMAT.md, docs/manifest.schema.json). Standard library only."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import struct
 from pathlib import Path
 from typing import Any
 
 from ..core.constants import FORMAT_VERSION, GGML_TYPES, MANIFEST_SUFFIX, Encoding
 from ..core.errors import BadInput
+from ..core.fileio import create_partial, load_json
 
 MANIFEST_FORMAT = "ple-prep-table"
 MAX_MANIFEST_BYTES = 64 << 20
+# How a scale's stored little-endian bytes become its value.
+_SCALE_FORMATS = {"F32": "<f", "F16": "<e", "BF16": "<H"}
 
 # (key, type) pairs a reader relies on; the schema file holds the full description.
 _REQUIRED: tuple[tuple[str, type | tuple[type, ...]], ...] = (
@@ -31,17 +36,36 @@ def manifest_path(table_path: str | Path) -> Path:
 def load_manifest(path: str | Path) -> dict[str, Any]:
     """Read a manifest and check the fields a reader trusts; BadInput on anything else."""
     path = Path(path)
-    try:
-        size = path.stat().st_size
-        if size > MAX_MANIFEST_BYTES:
-            raise BadInput(f"{path.name}: {size} bytes is too large for a manifest")
-        manifest = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise BadInput(f"manifest {path} not found: a table needs the .json written beside it") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-        raise BadInput(f"{path.name}: the manifest is not JSON (or nests too deep)") from None
+    if not os.path.lexists(path):
+        raise BadInput(f"manifest {path} not found: a table needs the .json written beside it")
+    manifest = load_json(path, "manifest", limit=MAX_MANIFEST_BYTES)
     validate_manifest(manifest, path.name)
     return manifest
+
+
+def scale_value(scale: dict[str, Any], name: str = "manifest") -> float:
+    """The value a scale's exact bytes (`dtype`, `hex`) give; BadInput when `value` disagrees."""
+    fmt = _SCALE_FORMATS.get(scale.get("dtype"))
+    try:
+        raw = bytes.fromhex(scale.get("hex"))
+        (stored,) = struct.unpack(fmt, raw)
+    except (TypeError, ValueError, struct.error):
+        raise BadInput(f"{name}: the scale must be BF16, F16 or F32 with the hex of its bytes") from None
+    value = struct.unpack("<f", struct.pack("<I", stored << 16))[0] if scale["dtype"] == "BF16" else stored
+    if not math.isfinite(value) or value == 0:
+        raise BadInput(f"{name}: the scale's bytes give {value}; a scale must be finite and non-zero")
+    if scale.get("value") != value:
+        raise BadInput(f"{name}: the scale's value {scale.get('value')!r} disagrees with its bytes "
+                       f"({scale['dtype']} 0x{scale['hex']} is {value!r})")
+    return value
+
+
+def spec_digest(scale: dict[str, Any] | None, ngram: dict[str, Any]) -> bytes:
+    """SHA-256 of what turns tokens into rows and rows into values: the scale's exact bytes and the
+    hash spec, as canonical JSON. The data file's header holds it (docs/FORMAT.md)."""
+    covered = {"scale": None if scale is None else {"dtype": scale.get("dtype"), "hex": scale.get("hex")},
+               "ngram": ngram}
+    return hashlib.sha256(json.dumps(covered, sort_keys=True, separators=(",", ":")).encode()).digest()
 
 
 def validate_manifest(manifest: Any, name: str = "manifest") -> None:
@@ -74,6 +98,7 @@ def validate_manifest(manifest: Any, name: str = "manifest") -> None:
                 or not -1e308 < value < 1e308 or not math.isfinite(value) or value == 0
                 or not isinstance(scale.get("hex"), str) or not isinstance(scale.get("dtype"), str)):
             raise BadInput(f"{name}: the scale must have a finite non-zero value, dtype and hex")
+        scale_value(scale, name)
     checksums = manifest["checksums"]
     blocks = checksums.get("blocks")
     block_bytes = checksums.get("block_bytes")
@@ -104,10 +129,16 @@ def _validate_tensor_parallel(manifest: dict[str, Any], name: str) -> None:
                        f"rank {tp['rank']} of {tp['size']}'s block of the {manifest['total_rows']} rows")
 
 
-def write_manifest(manifest: dict[str, Any], path: Path) -> None:
-    """Write JSON to `path` (the caller's temporary name) and flush it to disk."""
+def write_manifest(manifest: dict[str, Any], final: Path, token: str | None = None) -> Path:
+    """Write the manifest of `final` to a new temporary file (fsynced); the caller publishes it."""
     data = json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n"
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
+    descriptor, temporary = create_partial(final, token)
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    return temporary

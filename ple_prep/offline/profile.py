@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import struct
@@ -30,6 +31,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from ..core.errors import BadInput
+from ..core.fileio import atomic_output, open_input, parse_json
 from ..ngram import NgramSpec, mixed_values, rows_of_mixed
 
 MAGIC = b"PLEPROF\x00"
@@ -38,6 +40,11 @@ PROFILE_VERSION = 1
 HELDOUT_EVERY = 10
 PARTS = ("train", "heldout")
 MAX_HEADER_BYTES = 64 << 20
+MAX_NPY_HEADER_BYTES = 64 << 10
+# A profile expands to at most this many times its file size, or MIN_DECOMPRESSED_BOUND: sorted
+# 64-bit hashes barely compress, so real profiles stay under 4x; a zip bomb is refused.
+MAX_COMPRESSION_RATIO = 64
+MIN_DECOMPRESSED_BOUND = 64 << 20
 # Tokens hashed per vectorised batch; requests are laid end to end to amortise numpy overhead.
 BATCH_TOKENS = 1 << 20
 # Texts per tokenizer call (the `tokenizers` library encodes a batch on all cores).
@@ -417,12 +424,10 @@ def save_profile(profile: Profile, out: str | Path, *, force: bool = False) -> N
     """Write the profile under a temporary name and rename it when complete."""
     import zstandard
 
-    from .writer import partial_name
-
     out = Path(out)
     if not out.parent.is_dir():
         raise BadInput(f"output folder {out.parent} does not exist")
-    if out.exists() and not force:
+    if os.path.lexists(out) and not force:
         raise BadInput(f"{out} exists; pass --force to replace it")
     arrays: dict[str, np.ndarray] = {}
     for part in PARTS:
@@ -442,41 +447,98 @@ def save_profile(profile: Profile, out: str | Path, *, force: bool = False) -> N
         "arrays": list(arrays),
     }
     header_bytes = json.dumps(header, sort_keys=True).encode()
-    temporary = partial_name(out)
-    try:
-        with open(temporary, "wb") as handle:
-            with zstandard.ZstdCompressor(level=ZSTD_LEVEL).stream_writer(handle, closefd=False) as stream:
-                stream.write(MAGIC + struct.pack("<Q", len(header_bytes)) + header_bytes)
-                for array in arrays.values():
-                    np.lib.format.write_array(stream, np.ascontiguousarray(array), allow_pickle=False)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, out)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+    with atomic_output(out) as handle, \
+            zstandard.ZstdCompressor(level=ZSTD_LEVEL).stream_writer(handle, closefd=False) as stream:
+        stream.write(MAGIC + struct.pack("<Q", len(header_bytes)) + header_bytes)
+        for array in arrays.values():
+            np.lib.format.write_array(stream, np.ascontiguousarray(array), allow_pickle=False)
+
+
+def decompressed_bound(compressed_bytes: int) -> int:
+    """Most bytes a profile of this compressed size may expand to (docs/INPUTS.md)."""
+    return max(MIN_DECOMPRESSED_BOUND, MAX_COMPRESSION_RATIO * compressed_bytes)
+
+
+class _BoundedReader:
+    """Reads exact byte counts from the decompressing stream, never past the file's bound."""
+
+    def __init__(self, stream: Any, file_size: int, path: Path):
+        self.stream, self.file_size, self.path = stream, file_size, path
+        self.left = decompressed_bound(file_size)
+
+    def take(self, size: int, what: str) -> int:
+        if size > self.left:
+            raise BadInput(f"{self.path}: {what} declares {size:,} bytes, more than the rest of what a "
+                           f"{self.file_size:,}-byte profile may expand to ({MAX_COMPRESSION_RATIO}x its "
+                           f"size, at least {MIN_DECOMPRESSED_BOUND >> 20} MiB); refused before reading it")
+        self.left -= size
+        return size
+
+    def read(self, size: int, what: str) -> bytes:
+        data = _read_exact(self.stream, self.take(size, what))
+        if len(data) != size:
+            raise BadInput(f"{self.path}: corrupt profile (it ends inside {what})")
+        return data
+
+    def read_array(self, name: str) -> np.ndarray:
+        """One .npy record, its declared size checked before anything is allocated."""
+        prefix = self.read(8, f"array {name}")
+        major = prefix[6]
+        if prefix[:6] != b"\x93NUMPY" or major not in (1, 2, 3):
+            raise BadInput(f"{self.path}: corrupt profile (array {name} is not a .npy record)")
+        size_bytes = self.read(2 if major == 1 else 4, f"array {name}")
+        header_len = int.from_bytes(size_bytes, "little")
+        if header_len > MAX_NPY_HEADER_BYTES:
+            raise BadInput(f"{self.path}: corrupt profile (array {name} has a {header_len}-byte header)")
+        record = io.BytesIO(prefix + size_bytes + self.read(header_len, f"array {name}"))
+        version = np.lib.format.read_magic(record)
+        try:
+            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                           else np.lib.format.read_array_header_2_0)
+            shape, fortran, dtype = read_header(record)
+        except (ValueError, SyntaxError, TypeError) as exc:
+            raise BadInput(f"{self.path}: corrupt profile (array {name}: {exc})") from None
+        if dtype not in (np.dtype("<u8"), np.dtype("<i8")) or len(shape) != 1:
+            raise BadInput(f"{self.path}: corrupt profile (array {name} is {dtype} {shape}, "
+                           f"not a 1-D 64-bit integer array)")
+        array = np.empty(shape[0] if self.take(shape[0] * 8, f"array {name}") else 0, dtype)
+        view = memoryview(array).cast("B")
+        while len(view):
+            count = self.stream.readinto(view[:1 << 24])
+            if not count:
+                raise BadInput(f"{self.path}: corrupt profile (it ends inside array {name})")
+            view = view[count:]
+        return array
 
 
 def load_profile(path: str | Path) -> Profile:
-    """Read a profile file, checking its structure; BadInput on anything malformed."""
+    """Read a profile file, checking its structure; BadInput on anything malformed.
+
+    Memory stays within the file's decompressed bound: every declared size is checked against
+    what is left of it before anything is allocated or decompressed.
+    """
     import zstandard
 
     path = Path(path)
-    if not path.is_file():
-        raise BadInput(f"profile {path} not found")
     try:
-        with open(path, "rb") as handle, zstandard.ZstdDecompressor().stream_reader(handle) as stream:
-            if _read_exact(stream, len(MAGIC)) != MAGIC:
+        with open_input(path, "profile") as handle, \
+                zstandard.ZstdDecompressor().stream_reader(handle) as stream:
+            reader = _BoundedReader(stream, os.fstat(handle.fileno()).st_size, path)
+            if _read_exact(stream, reader.take(len(MAGIC), "the magic")) != MAGIC:
                 raise BadInput(f"{path} is not a ple-prep profile")
-            (length,) = struct.unpack("<Q", _read_exact(stream, 8))
+            (length,) = struct.unpack("<Q", reader.read(8, "the header length"))
             if length > MAX_HEADER_BYTES:
                 raise BadInput(f"{path}: profile header of {length} bytes is too large")
-            header = json.loads(_read_exact(stream, length))
-            arrays = {name: np.lib.format.read_array(stream, allow_pickle=False)
-                      for name in header["arrays"]}
+            header = parse_json(reader.read(length, "the header"), f"profile {path} header")
+            names = header.get("arrays") if isinstance(header, dict) else None
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise BadInput(f"{path}: corrupt profile (no list of arrays)")
+            arrays = {name: reader.read_array(name) for name in names}
     except zstandard.ZstdError as exc:
         raise BadInput(f"{path} is not a ple-prep profile (zstandard: {exc})") from None
-    except (struct.error, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as exc:
+    except (struct.error, KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, BadInput):
+            raise
         raise BadInput(f"{path}: corrupt profile ({exc})") from None
     return _from_parts(header, arrays, path)
 

@@ -1,6 +1,6 @@
 """The progress journal that lets `convert --resume` continue a killed conversion.
 
-Beside its partial data file every convert keeps `.{name}.progress.{pid}.partial`: JSON lines, the
+Beside its partial data file every convert keeps `.{name}.progress.{pid}-{token}.partial`: JSON lines, the
 first naming the run (file id, a digest of the header and row-order bytes, the source fingerprint,
 the checksum block size), then one line per checksum block, appended only after the data file was
 fsynced past that block. A resume trusts nothing it cannot check: it re-reads every journaled block
@@ -22,15 +22,17 @@ from typing import Any
 import numpy as np
 
 from ..core.errors import BadInput
-from ..core.fileio import read_exactly
+from ..core.fileio import create_exclusive, read_bounded, read_exactly
 from ..format.header import Header
 from ..format.pages import page_rows, rows_in_block
 
 JOURNAL_KIND = "ple-prep-progress"
+# One short line per 64 MiB block: a 48 GiB table's journal is under 40 KB.
+MAX_JOURNAL_BYTES = 16 << 20
 
 
 def progress_name(final: Path) -> Path:
-    """The name whose partial (`.{name}.progress.{pid}.partial`) holds the journal of `final`."""
+    """The name whose partial (`.{name}.progress.{pid}-{token}.partial`) holds the journal of `final`."""
     return final.with_name(final.name + ".progress")
 
 
@@ -44,8 +46,10 @@ class Journal:
     """Append-only; each line is on disk (fsync) before `append` returns."""
 
     def __init__(self, path: Path, first_line: dict[str, Any] | None):
-        flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT | os.O_EXCL if first_line else 0)
-        self._descriptor = os.open(path, flags, 0o644)
+        if first_line:
+            self._descriptor = create_exclusive(path)
+        else:
+            self._descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
         if first_line:
             self._write(first_line)
 
@@ -75,7 +79,7 @@ class Resumable:
 def load(data: Path, journal: Path) -> Resumable | None:
     """A dead run's partial and journal, or None when the journal says nothing usable."""
     try:
-        lines = journal.read_bytes().split(b"\n")
+        lines = read_bounded(journal, MAX_JOURNAL_BYTES, "journal").split(b"\n")
         first_line = json.loads(lines[0])
     except (OSError, ValueError, RecursionError):
         return None

@@ -8,9 +8,9 @@ import errno
 import fcntl
 import glob
 import hashlib
-import json
 import mmap
 import os
+import secrets
 import shutil
 import uuid
 import zlib
@@ -31,9 +31,11 @@ from ..core.constants import (
     MAGIC,
 )
 from ..core.errors import BadInput
+from ..core.fileio import (create_exclusive, load_json, open_input, output_lock, partial_owner, partial_path,
+                           publish)
 from ..format.header import Header
 from ..format.layout import TableLayout
-from ..format.manifest import MANIFEST_FORMAT, manifest_path, write_manifest
+from ..format.manifest import MANIFEST_FORMAT, manifest_path, spec_digest, write_manifest
 from ..format.order import RowOrder
 from ..format.pages import pack_rows, rows_in_block
 from .progress import Journal, Resumable, progress_name, truncate_after, verify_prefix
@@ -58,11 +60,6 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 FREE_SPACE_MARGIN = 16 << 20
 
 
-def partial_name(final: Path) -> Path:
-    """Where a file is written before it is complete; the pid tells a live writer from a dead one."""
-    return final.with_name(f".{final.name}.{os.getpid()}.partial")
-
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -74,11 +71,11 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _dead_partials(final: Path) -> list[Path]:
-    """Temporary files of `final` (`.{name}.{pid}.partial`) whose writer is no longer running."""
+    """Temporary files of `final` (`.{name}.{pid}-{token}.partial`) whose writer is no longer running."""
     found = []
     for candidate in final.parent.glob(f".{glob.escape(final.name)}.*.partial"):
-        pid = candidate.name[len(final.name) + 2:-len(".partial")]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+        pid = partial_owner(final, candidate)
+        if pid is not None and pid != os.getpid() and not _pid_alive(pid):
             found.append(candidate)
     return sorted(found)
 
@@ -86,7 +83,7 @@ def _dead_partials(final: Path) -> list[Path]:
 def remove_stale_partials(final: Path, keep: tuple[Path, ...] | None = None) -> list[Path]:
     """Delete the temporary files of `final` left by writers that died (killed, crashed, power cut).
 
-    Only names of the form `.{name}.{pid}.partial` whose pid is no longer running are removed, so a
+    Only names of the form `.{name}.{pid}-{token}.partial` whose pid is no longer running are removed, so a
     convert still writing the same destination is left alone; `keep` spares a run being resumed.
     """
     removed = [path for path in _dead_partials(final) if path not in (keep or ())]
@@ -114,18 +111,18 @@ def is_interrupted_publish(out: Path, manifest_out: Path) -> bool:
     replace it without --force.
     """
     try:
-        with open(out, "rb") as handle:
+        with open_input(out, "table") as handle:
             raw = handle.read(HEADER_SIZE)
-    except OSError:
+    except (OSError, BadInput):
         return False
     if len(raw) < HEADER_SIZE or not raw.startswith(MAGIC):
         return False
-    file_id = HEADER_STRUCT.unpack_from(raw)[-1].hex()
-    try:
-        recorded = json.loads(manifest_out.read_bytes()).get("file_id")
-    except FileNotFoundError:
+    file_id = HEADER_STRUCT.unpack_from(raw)[-2].hex()
+    if not os.path.lexists(manifest_out):
         return True
-    except (OSError, ValueError, AttributeError, RecursionError):
+    try:
+        recorded = load_json(manifest_out, "manifest").get("file_id")
+    except (OSError, BadInput, AttributeError):
         return False
     return recorded != file_id
 
@@ -175,6 +172,43 @@ def convert(source: TableSource, out: str | Path, options: WriteOptions | None =
         raise BadInput(f"output folder {out.parent} does not exist")
     if out.is_dir():
         raise BadInput(f"{out} is a folder; give a file name")
+    refuse_overwriting_source(source, (out, manifest_out))
+    with output_lock(out):
+        return _convert_locked(source, out, manifest_out, options, layout, rows, progress)
+
+
+def _is_ple_prep_output(path: Path) -> bool:
+    """A prepared table (its magic) or a manifest (its format field): what convert may replace."""
+    try:
+        with open_input(path) as handle:
+            if handle.read(len(MAGIC)) == MAGIC:
+                return True
+        manifest = load_json(path, "manifest")
+    except (OSError, BadInput):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == MANIFEST_FORMAT
+
+
+def refuse_overwriting_source(source: TableSource, targets: tuple[Path, ...]) -> None:
+    """Outputs never replace inputs, --force or not: a target that is a file the source reads, or
+    any file in the checkpoint's folder that ple-prep did not write, is refused."""
+    folder = source.model_dir if source.model_dir.is_dir() else source.model_dir.parent
+    inputs = {segment.path for part in source.parts for segment in part if segment.path is not None}
+    inputs |= {folder / entry.name for entry in source.files} | {source.model_dir}
+    for target in targets:
+        if not os.path.lexists(target):
+            continue
+        for path in inputs:
+            if path.exists() and target.exists() and os.path.samefile(target, path):
+                raise BadInput(f"{target} is {path}, an input of this conversion: choose another --out")
+        if target.resolve().parent == folder.resolve() and not _is_ple_prep_output(target):
+            raise BadInput(f"{target} is a file of the checkpoint folder {folder}, not a ple-prep "
+                           f"table or manifest: choose another --out (even --force never replaces it)")
+
+
+def _convert_locked(source: TableSource, out: Path, manifest_out: Path, options: WriteOptions,
+                    layout: TableLayout | None, rows: RowRange,
+                    progress: Callable[[int], None] | None) -> dict[str, Any]:
     resumable = _find_resumable(out) if options.resume else None
     for final in (out, manifest_out, progress_name(out)):
         remove_stale_partials(final, keep=resumable and (resumable.data, resumable.journal))
@@ -184,12 +218,13 @@ def convert(source: TableSource, out: str | Path, options: WriteOptions | None =
     if layout.order.num_rows != num_rows:
         raise BadInput(f"the row order covers {layout.order.num_rows} rows, the table {num_rows}")
     fingerprint = source.fingerprint()
+    digest = spec_digest(source.scale.to_json() if source.scale is not None else None, source.spec.to_json())
 
     def start(file_id: bytes) -> tuple[Header, bytes, dict[str, Any]]:
         header = Header.for_table(page_size=options.page_size, row_bytes=source.row_bytes,
                                   encoding=source.encoding, values_per_row=source.values_per_row,
                                   num_rows=num_rows, first_row=rows.first_row,
-                                  num_placed=layout.order.num_placed, file_id=file_id)
+                                  num_placed=layout.order.num_placed, file_id=file_id, spec_digest=digest)
         prefix = (header.pack() + layout.order.to_bytes()).ljust(header.data_offset, b"\0")
         return header, prefix, run_identity(header, prefix, fingerprint, CHECKSUM_BLOCK_BYTES)
 
@@ -204,8 +239,10 @@ def convert(source: TableSource, out: str | Path, options: WriteOptions | None =
         header, prefix, run = start(uuid.uuid4().bytes)
     check_free_space(out.parent, header.file_size - (resumable.data.stat().st_size if resumable else 0))
 
-    temporary_data, temporary_manifest = partial_name(out), partial_name(manifest_out)
-    temporary_journal = partial_name(progress_name(out))
+    # The data and journal share one token, so a resume finds the data file of a journal.
+    token = secrets.token_hex(8)
+    temporary_data, temporary_journal = partial_path(out, token), partial_path(progress_name(out), token)
+    temporary_manifest = None
     try:
         if resumable is not None:
             os.rename(resumable.data, temporary_data)
@@ -215,16 +252,16 @@ def convert(source: TableSource, out: str | Path, options: WriteOptions | None =
         manifest = _manifest(source, header, checksums, table_sha256, out.name, layout, fingerprint)
         if rows.tp_size is not None:
             manifest["tensor_parallel"] = {"rank": rows.tp_rank, "size": rows.tp_size}
-        write_manifest(manifest, temporary_manifest)
+        temporary_manifest = write_manifest(manifest, manifest_out)
         # Data first: a crash between the renames leaves a new table beside an old manifest, whose
         # file id no longer matches, so the pair is refused rather than misread.
-        os.replace(temporary_data, out)
-        os.replace(temporary_manifest, manifest_out)
-        _fsync_folder(out.parent)
+        publish(temporary_data, out, sync_folder=False)
+        publish(temporary_manifest, manifest_out)
         temporary_journal.unlink()
     except BaseException as exc:
         for path in (temporary_data, temporary_manifest, temporary_journal):
-            path.unlink(missing_ok=True)
+            if path is not None:
+                path.unlink(missing_ok=True)
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise BadInput(f"the disk holding {out.parent} filled up while writing; "
                            f"partial files removed") from None
@@ -391,7 +428,7 @@ def _verified_blocks(output: _Output, header_crc: int,
 
 def _open_output(output: _Output) -> tuple[int, Journal]:
     if output.resumable is None:
-        descriptor = os.open(output.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        descriptor = create_exclusive(output.path)
         return descriptor, Journal(output.journal_path, output.run)
     return os.open(output.path, os.O_WRONLY), Journal(output.journal_path, None)
 
@@ -448,14 +485,6 @@ def _write_chunk(descriptor: int, pages: np.ndarray, journal: Journal,
         # The block is promised to a resume only once its bytes are on disk.
         os.fsync(descriptor)
         journal.append(*finished_block)
-
-
-def _fsync_folder(folder: Path) -> None:
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def ggml_type_json(encoding) -> dict[str, Any] | None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -10,13 +11,16 @@ import numpy as np
 
 from ..core.constants import HEADER_SIZE
 from ..core.errors import BadInput
+from ..core.fileio import open_regular
 from ..format.header import Header
-from ..format.manifest import load_manifest, manifest_path
+from ..format.manifest import load_manifest, manifest_path, scale_value, spec_digest
 from ..format.order import RowOrder
 from .dequant import decode
 from .gather import DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_PAGES, Gatherer
 from .tiers import Lookup, Resident, load_resident, merge, split
 
+# Where the 16-byte file id sits in the header (docs/FORMAT.md).
+_FILE_ID_OFFSET = 72
 # Header fields that must agree with the manifest's, or the pair does not belong together.
 _MATCHED_FIELDS = ("page_size", "row_bytes", "rows_per_page", "values_per_row", "num_rows",
                    "first_row", "data_offset", "file_size")
@@ -26,8 +30,10 @@ class Table:
     """A prepared PLE table mapped copy-on-write; ids are the model's global row ids."""
 
     def __init__(self, path: Path, manifest: dict[str, Any], header: Header, mapping: mmap.mmap,
-                 window_pages: int = DEFAULT_WINDOW_PAGES, window_bytes: int = DEFAULT_WINDOW_BYTES):
+                 window_pages: int = DEFAULT_WINDOW_PAGES, window_bytes: int = DEFAULT_WINDOW_BYTES,
+                 watch: "FileWatch | None" = None):
         self.path = path
+        self._watch = watch
         self.manifest = manifest
         self.header = header
         self._mapping = mapping
@@ -39,7 +45,8 @@ class Table:
         self.rows_per_page = header.rows_per_page
         self.encoding = header.encoding.label
         scale = manifest["scale"]
-        self.scale: float | None = None if scale is None else float(scale["value"])
+        # The value its exact bytes give (the manifest's `value` was checked to agree).
+        self.scale: float | None = None if scale is None else scale_value(scale, path.name)
         # The map starts at order_offset, not at the file's first byte.
         self.order = RowOrder.from_buffer(memoryview(mapping)[header.order_offset:header.data_offset],
                                           header.num_placed, header.num_rows, path.name) \
@@ -54,6 +61,8 @@ class Table:
         self.close()
 
     def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
         self._gatherer.close()
         self._resident = None
         self.order = None
@@ -125,10 +134,14 @@ class Table:
 
     def gather(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """uint8 `(len(ids), row_bytes)`: the source bytes of each row, in request order."""
+        if self._watch is not None:
+            self._watch.check()
         return self._gatherer.gather_slots(self.slot_of(ids), out)
 
     def gather_slots(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Like `gather`, by file slot (`slot_of`) instead of row id; slots are not checked."""
+        if self._watch is not None:
+            self._watch.check()
         return self._gatherer.gather_slots(slots, out)
 
     def resident(self, budget_bytes: int, device: str = "cpu") -> Resident:
@@ -151,6 +164,8 @@ class Table:
         tensor on the resident tier's device) the merged rows are written there, each position
         once, from its tier.
         """
+        if self._watch is not None:
+            self._watch.check()
         found = split(self.slot_of(ids), self._resident, self._gatherer)
         if out is not None:
             count = len(found.resident_positions) + len(found.disk_positions)
@@ -162,6 +177,68 @@ class Table:
     def values(self, ids: np.ndarray) -> np.ndarray:
         """float32 `(len(ids), values_per_row)`: exactly what the model layer computes."""
         return decode(self.header.encoding, self.gather(ids), self.values_per_row, self.scale)
+
+
+def check_spec_digest(header: Header, meta: dict[str, Any], name: str, manifest_name: str) -> None:
+    """Refuse a manifest whose scale or hash spec is not what the table was written with: the data
+    file's CRC-covered header holds their digest (docs/FORMAT.md)."""
+    if not any(header.spec_digest):
+        raise BadInput(f"{name} has no spec digest in its header (written by an older ple-prep): "
+                       f"convert it again")
+    if header.spec_digest != spec_digest(meta["scale"], meta["ngram"]):
+        raise BadInput(f"{manifest_name} was changed after conversion: its scale or hash spec (ngram) "
+                       f"is not what {name} was written with; refusing to serve wrong values")
+
+
+class FileWatch:
+    """Notices a table file replaced or rewritten under its reader (docs/RELIABILITY.md).
+
+    A mapped file's pages change when someone rewrites the file in place, MAP_PRIVATE or not.
+    `check` costs one clock read; at most once every CHECK_SECONDS it compares the path's and the
+    open descriptor's inode, size and change times with those at open and re-reads the header's
+    file id, and from then on every gather fails naming the change.
+    """
+
+    CHECK_SECONDS = 1.0
+
+    def __init__(self, path: Path, descriptor: int, file_id: bytes):
+        self.path, self.descriptor, self.file_id = path, descriptor, file_id
+        self.opened = self._identity(os.fstat(descriptor))
+        self.next_check = time.monotonic() + self.CHECK_SECONDS
+        self.change: str | None = None
+
+    @staticmethod
+    def _identity(status: os.stat_result) -> tuple[int, ...]:
+        return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns
+
+    def check(self) -> None:
+        if self.change is None and time.monotonic() >= self.next_check:
+            self.change = self.changed()
+            self.next_check = time.monotonic() + self.CHECK_SECONDS
+        if self.change is not None:
+            raise BadInput(f"{self.path} changed under this reader ({self.change}): reopen the table")
+
+    def changed(self) -> str | None:
+        """What changed since open, or None."""
+        try:
+            current = os.stat(self.path)
+        except OSError:
+            return "the file was removed or renamed"
+        if self._identity(current)[:2] != self.opened[:2]:
+            return "another file was put at its path"
+        now = self._identity(os.fstat(self.descriptor))
+        if now[2] != self.opened[2]:
+            return f"its size went from {self.opened[2]} to {now[2]} bytes"
+        if os.pread(self.descriptor, 16, _FILE_ID_OFFSET) != self.file_id:
+            return "its header's file id changed (another table was written over it)"
+        if now[3:] != self.opened[3:]:
+            return "it was rewritten in place (modification time changed)"
+        return None
+
+    def close(self) -> None:
+        if self.descriptor >= 0:
+            os.close(self.descriptor)
+            self.descriptor = -1
 
 
 def open_table(path: str | Path, manifest: str | Path | None = None, *,
@@ -176,10 +253,7 @@ def open_table(path: str | Path, manifest: str | Path | None = None, *,
     path = Path(path)
     manifest_file = Path(manifest) if manifest is not None else manifest_path(path)
     meta = load_manifest(manifest_file)
-    try:
-        descriptor = os.open(path, os.O_RDONLY)
-    except OSError as exc:
-        raise BadInput(f"cannot open {path}: {exc.strerror}") from None
+    descriptor = open_regular(path, "table")
     try:
         size = os.fstat(descriptor).st_size
         header = Header.unpack(os.pread(descriptor, HEADER_SIZE, 0), size, path.name)
@@ -191,9 +265,13 @@ def open_table(path: str | Path, manifest: str | Path | None = None, *,
             mismatched.append("encoding")
         if mismatched:
             raise BadInput(f"{path.name} disagrees with its manifest on {', '.join(mismatched)}")
-        # MAP_PRIVATE: a writer elsewhere can never change what this process reads through us.
+        check_spec_digest(header, meta, path.name, manifest_file.name)
+        # MAP_PRIVATE keeps this process's pages its own, but pages it has not touched still come
+        # from the file: a rewrite in place shows through, which FileWatch detects.
         mapping = mmap.mmap(descriptor, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
-    finally:
+        watch = FileWatch(path, descriptor, header.file_id)
+    except BaseException:
         os.close(descriptor)
+        raise
     mapping.madvise(mmap.MADV_RANDOM)
-    return Table(path, meta, header, mapping, window_pages, window_bytes)
+    return Table(path, meta, header, mapping, window_pages, window_bytes, watch)
