@@ -31,8 +31,7 @@ from ..core.constants import (
     MAGIC,
 )
 from ..core.errors import BadInput
-from ..core.fileio import (create_exclusive, load_json, open_input, output_lock, partial_owner, partial_path,
-                           publish)
+from ..core.fileio import create_exclusive, load_json, open_input, output_lock, partial_owner, partial_path, publish
 from ..format.header import Header
 from ..format.layout import TableLayout
 from ..format.manifest import MANIFEST_FORMAT, manifest_path, spec_digest, write_manifest
