@@ -179,3 +179,16 @@ def test_profile_needs_only_the_config_and_the_tokenizer(runner, fp8_checkpoint,
         for order, (keys, counts) in full_profile.parts[part].groups.items():
             assert np.array_equal(light_profile.parts[part].groups[order][0], keys)
             assert np.array_equal(light_profile.parts[part].groups[order][1], counts)
+
+
+def test_profile_merge_refuses_a_profile_given_twice(runner, fp8_checkpoint, prompts, tmp_path):
+    one = tmp_path / "one.prof"
+    assert runner.invoke(cli, ["profile", "--model", str(fp8_checkpoint), "--prompts",
+                               str(prompts / "doc.txt"), "--out", str(one), "-q"]).exit_code == 0
+    copy = tmp_path / "copy.prof"
+    copy.write_bytes(one.read_bytes())
+    for pair in ((one, one), (one, copy)):
+        result = runner.invoke(cli, ["profile", "merge", *map(str, pair), "-o", str(tmp_path / "m.prof")])
+        assert result.exit_code == 2, result.output
+        assert "both counted doc.txt" in result.stderr and "twice" in result.stderr
+        assert not (tmp_path / "m.prof").exists()
