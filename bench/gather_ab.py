@@ -46,7 +46,7 @@ def main() -> None:
     sys.path.insert(0, str(args.before))
     from ple_prep_before.runtime import open_table as open_table_before
 
-    with open_table(args.table) as after, open_table_before(args.table) as before:
+    with open_table(args.table, read_path="mapped") as after, open_table_before(args.table) as before:
         row_ids = real_text_row_ids(NgramSpec.from_json(after.manifest["ngram"]), 40_000)
         ids = distinct_request(row_ids, DISTINCT_ROWS, 0)
         rows_copy, slots = in_memory_copy(after, ids)

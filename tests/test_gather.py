@@ -34,11 +34,16 @@ def table_path(request, fp8_checkpoint, tmp_path_factory):
     return path
 
 
+@pytest.fixture(params=["mapped", "direct"])
+def read_path(request):
+    return request.param
+
+
 @pytest.fixture(params=["cold", "cached"])
-def table(request, table_path, monkeypatch):
-    """The table with the page-cache probe forced, so both copy paths run whatever the cache holds."""
+def table(request, table_path, read_path, monkeypatch):
+    """The table with the page-cache probe forced, so every copy path runs whatever the cache holds."""
     monkeypatch.setattr(Gatherer, "_cached", lambda self, slots: request.param == "cached")
-    with open_table(table_path) as opened:
+    with open_table(table_path, read_path=read_path) as opened:
         yield opened
 
 
@@ -114,7 +119,7 @@ class _Recorder:
 def test_gather_advice_stays_within_the_window_ahead_of_the_copy(table_path, source_rows,
                                                                  window_pages, monkeypatch):
     monkeypatch.setattr(Gatherer, "_cached", lambda self, slots: False)
-    with open_table(table_path, window_pages=window_pages) as table:
+    with open_table(table_path, window_pages=window_pages, read_path="mapped") as table:
         gatherer = table._gatherer
         recorder = _Recorder(gatherer._units, gatherer._units_per_page, table.page_size,
                              table.header.data_offset)
@@ -191,11 +196,11 @@ def test_lookup_refuses_a_numpy_out_with_the_tier_elsewhere(table):
 @pytest.mark.parametrize("page_size", [1024, 16384])
 @pytest.mark.parametrize("cached", [False, True])
 def test_gather_other_page_sizes(fp8_checkpoint, source_rows, tmp_path, monkeypatch, page_size,
-                                 cached):
+                                 cached, read_path):
     monkeypatch.setattr(Gatherer, "_cached", lambda self, slots: cached)
     with open_source(fp8_checkpoint) as source:
         convert(source, tmp_path / "t.bin", WriteOptions(page_size=page_size))
-    with open_table(tmp_path / "t.bin", window_pages=2) as table:
+    with open_table(tmp_path / "t.bin", window_pages=2, read_path=read_path) as table:
         ids = real_like_ids(table.num_rows, 2000, 6)
         assert np.array_equal(table.gather(ids), source_rows[ids])
 
@@ -216,9 +221,9 @@ def test_gather_cached_rows_on_threads(table_path, source_rows, monkeypatch, thr
 
 def test_gather_probe_sees_an_evicted_file_cold_and_a_gathered_request_cached(table_path):
     """The real mincore probe (not forced): after posix_fadvise(DONTNEED) the request is cold, so
-    gather takes the advised path; once gathered, the same request reads as cached."""
+    gather takes the advised path; once gathered through the mapping, the same request reads as cached."""
     evict(table_path)
-    with open_table(table_path) as table:
+    with open_table(table_path, read_path="mapped") as table:
         slots = table.slot_of(real_like_ids(table.num_rows, 2000, 11))
         gatherer = table._gatherer
         assert not gatherer._cached(slots)

@@ -23,6 +23,7 @@ from ple_prep.format.order import RowOrder
 from ple_prep.offline.staleness import open_checked
 from ple_prep.offline.writer import convert
 from ple_prep.runtime import open_table
+from ple_prep.tools.benchmark import evict
 from ple_prep.tools.fixtures import make_checkpoint
 
 
@@ -139,13 +140,32 @@ def test_open_table_keeps_old_rows_after_convert_force_replaced_it(tmp_path, run
             assert np.array_equal(reopened.gather(ids), new_rows[ids])
 
 
-def test_open_table_in_place_truncation_is_sigbus_that_rename_avoids(table_path):
+def direct_io_works(path: Path) -> bool:
+    try:
+        open_table(path, read_path="direct").close()
+    except BadInput:
+        return False
+    return True
+
+
+def test_open_table_in_place_truncation_is_sigbus_that_rename_avoids(table_path, tmp_path):
     # What ple-prep cannot prevent: someone truncating the mapped file in place (docs/RELIABILITY.md).
-    script = ("import os, sys, numpy as np\n"
-              "from ple_prep.runtime import open_table\n"
-              "t = open_table(sys.argv[1])\n"
-              "os.truncate(sys.argv[1], 4096)\n"
-              "t.gather(np.arange(t.num_rows))\n")
-    done = subprocess.run([sys.executable, "-c", script, str(table_path)], capture_output=True,
-                          cwd=Path(__file__).resolve().parent.parent)
-    assert done.returncode == -signal.SIGBUS, done.stderr
+    # Through the mapping the reader dies with SIGBUS; O_DIRECT reads of uncached rows raise instead.
+    for read_path, expected in (("mapped", -signal.SIGBUS), ("direct", 1)):
+        copy = tmp_path / read_path / table_path.name
+        copy.parent.mkdir()
+        shutil.copyfile(table_path, copy)
+        shutil.copyfile(manifest_path(table_path), manifest_path(copy))
+        evict(copy)
+        if read_path == "direct" and not direct_io_works(copy):
+            continue
+        script = ("import os, sys, numpy as np\n"
+                  "from ple_prep.runtime import open_table\n"
+                  f"t = open_table(sys.argv[1], read_path={read_path!r})\n"
+                  "os.truncate(sys.argv[1], 4096)\n"
+                  "t.gather(np.arange(t.num_rows))\n")
+        done = subprocess.run([sys.executable, "-c", script, str(copy)], capture_output=True,
+                              cwd=Path(__file__).resolve().parent.parent)
+        assert done.returncode == expected, done.stderr
+        if read_path == "direct":
+            assert b"the file shrank" in done.stderr

@@ -82,10 +82,15 @@ class Gatherer:
         self.window_pages = window_pages
         self.window_bytes = window_bytes
         self.threads = 1
+        # The O_DIRECT reader of runtime/direct.py, when the table reads its disk tier that way.
+        self.direct = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_threads = 0
 
     def close(self) -> None:
+        if self.direct is not None:
+            self.direct.close()
+            self.direct = None
         self._units = None
         self._mapping = None
         if self._pool is not None:
@@ -112,6 +117,10 @@ class Gatherer:
                 return out
         if not count:
             return np.empty((0, self._row_bytes), dtype=np.uint8) if out is None else out
+        if self.direct is not None and not self._cached(slots):
+            if out is None:
+                out = np.empty((count, self._row_bytes), dtype=np.uint8)
+            return self.direct.gather_slots(slots, out)
         units = self._units_of(slots)
         window = self.window
         if window and not self._cached(slots):

@@ -16,6 +16,7 @@ from ..format.header import Header
 from ..format.manifest import load_manifest, manifest_path, scale_value, spec_digest
 from ..format.order import RowOrder
 from .dequant import decode
+from .direct import DEFAULT_QUEUE_DEPTH, DirectReader, DirectUnavailable
 from .gather import DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_PAGES, Gatherer
 from .tiers import Lookup, Resident, load_resident, merge, split
 
@@ -24,6 +25,10 @@ _FILE_ID_OFFSET = 72
 # Header fields that must agree with the manifest's, or the pair does not belong together.
 _MATCHED_FIELDS = ("page_size", "row_bytes", "rows_per_page", "values_per_row", "num_rows",
                    "first_row", "data_offset", "file_size")
+# How uncached rows are read: "direct" (O_DIRECT and native AIO, runtime/direct.py) or "mapped"
+# (page faults behind MADV_WILLNEED, runtime/gather.py). docs/RUNTIME.md has the measurements.
+READ_PATHS = ("direct", "mapped")
+DEFAULT_READ_PATH = "direct"
 
 
 class Table:
@@ -31,7 +36,8 @@ class Table:
 
     def __init__(self, path: Path, manifest: dict[str, Any], header: Header, mapping: mmap.mmap,
                  window_pages: int = DEFAULT_WINDOW_PAGES, window_bytes: int = DEFAULT_WINDOW_BYTES,
-                 watch: "FileWatch | None" = None):
+                 watch: "FileWatch | None" = None, direct: DirectReader | None = None,
+                 read_path_note: str | None = None):
         self.path = path
         self._watch = watch
         self.manifest = manifest
@@ -52,6 +58,9 @@ class Table:
                                           header.num_placed, header.num_rows, path.name) \
             if header.num_placed else RowOrder.identity(header.num_rows)
         self._gatherer = Gatherer(mapping, header, window_pages, window_bytes)
+        self._gatherer.direct = direct
+        # Why the default read path fell back to "mapped" (None when it did not).
+        self.read_path_note = read_path_note
         self._resident: Resident | None = None
 
     def __enter__(self) -> "Table":
@@ -104,6 +113,11 @@ class Table:
     def page_of(self, ids: np.ndarray) -> np.ndarray:
         """Index of the file page (counted from the data region) holding each row."""
         return self.slot_of(ids) // self.rows_per_page
+
+    @property
+    def read_path(self) -> str:
+        """How rows not in the page cache are read: "direct" (O_DIRECT) or "mapped" (page faults)."""
+        return "mapped" if self._gatherer.direct is None else "direct"
 
     @property
     def window_pages(self) -> int:
@@ -243,13 +257,20 @@ class FileWatch:
 
 def open_table(path: str | Path, manifest: str | Path | None = None, *,
                window_pages: int = DEFAULT_WINDOW_PAGES,
-               window_bytes: int = DEFAULT_WINDOW_BYTES) -> Table:
+               window_bytes: int = DEFAULT_WINDOW_BYTES, read_path: str | None = None,
+               queue_depth: int = DEFAULT_QUEUE_DEPTH) -> Table:
     """Open a prepared table and its manifest, refusing any pair that does not belong together.
 
     `window_pages`/`window_bytes` bound the read-ahead advice of cold gathers (docs/RUNTIME.md).
+    `read_path` "direct" reads uncached rows with O_DIRECT at `queue_depth` reads in flight and
+    refuses a file system or kernel that cannot; "mapped" reads them through the mapping; None
+    takes DEFAULT_READ_PATH, falling back to "mapped" where O_DIRECT is refused (`read_path_note`
+    says why).
     To also refuse a table whose source checkpoint changed since conversion, open it with
     `ple_prep.offline.staleness.open_checked` (that check reads the checkpoint's format).
     """
+    if read_path is not None and read_path not in READ_PATHS:
+        raise ValueError(f"read_path must be one of {', '.join(READ_PATHS)}, not {read_path!r}")
     path = Path(path)
     manifest_file = Path(manifest) if manifest is not None else manifest_path(path)
     meta = load_manifest(manifest_file)
@@ -274,4 +295,15 @@ def open_table(path: str | Path, manifest: str | Path | None = None, *,
         os.close(descriptor)
         raise
     mapping.madvise(mmap.MADV_RANDOM)
-    return Table(path, meta, header, mapping, window_pages, window_bytes, watch)
+    direct, note = None, None
+    if (read_path or DEFAULT_READ_PATH) == "direct":
+        try:
+            direct = DirectReader(path, header, queue_depth)
+        except DirectUnavailable as exc:
+            if read_path == "direct":
+                mapping.close()
+                watch.close()
+                raise BadInput(f"cannot read {path.name} with O_DIRECT: {exc.strerror}; "
+                               f"open it with read_path='mapped'") from None
+            note = f"O_DIRECT unavailable ({exc.strerror}): rows are read through the mapping"
+    return Table(path, meta, header, mapping, window_pages, window_bytes, watch, direct, note)

@@ -1,0 +1,99 @@
+"""Cold 18,000-row gathers through the mapping and with O_DIRECT, against fio, alternating in one run.
+
+    flock /tmp/ple-bench.lock python bench/cold_direct_bench.py /work/bigdata/disk/ple-6g.bin
+
+Each round runs fio's 4 KiB random reads at queue depth 64 with direct I/O on the table (the disk's
+ceiling), then a cold gather of the same 18,000 distinct real-text rows with each read path, the
+order of the two paths swapped every round (the file evicted before each gather). Rows are checked
+against the synthetic table's known bytes. After a direct gather the share of the file in the page
+cache is measured with mincore (it should stay 0). Medians over the rounds and each gather's
+rows/s against the fio run of its own round are printed as one JSON object; BENCHMARKS.md records it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gather_bench import DISTINCT_ROWS, distinct_request  # noqa: E402
+from synthetic import expected_rows  # noqa: E402
+from ple_prep.ngram import NgramSpec  # noqa: E402
+from ple_prep.runtime import open_table  # noqa: E402
+from ple_prep.runtime.table import DEFAULT_READ_PATH  # noqa: E402
+from ple_prep.tools.benchmark import cached_fraction, evict, fio_random_read, major_faults  # noqa: E402
+from ple_prep.tools.realtext import real_text_row_ids  # noqa: E402
+
+
+def cold_gather(path: Path, ids: np.ndarray, expected: np.ndarray, **options) -> dict:
+    evict(path)
+    with open_table(path, **options) as table:
+        faults = major_faults()
+        started = time.perf_counter()
+        rows = table.gather(ids)
+        seconds = time.perf_counter() - started
+        faults = major_faults() - faults
+        if not np.array_equal(rows, expected):
+            raise SystemExit(f"rows differ from the table's bytes with {options}")
+    return {"rows_per_s": round(len(ids) / seconds), "major_faults": faults,
+            "cached_after": round(cached_fraction(path), 6)}
+
+
+def summary(runs: list[dict], fio: list[int]) -> dict:
+    rates = [run["rows_per_s"] for run in runs]
+    ratios = [run["rows_per_s"] / iops for run, iops in zip(runs, fio)]
+    return {"median_rows_per_s": round(float(np.median(rates))),
+            "median_x_fio": round(float(np.median(ratios)), 3),
+            "min_x_fio": round(min(ratios), 3), "max_x_fio": round(max(ratios), 3),
+            "rows_per_s": rates, "x_fio": [round(ratio, 3) for ratio in ratios],
+            "major_faults": [run["major_faults"] for run in runs],
+            "cached_after": [run["cached_after"] for run in runs]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("table", type=Path)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--fio-seconds", type=float, default=4)
+    parser.add_argument("--queue-depths", default="64",
+                        help="Comma-separated queue depths of the direct path, each its own variant.")
+    args = parser.parse_args()
+    path = args.table
+    with open_table(path) as table:
+        spec = NgramSpec.from_json(table.manifest["ngram"])
+        rows = table.num_rows
+    ids = distinct_request(real_text_row_ids(spec, 40_000), DISTINCT_ROWS, 0)
+    expected = expected_rows(ids)
+    variants = {"mapped": {"read_path": "mapped"}}
+    for depth in [int(d) for d in args.queue_depths.split(",")]:
+        variants[f"direct_qd{depth}"] = {"read_path": "direct", "queue_depth": depth}
+    runs: dict[str, list[dict]] = {name: [] for name in variants}
+    fio: list[int] = []
+    command = None
+    for round_index in range(args.rounds):
+        evict(path)
+        result = fio_random_read(path, args.fio_seconds)
+        if result is None:
+            raise SystemExit("fio is not installed")
+        fio.append(result["iops"])
+        command = result["command"]
+        names = list(variants)
+        for name in names if round_index % 2 == 0 else names[::-1]:
+            runs[name].append(cold_gather(path, ids, expected, **variants[name]))
+    evict(path)
+    report = {"table": str(path), "file_bytes": path.stat().st_size, "rows": rows,
+              "distinct_rows": DISTINCT_ROWS, "default_read_path": DEFAULT_READ_PATH,
+              "fio_command": command, "fio_iops": fio, "fio_median_iops": round(float(np.median(fio))),
+              "rounds": args.rounds}
+    report |= {name: summary(samples, fio) for name, samples in runs.items()}
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""The disk tier read with O_DIRECT: the distinct blocks of a request at a fixed queue depth.
+
+A cold gather through the mapping rides on the page cache: its advice window sets the queue depth,
+but the reads behind the advice are the kernel's buffered reads, whose rate on a busy host falls
+well below the disk's (docs/RUNTIME.md), and every page read stays cached and charged to the
+process's memory cgroup. `DirectReader` reads instead with Linux native AIO on a file descriptor
+opened with `O_DIRECT`: one `io_submit` puts `queue_depth` block reads in flight into an aligned
+anonymous buffer, and each `io_getevents` batch has its rows copied out and its buffer slots
+refilled with the next blocks, so the disk sees `queue_depth` reads at every moment and nothing
+enters the page cache. The system calls go through `syscall(2)` with ctypes and `struct iocb`
+arrays built in numpy: no compiler, no extra package.
+
+A block is `max(page_size, 4096)` bytes, aligned to its size: O_DIRECT needs the offset, length and
+buffer aligned to the device's logical block (512 or 4096 bytes), and a table page never straddles
+a block (page_size is a power of two and the data region starts on a page boundary).
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import math
+import mmap
+import os
+import platform
+import threading
+
+import numpy as np
+
+# Reads kept in flight: twice the queue depth of fio's reference rate, since completions here come in
+# bursts and refills wait for the copy; 128 reached the rate on this project's disk (BENCHMARKS.md).
+DEFAULT_QUEUE_DEPTH = 128
+# The smallest O_DIRECT unit that suits every common device (logical blocks of 512 or 4096 bytes).
+MIN_BLOCK = 4096
+
+# io_setup, io_destroy, io_submit, io_getevents.
+_SYSCALLS = {"x86_64": (206, 207, 209, 208), "aarch64": (0, 1, 2, 4)}
+_IOCB_CMD_PREAD = 0
+# struct iocb and struct io_event of linux/aio_abi.h on a little-endian 64-bit host.
+_IOCB = np.dtype([("data", "<u8"), ("key", "<u4"), ("rw_flags", "<i4"), ("opcode", "<u2"),
+                  ("reqprio", "<i2"), ("fildes", "<u4"), ("buf", "<u8"), ("nbytes", "<u8"),
+                  ("offset", "<i8"), ("reserved2", "<u8"), ("flags", "<u4"), ("resfd", "<u4")])
+_EVENT = np.dtype([("data", "<u8"), ("obj", "<u8"), ("res", "<i8"), ("res2", "<i8")])
+
+
+class DirectUnavailable(OSError):
+    """This host or file system cannot serve the disk tier with O_DIRECT and native AIO."""
+
+
+def _load_syscall():
+    numbers = _SYSCALLS.get(platform.machine())
+    if numbers is None or not hasattr(os, "O_DIRECT") or _IOCB.itemsize != 64:
+        return None, None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).syscall
+    except (OSError, AttributeError):
+        return None, None
+    function.restype = ctypes.c_long
+    return function, numbers
+
+
+_SYSCALL, _NUMBERS = _load_syscall()
+
+
+def _call(number: int, *args) -> int:
+    """One system call; OSError on failure, retried when a signal interrupts it."""
+    while True:
+        result = _SYSCALL(ctypes.c_long(number), *args)
+        if result >= 0:
+            return result
+        code = ctypes.get_errno()
+        if code != errno.EINTR:
+            raise OSError(code, os.strerror(code))
+
+
+class DirectReader:
+    """Rows of one table file by slot, read with O_DIRECT at `queue_depth` reads in flight.
+
+    Raises DirectUnavailable when the file system refuses O_DIRECT (EINVAL) or the kernel refuses
+    native AIO (no syscall, ENOSYS, or the host's aio-max-nr reached). One request at a time: a
+    lock serialises callers on several threads.
+    """
+
+    def __init__(self, path, header, queue_depth: int = DEFAULT_QUEUE_DEPTH):
+        if _SYSCALL is None:
+            raise DirectUnavailable(errno.ENOSYS, f"no native AIO on {platform.machine()} here")
+        if queue_depth < 1:
+            raise ValueError("queue_depth must be >= 1")
+        self.queue_depth = int(queue_depth)
+        self._data_offset = header.data_offset
+        self._page_size = header.page_size
+        self._rows_per_page = header.rows_per_page
+        self._row_bytes = header.row_bytes
+        self._block = max(header.page_size, MIN_BLOCK)
+        self._file_end = header.data_offset + header.num_pages * header.page_size
+        self._in_flight = 0
+        self._context = ctypes.c_ulong(0)
+        self._descriptor = -1
+        self._buffer = None
+        try:
+            self._descriptor = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise DirectUnavailable(exc.errno, f"{path} refuses O_DIRECT ({exc.strerror})") from None
+            raise
+        try:
+            _call(_NUMBERS[0], ctypes.c_long(self.queue_depth), ctypes.byref(self._context))
+        except OSError as exc:
+            os.close(self._descriptor)
+            self._descriptor = -1
+            raise DirectUnavailable(exc.errno, f"native AIO refused: {exc.strerror}") from None
+        # Anonymous memory from mmap is page aligned, as O_DIRECT needs.
+        self._buffer = mmap.mmap(-1, self.queue_depth * self._block)
+        base = np.frombuffer(self._buffer, dtype=np.uint8, count=1).ctypes.data
+        self._iocbs = np.zeros(self.queue_depth, dtype=_IOCB)
+        self._iocbs["data"] = np.arange(self.queue_depth)
+        self._iocbs["opcode"] = _IOCB_CMD_PREAD
+        self._iocbs["fildes"] = self._descriptor
+        self._iocbs["buf"] = base + np.arange(self.queue_depth, dtype=np.uint64) * self._block
+        self._iocbs["nbytes"] = self._block
+        self._pointers = self._iocbs.ctypes.data + np.arange(self.queue_depth, dtype=np.uint64) * _IOCB.itemsize
+        self._events = np.zeros(self.queue_depth, dtype=_EVENT)
+        # Rows as opaque elements of a strided view of the buffer, as Gatherer does over the mapping.
+        step = math.gcd(header.page_size, header.row_bytes)
+        self._step = step
+        self._row_type = np.dtype((np.void, header.row_bytes))
+        self._units = np.ndarray(shape=((len(self._buffer) - header.row_bytes) // step + 1,),
+                                 dtype=self._row_type, buffer=self._buffer, strides=(step,))
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        if self._descriptor >= 0:
+            _call(_NUMBERS[1], self._context)
+            os.close(self._descriptor)
+            self._descriptor = -1
+        self._units = None
+        if self._buffer is not None:
+            try:
+                self._buffer.close()
+            except BufferError:
+                pass
+            self._buffer = None
+
+    def gather_slots(self, slots: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Fill `out` (uint8 `(len(slots), row_bytes)`, C-contiguous) with the rows at `slots`."""
+        if self._descriptor < 0:
+            raise ValueError("the table is closed")
+        if not len(slots):
+            return out
+        distinct, inverse = np.unique(slots, return_inverse=True)
+        offsets = self._data_offset + (distinct // self._rows_per_page) * self._page_size \
+            + (distinct % self._rows_per_page) * self._row_bytes
+        blocks = offsets // self._block
+        # Distinct rows are sorted, so each distinct block's rows are one run.
+        starts = np.flatnonzero(np.diff(blocks, prepend=-1))
+        block_rows = np.diff(np.append(starts, len(blocks)))
+        # Element of `_units` for each row, counted from its block's buffer slot (slot added later).
+        within = (offsets % self._block) // self._step
+        rows = np.empty((len(distinct), self._row_bytes), dtype=np.uint8)
+        with self._lock:
+            self._read(blocks[starts] * self._block, starts, block_rows, within,
+                       rows.view(self._row_type).reshape(-1))
+        out[...] = rows[inverse.reshape(-1)]
+        return out
+
+    def _read(self, block_offsets: np.ndarray, starts: np.ndarray, block_rows: np.ndarray,
+              within: np.ndarray, target: np.ndarray) -> None:
+        """Read each block once, `queue_depth` in flight, copying its rows to `target` on arrival."""
+        count = len(block_offsets)
+        depth = self.queue_depth
+        slot_block = np.zeros(depth, dtype=np.int64)  # block index held by each buffer slot
+        units_per_block = self._block // self._step
+        submitted = done = 0
+        free = np.arange(min(depth, count))
+        try:
+            while done < count:
+                if len(free) and submitted < count:
+                    take = free[:count - submitted]
+                    fresh = np.arange(submitted, submitted + len(take))
+                    self._iocbs["offset"][take] = block_offsets[fresh]
+                    slot_block[take] = fresh
+                    submitted += len(take)
+                    self._submit(np.ascontiguousarray(self._pointers[take]))
+                got = _call(_NUMBERS[3], self._context, ctypes.c_long(1), ctypes.c_long(depth),
+                            ctypes.c_void_p(self._events.ctypes.data), None)
+                self._in_flight -= got
+                events = self._events[:got]
+                free = events["data"].astype(np.int64)
+                finished = slot_block[free]
+                self._check(events["res"], block_offsets[finished])
+                lengths = block_rows[finished]
+                first = starts[finished]
+                # Rows of the finished blocks, in the distinct-row order: their runs concatenated.
+                runs = np.repeat(first - np.cumsum(lengths) + lengths, lengths) + np.arange(lengths.sum())
+                target[runs] = self._units[np.repeat(free * units_per_block, lengths) + within[runs]]
+                done += got
+        finally:
+            # Never leave reads in flight into a buffer the next request reuses.
+            while self._in_flight > 0:
+                self._in_flight -= _call(_NUMBERS[3], self._context, ctypes.c_long(self._in_flight),
+                                         ctypes.c_long(depth), ctypes.c_void_p(self._events.ctypes.data),
+                                         None)
+
+    def _submit(self, pointers: np.ndarray) -> None:
+        """Submit every iocb in `pointers`; the kernel may take fewer per call."""
+        sent = 0
+        while sent < len(pointers):
+            taken = _call(_NUMBERS[2], self._context, ctypes.c_long(len(pointers) - sent),
+                          ctypes.c_void_p(pointers.ctypes.data + sent * pointers.itemsize))
+            self._in_flight += taken
+            sent += taken
+
+    def _check(self, results: np.ndarray, offsets: np.ndarray) -> None:
+        """Each read must fill its block, or reach the table's end (a last block past the file's end)."""
+        for index in np.flatnonzero(results < self._block).tolist():
+            result, offset = int(results[index]), int(offsets[index])
+            if result < 0:
+                raise OSError(-result, f"O_DIRECT read at byte {offset}: {os.strerror(-result)}")
+            if offset + result < self._file_end:
+                raise OSError(errno.EIO, f"short O_DIRECT read at byte {offset}: the file shrank")
