@@ -26,9 +26,10 @@ import threading
 
 import numpy as np
 
-# Reads kept in flight: twice the queue depth of fio's reference rate, since completions here come in
-# bursts and refills wait for the copy; 128 reached the rate on this project's disk (BENCHMARKS.md).
-DEFAULT_QUEUE_DEPTH = 128
+# Reads kept in flight. Deeper than fio's reference depth of 64 on purpose: completions come in
+# bursts and a busy host deschedules the refilling thread for milliseconds, so the queue must hold
+# that long of work; 512 (a 2 MiB buffer) was the steadiest here (BENCHMARKS.md, "Disk tier").
+DEFAULT_QUEUE_DEPTH = 512
 # The smallest O_DIRECT unit that suits every common device (logical blocks of 512 or 4096 bytes).
 MIN_BLOCK = 4096
 
