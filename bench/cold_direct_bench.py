@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gather_bench import DISTINCT_ROWS, distinct_request  # noqa: E402
 from synthetic import expected_rows  # noqa: E402
+
 from ple_prep.ngram import NgramSpec  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
 from ple_prep.runtime.table import DEFAULT_READ_PATH  # noqa: E402

@@ -10,9 +10,10 @@ import pytest
 
 from ple_prep.converters import open_source
 from ple_prep.core.errors import BadInput
+from ple_prep.format.layout import TableLayout
 from ple_prep.format.manifest import manifest_path
 from ple_prep.format.order import RowOrder
-from ple_prep.offline.writer import convert
+from ple_prep.offline.writer import WriteOptions, convert
 from ple_prep.runtime import direct, open_table
 from ple_prep.runtime.gather import Gatherer
 from ple_prep.tools.benchmark import cached_fraction, evict
@@ -32,7 +33,7 @@ def ordered_table(fp8_checkpoint, tmp_path_factory):
     path = tmp_path_factory.mktemp("direct") / "t.bin"
     with open_source(fp8_checkpoint) as source:
         placed = np.random.default_rng(3).permutation(source.num_rows)[:2000]
-        convert(source, path, order=RowOrder.from_placed(placed, source.num_rows))
+        convert(source, path, layout=TableLayout(RowOrder.from_placed(placed, source.num_rows)))
     try:
         with open_table(path, read_path="direct"):
             pass
@@ -80,7 +81,7 @@ def test_direct_gather_with_other_page_sizes(fp8_checkpoint, source_rows, tmp_pa
     """Pages smaller than the 4 KiB O_DIRECT block share a block; larger ones are one block each."""
     monkeypatch.setattr(Gatherer, "_cached", lambda self, slots: False)
     with open_source(fp8_checkpoint) as source:
-        convert(source, tmp_path / "t.bin", page_size=page_size)
+        convert(source, tmp_path / "t.bin", WriteOptions(page_size=page_size))
     try:
         table = open_table(tmp_path / "t.bin", read_path="direct", queue_depth=8)
     except BadInput as exc:
