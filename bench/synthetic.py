@@ -114,7 +114,7 @@ def main() -> None:
     order = hot_order(source.spec, source.num_rows, args.profile_tokens, args.placed) \
         if args.profile_tokens or args.placed else None
     started = time.perf_counter()
-    layout = TableLayout(order, {"kind": "access-order", "num_placed": order.num_placed}) if order else None
+    layout = TableLayout(order, {"kind": "access-ordered", "num_placed": order.num_placed}) if order else None
     manifest = convert(source, args.out, WriteOptions(force=True), layout=layout)
     print(json.dumps({"table": str(args.out), "rows": manifest["num_rows"],
                       "file_bytes": manifest["file_size"], "placed": order.num_placed if order else 0,

@@ -216,10 +216,10 @@ def verify(table: Path, model: Path | None, sample: int | None, seed: int, as_js
     Example:
         ple-prep verify /nvme/ple.bin --model ./Qwen3.8-Flash-Next-FP8 --sample 100000
     """
-    from .format.manifest import load_manifest, manifest_path
+    from .format.manifest import load_table_manifest
     from .offline.verify import verify as verify_table
 
-    manifest = load_manifest(manifest_path(table))
+    manifest = load_table_manifest(table)
     total = manifest["file_size"] + (manifest["num_rows"] * manifest["row_bytes"] if model else 0)
     with progress_bar(total, "verify", quiet) as advance:
         report = verify_table(table, model, sample=sample, seed=seed, progress=advance)
@@ -256,9 +256,10 @@ def inspect(table: Path, plot_path: Path | None, as_json: bool) -> None:
         ple-prep inspect /nvme/ple.bin --json
         ple-prep inspect /nvme/ple.bin --plot residency.png
     """
-    from .format.manifest import load_manifest, manifest_path
+    from .format.manifest import load_table_manifest, manifest_path, validate_with_schema
 
-    manifest = load_manifest(manifest_path(table))
+    manifest = load_table_manifest(table)
+    validate_with_schema(manifest, manifest_path(table).name)
     if plot_path is not None:
         from .tools.plot import plot_residency
 

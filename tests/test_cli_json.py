@@ -107,4 +107,4 @@ def test_bad_input_exits_2_with_one_line(runner, tmp_path):
     result = runner.invoke(cli, ["inspect", str(tmp_path / "missing.bin"), "--json"])
     assert result.exit_code == 2
     assert result.stdout == ""
-    assert result.stderr.startswith("error: manifest ") and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("error: no such file: ") and result.stderr.count("\n") == 1

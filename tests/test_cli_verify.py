@@ -119,7 +119,21 @@ def test_verify_other_source_reported(converted, bf16_checkpoint, runner):
 def test_verify_missing_table_is_bad_input(runner, tmp_path):
     result = runner.invoke(cli, ["verify", str(tmp_path / "none.bin")])
     assert result.exit_code == 2
-    assert result.stderr.startswith("error: manifest ") and result.stderr.count("\n") == 1
+    assert result.stderr == f"error: no such file: {tmp_path / 'none.bin'}\n"
+
+
+@pytest.mark.parametrize("command", ["verify", "inspect"])
+def test_table_path_mistakes_say_what_is_wrong(command, converted, runner):
+    _, out = converted
+    mistakes = {out.with_name("pel.bin"): f"error: no such file: {out.with_name('pel.bin')} (tables in "
+                                          f"{out.parent}: t.bin)",
+                out.parent: f"error: {out.parent} is a folder; give the prepared table file in it",
+                out.with_name("t.bin.json"): f"error: {out.with_name('t.bin.json')} is a manifest; give the "
+                                             f"table it describes ({out})"}
+    for given, message in mistakes.items():
+        result = runner.invoke(cli, [command, str(given)])
+        assert result.exit_code == 2, result.output
+        assert result.stderr.startswith(message) and result.stderr.count("\n") == 1, result.stderr
 
 
 def test_inspect_human(converted, runner):
@@ -144,6 +158,7 @@ def test_inspect_json(converted, runner):
 
 
 def test_inspect_not_a_table(runner, tmp_path):
+    (tmp_path / "x.bin").write_bytes(b"")
     (tmp_path / "x.bin.json").write_text("[]")
     result = runner.invoke(cli, ["inspect", str(tmp_path / "x.bin")])
     assert result.exit_code == 2

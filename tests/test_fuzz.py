@@ -24,7 +24,7 @@ from ple_prep.converters.safetensors import DTYPE_SIZES, read_header
 from ple_prep.core.constants import HEADER_SIZE, HEADER_STRUCT, MAGIC, Encoding
 from ple_prep.core.errors import BadInput
 from ple_prep.format.header import Header
-from ple_prep.format.manifest import load_manifest, validate_manifest
+from ple_prep.format.manifest import load_manifest, validate_manifest, validate_with_schema
 from ple_prep.ngram import NgramSpec
 from ple_prep.tools.fixtures import add_gguf_metadata, fixture_config, write_safetensors
 
@@ -285,20 +285,28 @@ def test_header_unpack_hostile_fields_give_bad_input(keep, fields, size_from_hea
 # --- manifest -------------------------------------------------------------------------------------
 
 def _valid_manifest() -> dict:
-    return {
+    return _as_json({
         "format": "ple-prep-table", "format_version": 1, "file_id": "00" * 16, "tool_version": "0.1.0",
-        "data_file": "t.bin", "file_size": VALID_HEADER.file_size, "page_size": 4096,
+        "data_file": "t.bin", "ggml_type": None, "file_size": VALID_HEADER.file_size, "page_size": 4096,
         "rows_per_page": 25, "data_offset": VALID_HEADER.data_offset, "encoding": "fp8_e4m3",
         "row_bytes": 160, "values_per_row": 160, "num_rows": 16896, "first_row": 0,
         "total_rows": 16896, "scale": {"dtype": "BF16", "hex": "5339", "value": 0.00020122528076171875},
-        "ngram": SPEC.to_json(), "source": {"format": "safetensors", "files": []},
+        "ngram": SPEC.to_json(),
+        "source": {"format": "safetensors", "model": "m", "files": [{"name": "model.safetensors", "size": 1}],
+                   "table_sha256": "0" * 64},
         "checksums": {"algorithm": "crc32", "block_bytes": 64 << 20, "header_crc32": 0, "blocks": [0]},
         "layout": {"kind": "source-order", "num_placed": 0}, "residency": [],
-    }
+    })
+
+
+def _as_json(manifest: dict) -> dict:
+    """As a reader gets it from the file (tuples become lists)."""
+    return json.loads(json.dumps(manifest))
 
 
 def test_valid_manifest_fixture_is_valid():
     validate_manifest(_valid_manifest())
+    validate_with_schema(_valid_manifest())
 
 
 @settings(max_examples=EXAMPLES["manifest_random"], **FAST)

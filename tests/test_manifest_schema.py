@@ -1,4 +1,5 @@
-"""docs/manifest.schema.json describes the manifests convert really writes, and refuses broken ones."""
+"""The manifest's JSON Schema (ple_prep/format/manifest.schema.json) describes the manifests convert
+really writes, and refuses broken ones; the reader's check at open agrees with it."""
 from __future__ import annotations
 
 import copy
@@ -11,10 +12,10 @@ import pytest
 
 from ple_prep.cli import cli
 from ple_prep.core.errors import BadInput
-from ple_prep.format.manifest import manifest_path, validate_manifest
+from ple_prep.format.manifest import SCHEMA_PATH, manifest_path, validate_manifest, validate_with_schema
 from ple_prep.tools.fixtures import make_gguf
 
-SCHEMA = json.loads((Path(__file__).resolve().parent.parent / "docs" / "manifest.schema.json").read_text())
+SCHEMA = json.loads(SCHEMA_PATH.read_text())
 VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
 
 
@@ -106,13 +107,41 @@ def test_manifest_schema_refuses_broken(change, manifests):
     assert not VALIDATOR.is_valid(change(copy.deepcopy(manifests["fp8"])))
 
 
-@pytest.mark.parametrize("change", [_delete("file_id"), _set("encoding", "fp4"), _set("scale.value", 0),
-                                    _set("checksums.algorithm", "md5"), _set("format_version", 2)])
-def test_manifest_schema_and_reader_agree(change, manifests):
+@pytest.mark.parametrize("change", [case[1] for case in BROKEN], ids=[case[0] for case in BROKEN])
+def test_reader_check_refuses_what_the_schema_refuses(change, manifests):
+    # The fast check at open is a subset of the schema: on each broken manifest both refuse.
     manifest = change(copy.deepcopy(manifests["fp8"]))
     assert not VALIDATOR.is_valid(manifest)
     with pytest.raises(BadInput):
         validate_manifest(manifest)
+    with pytest.raises(BadInput, match="does not match the manifest schema"):
+        validate_with_schema(manifest)
+
+
+@pytest.mark.parametrize("name", ["fp8", "bf16", "nvfp4", "gguf", "profiled", "rank"])
+def test_reader_check_accepts_what_the_schema_accepts(name, manifests):
+    validate_manifest(copy.deepcopy(manifests[name]))
+    validate_with_schema(copy.deepcopy(manifests[name]))
+
+
+@pytest.mark.parametrize("case", ["missing data_file", "missing ggml_type", "page_size 4000",
+                                  "table_sha256 00", "layout kind random", "file_id abc"])
+def test_former_disagreements_are_refused_by_both(case, manifests):
+    change = {"missing data_file": _delete("data_file"), "missing ggml_type": _delete("ggml_type"),
+              "page_size 4000": _set("page_size", 4000), "table_sha256 00": _set("source.table_sha256", "00"),
+              "layout kind random": _set("layout.kind", "random"), "file_id abc": _set("file_id", "abc")}[case]
+    manifest = change(copy.deepcopy(manifests["bf16"]))
+    assert not VALIDATOR.is_valid(manifest)
+    with pytest.raises(BadInput):
+        validate_manifest(manifest)
+
+
+def test_the_schema_ships_in_the_package():
+    # The wheel's package data names the schema, and the docs link to it, not to a copy.
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert '"format/manifest.schema.json"' in pyproject
+    assert SCHEMA_PATH.parent.name == "format" and SCHEMA_PATH.is_file()
+    assert not (Path(__file__).resolve().parents[1] / "docs" / "manifest.schema.json").exists()
 
 
 def test_manifest_schema_gguf_type_must_match_encoding(manifests):
@@ -122,3 +151,4 @@ def test_manifest_schema_gguf_type_must_match_encoding(manifests):
     assert not VALIDATOR.is_valid(manifest)
     manifest["ggml_type"] = None
     assert not VALIDATOR.is_valid(manifest)
+

@@ -1,10 +1,19 @@
-"""The sidecar manifest `<table>.json` (docs/FORMAT.md, docs/manifest.schema.json). Standard library only."""
+"""The sidecar manifest `<table>.json` (docs/FORMAT.md). Standard library only.
+
+Its JSON Schema, `manifest.schema.json` beside this module, is the one description of the format:
+`validate_with_schema` checks a manifest against all of it (verify and inspect do, with the
+`jsonschema` package), and the reader's check at open (`validate_manifest`) is a subset of it that
+takes its required keys, enumerations and patterns from the same file, so the two cannot disagree
+on those; tests/test_manifest_schema.py holds the subset to the schema on every manifest convert
+writes and on every broken one it lists.
+"""
 from __future__ import annotations
 
 import hashlib
 import json
 import math
 import os
+import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -18,19 +27,58 @@ MAX_MANIFEST_BYTES = 64 << 20
 # How a scale's stored little-endian bytes become its value.
 _SCALE_FORMATS = {"F32": "<f", "F16": "<e", "BF16": "<H"}
 
-# (key, type) pairs a reader relies on; the schema file holds the full description.
-_REQUIRED: tuple[tuple[str, type | tuple[type, ...]], ...] = (
-    ("format", str), ("format_version", int), ("file_id", str), ("tool_version", str),
-    ("encoding", str), ("row_bytes", int), ("values_per_row", int), ("num_rows", int),
-    ("first_row", int), ("total_rows", int), ("page_size", int), ("rows_per_page", int),
-    ("data_offset", int), ("file_size", int), ("scale", (dict, type(None))), ("ngram", dict),
-    ("source", dict), ("checksums", dict), ("layout", dict), ("residency", list),
-)
+SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
+SCHEMA: dict[str, Any] = json.loads(SCHEMA_PATH.read_text())
+_PROPERTIES = SCHEMA["properties"]
+_JSON_TYPES: dict[str, type | tuple[type, ...]] = {
+    "string": str, "integer": int, "object": dict, "array": list, "number": (int, float), "null": type(None)}
+_FILE_ID = re.compile(_PROPERTIES["file_id"]["pattern"])
+_SHA256 = re.compile(_PROPERTIES["source"]["properties"]["table_sha256"]["pattern"])
+_PAGE_SIZES = frozenset(_PROPERTIES["page_size"]["enum"])
+_LAYOUT_KINDS = frozenset(_PROPERTIES["layout"]["properties"]["kind"]["enum"])
+_ENCODINGS_WITH_SCALE = frozenset(("fp8_e4m3", "nvfp4_packed"))
+
+
+def _json_types(key: str) -> type | tuple[type, ...] | None:
+    """The Python types a top-level property of the schema allows (None: not a plain type)."""
+    prop = _PROPERTIES[key]
+    if "type" in prop:
+        return _JSON_TYPES[prop["type"]]
+    if "oneOf" in prop and all("type" in choice for choice in prop["oneOf"]):
+        return tuple(_JSON_TYPES[choice["type"]] for choice in prop["oneOf"])
+    if "const" in prop or "enum" in prop:
+        values = prop.get("enum", [prop.get("const")])
+        return tuple({type(value) for value in values})
+    return None
+
+
+_REQUIRED = tuple((key, _json_types(key)) for key in SCHEMA["required"])
 
 
 def manifest_path(table_path: str | Path) -> Path:
     table_path = Path(table_path)
     return table_path.with_name(table_path.name + MANIFEST_SUFFIX)
+
+
+def load_table_manifest(table_path: str | Path, manifest: str | Path | None = None) -> dict[str, Any]:
+    """The manifest of the prepared table at `table_path` (`manifest`, else the table's name + .json),
+    after checking that `table_path` names a table: a missing path, a folder, or the manifest itself
+    given in its place each get a message that says so."""
+    table_path = Path(table_path)
+    if table_path.is_dir():
+        raise BadInput(f"{table_path} is a folder; give the prepared table file in it (the one beside "
+                       f"its {MANIFEST_SUFFIX} manifest)")
+    if table_path.suffix == MANIFEST_SUFFIX and manifest is None and table_path.is_file():
+        table = table_path.with_suffix("")
+        raise BadInput(f"{table_path} is a manifest; give the table it describes"
+                       + (f" ({table})" if table.is_file() else ""))
+    if not table_path.exists():
+        beside = sorted(p.name for p in table_path.parent.glob("*" + MANIFEST_SUFFIX)
+                        if p.with_suffix("").is_file())[:5] if table_path.parent.is_dir() else []
+        raise BadInput(f"no such file: {table_path}"
+                       + (f" (tables in {table_path.parent}: {', '.join(n[:-len(MANIFEST_SUFFIX)] for n in beside)})"
+                          if beside else ""))
+    return load_manifest(Path(manifest) if manifest is not None else manifest_path(table_path))
 
 
 def load_manifest(path: str | Path) -> dict[str, Any]:
@@ -72,12 +120,28 @@ def validate_manifest(manifest: Any, name: str = "manifest") -> None:
     if not isinstance(manifest, dict):
         raise BadInput(f"{name}: the manifest is not a JSON object")
     wrong = [key for key, kind in _REQUIRED
-             if key not in manifest or not isinstance(manifest[key], kind)
-             or (kind is int and isinstance(manifest[key], bool))]
+             if key not in manifest or (kind is not None and not isinstance(manifest[key], kind))
+             or (isinstance(manifest[key], bool) and kind is not None and bool not in _as_tuple(kind))]
     if wrong:
         raise BadInput(f"{name}: missing or mistyped manifest fields: {', '.join(wrong)}")
     if manifest["format"] != MANIFEST_FORMAT or manifest["format_version"] != FORMAT_VERSION:
         raise BadInput(f"{name}: not a ple-prep v{FORMAT_VERSION} manifest")
+    if not _FILE_ID.fullmatch(manifest["file_id"]):
+        raise BadInput(f"{name}: file_id {manifest['file_id']!r} is not 32 lowercase hex digits")
+    if not manifest["data_file"]:
+        raise BadInput(f"{name}: data_file is empty")
+    if manifest["page_size"] not in _PAGE_SIZES:
+        raise BadInput(f"{name}: page size {manifest['page_size']} is not a power of two from 512 to 64 MiB")
+    for key in ("row_bytes", "values_per_row", "num_rows", "rows_per_page", "total_rows"):
+        if manifest[key] < 1:
+            raise BadInput(f"{name}: {key} {manifest[key]} must be at least 1")
+    source, layout = manifest["source"], manifest["layout"]
+    if not isinstance(source.get("table_sha256"), str) or not _SHA256.fullmatch(source["table_sha256"]):
+        raise BadInput(f"{name}: source.table_sha256 must be 64 lowercase hex digits")
+    if layout.get("kind") not in _LAYOUT_KINDS or not _is_count(layout.get("num_placed")):
+        raise BadInput(f"{name}: layout must be one of {sorted(_LAYOUT_KINDS)} with num_placed >= 0, "
+                       f"not {layout.get('kind')!r}")
+    _validate_ngram(manifest["ngram"], name)
     try:
         encoding = Encoding.from_label(manifest["encoding"])
     except ValueError:
@@ -91,6 +155,9 @@ def validate_manifest(manifest: Any, name: str = "manifest") -> None:
         raise BadInput(f"{name}: a {encoding.label} table needs ggml_type "
                        f"{{\"name\": \"{expected[0]}\", \"id\": {expected[1]}}}, not {ggml_type!r}")
     scale = manifest["scale"]
+    if (scale is not None) != (encoding.label in _ENCODINGS_WITH_SCALE):
+        raise BadInput(f"{name}: a {encoding.label} table "
+                       + ("needs a scale" if scale is None else "has no scale"))
     if scale is not None:
         value = scale.get("value")
         # A huge JSON integer cannot become a float: refuse it rather than overflow.
@@ -104,7 +171,7 @@ def validate_manifest(manifest: Any, name: str = "manifest") -> None:
     block_bytes = checksums.get("block_bytes")
     if (checksums.get("algorithm") != "crc32" or not isinstance(blocks, list)
             or not isinstance(block_bytes, int) or block_bytes <= 0
-            or not all(isinstance(b, int) for b in blocks)):
+            or not blocks or not all(type(b) is int and 0 <= b < 2**32 for b in blocks)):
         raise BadInput(f"{name}: checksums must be crc32 blocks")
     data_bytes = manifest["file_size"] - manifest["data_offset"]
     if len(blocks) != -(-data_bytes // block_bytes):
@@ -113,6 +180,38 @@ def validate_manifest(manifest: Any, name: str = "manifest") -> None:
         raise BadInput(f"{name}: rows [{manifest['first_row']}, +{manifest['num_rows']}) are outside "
                        f"the table of {manifest['total_rows']}")
     _validate_tensor_parallel(manifest, name)
+
+
+def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _validate_ngram(ngram: dict[str, Any], name: str) -> None:
+    """The hash constants are integers (never floats: multipliers need up to 64 bits)."""
+    required = _PROPERTIES["ngram"]["required"]
+    lists = ("multipliers", "head_sizes", "head_offsets")
+    missing = [key for key in required if key not in ngram]
+    wrong = [key for key in required if key in ngram and key not in lists and not _is_count(ngram[key])]
+    wrong += [key for key in lists if key in ngram and not (
+        isinstance(ngram[key], list) and ngram[key] and all(_is_count(v) and v < 2**64 for v in ngram[key]))]
+    if missing or wrong:
+        raise BadInput(f"{name}: ngram fields missing or not non-negative integers: {', '.join(missing + wrong)}")
+
+
+def validate_with_schema(manifest: Any, name: str = "manifest") -> None:
+    """Check a manifest against the whole JSON Schema (needs `jsonschema`); BadInput naming the first
+    problems. The offline tools call it; the reader's fast check at open is `validate_manifest`."""
+    import jsonschema
+
+    errors = sorted(jsonschema.Draft202012Validator(SCHEMA).iter_errors(manifest), key=lambda e: list(e.path))
+    if errors:
+        problems = [f"{'.'.join(map(str, error.path)) or '(top)'}: {error.message[:200]}" for error in errors[:3]]
+        raise BadInput(f"{name} does not match the manifest schema: {'; '.join(problems)}"
+                       + (f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""))
 
 
 def _validate_tensor_parallel(manifest: dict[str, Any], name: str) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 from ..converters import open_source
 from ..core.errors import BadInput
 from ..core.fileio import read_exactly
-from ..format.manifest import load_manifest, manifest_path
+from ..format.manifest import load_table_manifest, manifest_path, validate_with_schema
 from ..runtime import open_table
 from .staleness import source_changes
 
@@ -47,7 +47,8 @@ def verify(path: str | Path, model: str | Path | None = None, *, sample: int | N
     """Checksums always; with `model`, compare all rows (or `sample` random ones) with the source."""
     path = Path(path)
     report = VerifyReport(str(path))
-    manifest = load_manifest(manifest_path(path))
+    manifest = load_table_manifest(path)
+    validate_with_schema(manifest, manifest_path(path).name)
     try:
         table = open_table(path)
     except BadInput as exc:

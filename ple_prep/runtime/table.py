@@ -13,7 +13,7 @@ from ..core.constants import HEADER_SIZE
 from ..core.errors import BadInput
 from ..core.fileio import open_regular
 from ..format.header import Header
-from ..format.manifest import load_manifest, manifest_path, scale_value, spec_digest
+from ..format.manifest import load_table_manifest, manifest_path, scale_value, spec_digest
 from ..format.order import RowOrder
 from .dequant import decode
 from .direct import DEFAULT_QUEUE_DEPTH, DirectReader, DirectUnavailable
@@ -273,7 +273,7 @@ def open_table(path: str | Path, manifest: str | Path | None = None, *,
         raise ValueError(f"read_path must be one of {', '.join(READ_PATHS)}, not {read_path!r}")
     path = Path(path)
     manifest_file = Path(manifest) if manifest is not None else manifest_path(path)
-    meta = load_manifest(manifest_file)
+    meta = load_table_manifest(path, manifest)
     descriptor = open_regular(path, "table")
     try:
         size = os.fstat(descriptor).st_size
