@@ -1,0 +1,1 @@
+"""Bindings of the prepared table to serving stacks; they sit above everything and use the public runtime API."""

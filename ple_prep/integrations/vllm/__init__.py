@@ -1,0 +1,57 @@
+"""ple-prep's vLLM plugin: Qwen4Exp's n-gram embedding served from a prepared table.
+
+`register` is the `vllm.general_plugins` entry point (pyproject.toml); vLLM calls it in every
+process before a model is built. It imports nothing of vLLM: it only arranges that, when vLLM
+imports the module that picks the n-gram embedding's storage class, `storage.install` swaps that
+choice. The table is configured by `PLE_PREP_TABLE` or vLLM's additional config (`settings.py`);
+without either, vLLM builds its own storage as before.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+from types import ModuleType
+
+# vLLM's modules that choose the n-gram embedding's storage class: CUDA, and ROCm's copy.
+NVIDIA_MODULE = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
+ROCM_MODULE = "vllm.models.qwen4_exp.amd.ple_layer"
+
+
+def _patch(module: ModuleType) -> None:
+    from . import storage
+
+    storage.install(module, storage.select_storage if module.__name__ == NVIDIA_MODULE else storage.refuse_storage)
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """vLLM's own loader of a storage-choosing module, then `_patch` on the module."""
+
+    def __init__(self, loader: importlib.abc.Loader):
+        self.loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.loader.exec_module(module)
+        _patch(module)
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name: str, path, target=None):
+        if name not in (NVIDIA_MODULE, ROCM_MODULE):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _PatchingLoader(spec.loader)
+        return spec
+
+
+def register() -> None:
+    """vLLM's general plugin hook; safe to call many times."""
+    for name in (NVIDIA_MODULE, ROCM_MODULE):
+        if name in sys.modules:
+            _patch(sys.modules[name])
+    if not any(isinstance(finder, _PatchAfterImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _PatchAfterImport())

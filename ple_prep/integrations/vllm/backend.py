@@ -1,0 +1,122 @@
+"""One rank's n-gram PLE rows for vLLM's Qwen4Exp model, served from a prepared table.
+
+No vLLM import here: this is what `storage.py` binds to vLLM's storage seam, and what
+`bench/vllm_backend_gpu.py` drives on a GPU without vLLM. It checks that a table belongs to the
+layer it is to serve, picks the resident budget, and splits a lookup in two: `start` when vLLM
+starts its prefetch (before the decoder layer ahead of the PLE layer) and `finish` at the PLE layer.
+Rows outside this rank's block come back as zeros, so the ranks' outputs sum to the full input as
+the rows of vLLM's own ETP-sharded table do.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ...core.errors import BadInput
+from ...runtime import Table
+from ...runtime.torch import EmbeddingSource
+
+# The table encodings that serve each of vLLM's PLE embedding methods, by the method's name.
+METHOD_ENCODINGS = {"fp8": "fp8_e4m3", "nvfp4": "nvfp4_packed", "unquantized": "bf16"}
+# The residency hint used when the operator sets no budget: the runtime's figures are measured there.
+DEFAULT_HINT = "5%"
+
+
+class TableMismatch(BadInput):
+    """The prepared table does not belong to the model layer vLLM built."""
+
+
+def check_layer(table: Table, *, method: str, total_rows: int, values_per_row: int,
+                owned: tuple[int, int], rank: int, size: int) -> None:
+    """Refuse a table whose encoding, geometry or rank block differs from the layer's."""
+    name = table.path.name
+    expected = METHOD_ENCODINGS[method]
+    if table.encoding != expected:
+        raise TableMismatch(f"{name} holds {table.encoding} rows, but the checkpoint's PLE table is {method} "
+                            f"({expected}): convert the checkpoint vLLM serves")
+    if table.manifest["total_rows"] != total_rows or table.values_per_row != values_per_row:
+        raise TableMismatch(f"{name} is a table of {table.manifest['total_rows']} rows of {table.values_per_row} "
+                            f"values; the model's has {total_rows} rows of {values_per_row}")
+    file_rank = table.tensor_parallel or {"rank": 0, "size": 1}
+    if (file_rank["rank"], file_rank["size"]) != (rank, size) or table.row_range != tuple(owned):
+        held = "the whole table" if table.tensor_parallel is None else \
+            f"rank {file_rank['rank']} of {file_rank['size']}'s rows"
+        fix = "serve the whole table (convert without --tp-size)" if size == 1 else \
+            (f"convert with --tp-size {size} and name the rank files with {{rank}} and {{size}} in the table "
+             "path (ple.tp{rank}of{size}.bin)")
+        raise TableMismatch(f"{name} holds {held} {list(table.row_range)}; tensor-parallel rank {rank} of {size} "
+                            f"serves rows {list(owned)}: {fix}")
+
+
+def check_hash(table: Table, *, multipliers: Sequence[int], head_offsets: Sequence[int],
+               head_sizes: Sequence[int]) -> None:
+    """Refuse a table hashed with other constants than the layer's (its rows would be other rows)."""
+    ngram = table.manifest["ngram"]
+    differing = [key for key, layer in (("multipliers", multipliers), ("head_offsets", head_offsets),
+                                        ("head_sizes", head_sizes))
+                 if [int(v) for v in ngram[key]] != [int(v) for v in layer]]
+    if differing:
+        raise TableMismatch(f"{table.path.name} was made for other n-gram hash constants than the model's "
+                            f"({', '.join(differing)} differ): convert the checkpoint vLLM serves")
+
+
+def check_scale(table: Table, loaded: float | None) -> None:
+    """Refuse rows served with another checkpoint's scale (FP8 scale, NVFP4 global scale)."""
+    if loaded is None or table.scale is None:
+        return
+    if torch.tensor(table.scale, dtype=torch.float32).item() != loaded:
+        raise TableMismatch(f"{table.path.name} was converted from a checkpoint with scale {table.scale!r}, "
+                            f"the model loaded {loaded!r}: convert the checkpoint vLLM serves")
+
+
+def default_resident_bytes(table: Table) -> int:
+    """The bytes of the table's own residency hint for DEFAULT_HINT of it; 0 without hints."""
+    for hint in table.manifest["residency"]:
+        if hint["budget"] == DEFAULT_HINT:
+            return hint["rows"] * table.row_bytes
+    return 0
+
+
+class PrefetchedRows:
+    """bf16 PLE values for (tokens, heads) row ids: `start(ids)` early, `finish()` where they are used."""
+
+    def __init__(self, table: Table, *, device: str | torch.device, resident_bytes: int, max_tokens: int,
+                 heads: int):
+        self.table = table
+        self.heads = heads
+        self.source = EmbeddingSource(table, device=device, resident_bytes=resident_bytes,
+                                      max_tokens=max_tokens, heads=heads)
+        self.device = self.source.device
+        first, stop = table.row_range
+        # A rank's file holds its block only; other ids read a stand-in row that is then zeroed.
+        self._whole = (first, stop) == (0, table.manifest["total_rows"])
+        self._pending: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.source.num_resident * self.table.row_bytes
+
+    def start(self, ids: torch.Tensor) -> None:
+        """Begin the lookup of `ids` (int64, (tokens, heads), on the device); returns at once."""
+        if self._pending is not None:
+            # A forward pass abandoned after its start (an exception in between): drop that lookup.
+            self._pending = None
+        ids = ids.reshape(-1, self.heads)
+        owned = None
+        if not self._whole:
+            first, stop = self.table.row_range
+            owned = (ids >= first) & (ids < stop)
+            ids = torch.where(owned, ids, first)
+        self._pending = (ids, owned)
+
+    def finish(self) -> torch.Tensor:
+        """bf16 (tokens, heads * values_per_row) of the last start; valid until the next finish."""
+        if self._pending is None:
+            raise RuntimeError("the PLE lookup was finished without a start")
+        ids, owned = self._pending
+        self._pending = None
+        values = self.source(ids)
+        if owned is not None:
+            values.view(len(ids), self.heads, -1).masked_fill_(~owned.unsqueeze(-1), 0)
+        return values

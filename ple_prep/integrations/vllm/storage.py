@@ -1,0 +1,252 @@
+"""The vLLM side: a storage class for Qwen4Exp's n-gram embedding that reads a prepared table.
+
+vLLM 0.33.0 builds the storage of `Qwen4ExpNGramEmbedding.ngram_embedding` from one of two class
+names in `vllm/models/qwen4_exp/nvidia/ngram_embedding.py` (pinned host or device table). `install`
+replaces both names there with `select_storage`, which builds vLLM's own class when no table is
+configured and `PreparedTableEmbedding` when one is (docs/SERVING.md, "vLLM"). Nothing else of vLLM
+is changed. The table is never allocated: the weights are zero-row tensors and the checkpoint's shard
+rows, which vLLM's loader still hands over, are checked for shape and dtype and dropped.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+from types import ModuleType
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from vllm.compilation.breakable_cudagraph import (
+    eager_break_during_capture,
+    is_breakable_cudagraph_enabled,
+)
+from vllm.config import CUDAGraphMode, get_current_vllm_config
+from vllm.logger import init_logger
+from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+from vllm.models.qwen4_exp.common.ngram_embedding import (
+    Qwen4ExpPLEEmbedding,
+    Qwen4ExpPLEEmbeddingMethod,
+    Qwen4ExpPLEFp8EmbeddingMethod,
+    Qwen4ExpPLENvFp4EmbeddingMethod,
+    Qwen4ExpPLEUnquantizedEmbeddingMethod,
+)
+
+from ...core.errors import BadInput
+from ...runtime import open_table
+from .backend import (
+    PrefetchedRows,
+    TableMismatch,
+    check_hash,
+    check_layer,
+    check_scale,
+    default_resident_bytes,
+)
+from .settings import Settings, read_settings
+
+logger = init_logger(__name__)
+
+# The class names vLLM picks its storage from, in the module that picks.
+STORAGE_NAMES = ("Qwen4ExpPLEPinnedHostEmbedding", "Qwen4ExpPLEDeviceEmbedding")
+_METHOD_NAMES = ((Qwen4ExpPLEFp8EmbeddingMethod, "fp8"), (Qwen4ExpPLENvFp4EmbeddingMethod, "nvfp4"),
+                 (Qwen4ExpPLEUnquantizedEmbeddingMethod, "unquantized"))
+# The layer's hash constants, as buffers of Qwen4ExpNGramEmbedding, under the manifest's names.
+_HASH_BUFFERS = (("layer_multipliers", "multipliers"), ("ngram_heads_offsets", "head_offsets"),
+                 ("ngram_heads_vocab_sizes", "head_sizes"))
+
+
+def configured_settings() -> Settings | None:
+    return read_settings(get_current_vllm_config().additional_config, os.environ)
+
+
+def check_cudagraph_mode() -> None:
+    """Refuse graph modes that would replay captured lookups: FULL graphs never rerun host code."""
+    config = get_current_vllm_config()
+    if config.model_config is not None and config.model_config.enforce_eager:
+        return
+    mode = config.compilation_config.cudagraph_mode
+    if mode is None or mode == CUDAGraphMode.NONE:
+        return
+    if mode.has_full_cudagraphs():
+        raise BadInput(f"ple-prep serves the PLE table from host code that a FULL CUDA graph would not rerun "
+                       f"(cudagraph_mode={mode.name}): start vLLM with "
+                       "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' or --enforce-eager")
+    if not is_breakable_cudagraph_enabled():
+        raise BadInput("ple-prep's PLE lookup runs between graph segments, which only breakable CUDA graphs "
+                       f"provide (cudagraph_mode={mode.name}, VLLM_USE_BREAKABLE_CUDAGRAPH=0): unset "
+                       "VLLM_USE_BREAKABLE_CUDAGRAPH or set it to 1, or start vLLM with --enforce-eager")
+
+
+class _CheckedAfterLoading(QuantizeMethodBase):
+    """The layer's own method, then the checks that need the loaded scale and hash constants."""
+
+    def __init__(self, method: Qwen4ExpPLEEmbeddingMethod):
+        super().__init__()
+        self.method = method
+        self.requires_device_loading = False
+
+    def create_weights(self, layer: nn.Module, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("the PLE weights are created once, by the layer's own method")
+
+    def apply(self, layer: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise RuntimeError("PLE weights only support embedding lookup")
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.method.process_weights_after_loading(layer)
+        layer.check_loaded()
+
+
+class PreparedTableEmbedding(Qwen4ExpPLEEmbedding):
+    """One ETP rank's PLE rows from a prepared table: resident rows on the device, the rest from the file."""
+
+    supports_prefetch: ClassVar[bool] = True
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, params_dtype: torch.dtype,
+                 padding_size: int, prefix: str, embedding_method: Qwen4ExpPLEEmbeddingMethod,
+                 num_ngram_heads: int = 1, max_total_tokens: int = 0, data_parallel_rank: int = 0,
+                 reduce_results: bool = True, settings: Settings):
+        check_cudagraph_mode()
+        if params_dtype != torch.bfloat16:
+            raise BadInput(f"ple-prep serves bf16 PLE values; the model runs in {params_dtype}: "
+                           "start vLLM with --dtype bfloat16")
+        super().__init__(num_embeddings, embedding_dim, params_dtype=params_dtype, padding_size=padding_size,
+                         prefix=prefix, embedding_method=embedding_method, num_ngram_heads=num_ngram_heads,
+                         max_total_tokens=max_total_tokens, data_parallel_rank=data_parallel_rank,
+                         reduce_results=reduce_results)
+        method = next((name for kind, name in _METHOD_NAMES if isinstance(embedding_method, kind)), None)
+        if method is None:
+            raise BadInput(f"ple-prep cannot serve a PLE table of method {type(embedding_method).__name__}")
+        table = open_table(settings.table_path(self.tp_rank, self.tp_size))
+        try:
+            owned = (self.shard_indices.org_vocab_start_index, self.shard_indices.org_vocab_end_index)
+            check_layer(table, method=method, total_rows=self.org_vocab_size, values_per_row=embedding_dim,
+                        owned=owned, rank=self.tp_rank, size=self.tp_size)
+            budget = settings.resident_bytes
+            if budget is None:
+                budget = default_resident_bytes(table)
+            # vLLM builds the model under its target device, the device of a new tensor.
+            device = torch.empty(0).device
+            self.rows = PrefetchedRows(table, device=device, resident_bytes=budget,
+                                       max_tokens=max_total_tokens * self.etp_data_parallel_size,
+                                       heads=num_ngram_heads)
+        except BaseException:
+            table.close()
+            raise
+        self.table = table
+        self.quant_method = _CheckedAfterLoading(embedding_method)
+        self._num_ngram_heads = num_ngram_heads
+        self._output_dim = num_ngram_heads * embedding_dim
+        self._shard_rows_dropped = 0
+        self._owner: weakref.ref[nn.Module] | None = None
+        self._watch_registration()
+        logger.info("PLE rows of %s from %s (ETP rank %d of %d): %.2f GiB resident on %s, the rest from the file",
+                    prefix, table.path, self.tp_rank, self.tp_size, self.rows.resident_bytes / 2**30, device)
+
+    def _watch_registration(self) -> None:
+        """Find the Qwen4ExpNGramEmbedding that holds this storage: its buffers are the hash to check."""
+        def registered(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+            if submodule is self:
+                handle.remove()
+                self._owner = weakref.ref(module)
+                self._check_hash()
+
+        handle = torch.nn.modules.module.register_module_module_registration_hook(registered)
+
+    def _check_hash(self) -> None:
+        owner = self._owner and self._owner()
+        if owner is None:
+            raise RuntimeError("the PLE storage was not registered under its n-gram embedding module")
+        constants = {key: getattr(owner, buffer).tolist() for buffer, key in _HASH_BUFFERS}
+        check_hash(self.table, **constants)
+
+    def check_loaded(self) -> None:
+        """After loading: the checkpoint's hash constants and scale are the ones the table was made from."""
+        self._check_hash()
+        scale = getattr(self, "weight_scale_2", None)
+        if scale is None and isinstance(self.embedding_method, Qwen4ExpPLEFp8EmbeddingMethod):
+            scale = self.weight_scale
+        check_scale(self.table, None if scale is None else float(scale.reshape(-1)[0]))
+        logger.info("PLE storage: %d checkpoint rows dropped at load; %s serves them",
+                    self._shard_rows_dropped, self.table.path)
+
+    def allocate_embedding_weight(self, num_embeddings: int, embedding_dim: int,
+                                  dtype: torch.dtype) -> torch.Tensor:
+        """Zero rows: the prepared table holds them. The width and dtype stay for vLLM's shape checks."""
+        return torch.empty(0, embedding_dim, dtype=dtype)
+
+    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor,
+                      checkpoint_start: int | None = None) -> None:
+        if checkpoint_start is None:
+            super().weight_loader(param, loaded_weight)
+            return
+        # A shard of the checkpoint's table (its shape already checked by the model): dropped unread.
+        if loaded_weight.dtype != param.dtype:
+            raise TableMismatch(f"the checkpoint's PLE shard at row {checkpoint_start} is {loaded_weight.dtype}, "
+                                f"its method stores {param.dtype}: the model config does not match the checkpoint")
+        if param is self.weight:
+            self._shard_rows_dropped += loaded_weight.shape[0]
+
+    def dequantize(self, embeddings: torch.Tensor, output_dtype: torch.dtype) -> torch.Tensor:
+        # The table's values are already what the layer's method would decode.
+        return embeddings.to(output_dtype)
+
+    @eager_break_during_capture
+    def start_prefetch(self, ngram_ids: torch.Tensor) -> None:
+        """Begin the lookup of this step's ids (all DP ranks' under ETP spanning DP)."""
+        slot_size, _ = self._get_dp_gather_slot(ngram_ids.shape[0])
+        self.rows.start(self._gather_dp_ids(ngram_ids, slot_size))
+
+    @eager_break_during_capture
+    def _finalize_prefetch(self, output: torch.Tensor) -> None:
+        """Finish the lookup, combine the ETP ranks' rows and keep this DP rank's, into `output`."""
+        values = self.rows.finish()
+        slot_size, slot_offset = self._get_dp_gather_slot(output.shape[0])
+        values = values[: slot_size * self.etp_data_parallel_size]
+        if self.reduce_results and self.tp_size > 1:
+            # Each row has one owning rank and zeros elsewhere, so summing the bits as integers is exact
+            # (a float sum would turn -0.0 into 0.0). int32: a type every backend sums; rows hold pairs.
+            values = self.parallel_group.all_reduce(values.view(torch.int32)).view(torch.bfloat16)
+        elif not self.reduce_results:
+            # The model's outer TP reduce-scatter combines the ranks (it requires ETP = TP).
+            assert self.etp_data_parallel_size == 1
+        output.copy_(self._select_embeddings(values, output.shape[0], slot_offset))
+
+    def finalize_prefetch(self, total_tokens: int) -> torch.Tensor:
+        """bf16 (total_tokens, heads * 160): the PLE layer's input for this DP rank's tokens."""
+        output = torch.empty((total_tokens, self._output_dim), dtype=torch.bfloat16, device=self.rows.device)
+        self._finalize_prefetch(output)
+        return output
+
+    def forward(self, ngram_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("the prepared-table PLE storage is read through start_prefetch and finalize_prefetch")
+
+
+def select_storage(original: type) -> Any:
+    """What the model calls in place of `original`: that class, or the prepared table when configured."""
+    def build(*args: Any, **kwargs: Any) -> nn.Module:
+        settings = configured_settings()
+        if settings is None:
+            return original(*args, **kwargs)
+        return PreparedTableEmbedding(*args, settings=settings, **kwargs)
+
+    build.original = original
+    return build
+
+
+def refuse_storage(original: type) -> Any:
+    """For vLLM's ROCm copy of the model, which reads the table through other calls: refuse a configured table."""
+    def build(*args: Any, **kwargs: Any) -> nn.Module:
+        if configured_settings() is not None:
+            raise BadInput("ple-prep's vLLM plugin serves the NVIDIA (CUDA) Qwen4Exp model only: "
+                           "unset PLE_PREP_TABLE and additional_config['ple_prep'] on ROCm")
+        return original(*args, **kwargs)
+
+    build.original = original
+    return build
+
+
+def install(module: ModuleType, wrap: Any = select_storage) -> None:
+    """Swap the storage class names in the module of vLLM that picks the storage (once)."""
+    for name in STORAGE_NAMES:
+        current = getattr(module, name)
+        if not hasattr(current, "original"):
+            setattr(module, name, wrap(current))

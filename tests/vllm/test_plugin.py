@@ -1,0 +1,169 @@
+"""The plugin inside vLLM 0.33.0's real Qwen4Exp n-gram embedding, against vLLM's own device table."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+pytest.importorskip("vllm.models.qwen4_exp")
+
+import torch
+from vllm_layer import (
+    build_layer,
+    checkpoint_weights,
+    ple_input,
+    schedule,
+    text_config,
+    vllm_config,
+)
+
+from ple_prep.converters import open_source
+from ple_prep.integrations.vllm.backend import TableMismatch
+from ple_prep.offline.ranks import convert_ranks
+from ple_prep.offline.writer import convert
+
+@pytest.fixture(scope="module")
+def checkpoints(fp8_checkpoint, nvfp4_checkpoint, bf16_checkpoint):
+    return {"fp8": fp8_checkpoint, "nvfp4": nvfp4_checkpoint, "bf16": bf16_checkpoint}
+
+
+@pytest.fixture(scope="module")
+def tables(checkpoints, tmp_path_factory):
+    """Each fixture converted with ple-prep's writer (source order)."""
+    folder = tmp_path_factory.mktemp("vllm-tables")
+    for variant, checkpoint in checkpoints.items():
+        with open_source(checkpoint) as source:
+            convert(source, folder / f"{variant}.bin")
+    return {variant: str(folder / f"{variant}.bin") for variant in checkpoints}
+
+
+@pytest.mark.parametrize("variant, resident", [("fp8", "0"), ("fp8", "1MiB"), ("nvfp4", "512KiB"),
+                                               ("bf16", "2MiB")])
+def test_plugin_output_equals_vllm_device_table_bit_for_bit(checkpoints, tables, variant, resident):
+    text = text_config(variant)
+    reference = build_layer(vllm_config(), text, checkpoint_weights(checkpoints[variant]))
+    served = build_layer(vllm_config(tables[variant], resident_bytes=resident), text,
+                         checkpoint_weights(checkpoints[variant]))
+    assert type(reference.ngram_embedding).__name__ == "Qwen4ExpPLEDeviceEmbedding"
+    assert type(served.ngram_embedding).__name__ == "PreparedTableEmbedding"
+    if resident != "0":
+        assert 0 < served.ngram_embedding.rows.source.num_resident < served.ngram_embedding.table.num_rows
+    for tokens, query_start_loc, ngram_context in schedule():
+        expected = ple_input(reference, tokens, query_start_loc, ngram_context)
+        got = ple_input(served, tokens, query_start_loc, ngram_context)
+        assert got.dtype == expected.dtype == torch.bfloat16 and got.shape == (len(tokens), 2560)
+        assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
+def test_tensor_parallel_ranks_serve_their_own_files_and_sum_to_the_whole_input(checkpoints, tmp_path):
+    """Two ranks (two processes, gloo), each with its `--tp-size 2` file: their all-reduced output is
+    vLLM's single-rank device-table output, bit for bit."""
+    with open_source(checkpoints["fp8"]) as source:
+        convert_ranks(source, tmp_path / "ple.bin", 2)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script = Path(__file__).with_name("tp_rank.py")
+    ranks = [subprocess.Popen([sys.executable, str(script), str(rank), "2", str(port),
+                               str(tmp_path / "ple.tp{rank}of{size}.bin"), str(checkpoints["fp8"]), "fp8",
+                               str(tmp_path / f"rank{rank}.npz")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for rank in range(2)]
+    for process in ranks:
+        output, _ = process.communicate(timeout=300)
+        assert process.returncode == 0, output.decode()[-3000:]
+    reference = build_layer(vllm_config(), text_config("fp8"), checkpoint_weights(checkpoints["fp8"]))
+    outputs = [np.load(tmp_path / f"rank{rank}.npz") for rank in range(2)]
+    for index, step in enumerate(schedule()):
+        expected = ple_input(reference, *step).view(torch.int16).numpy()
+        for output in outputs:
+            np.testing.assert_array_equal(output[f"arr_{index}"], expected)
+
+
+def test_plugin_never_allocates_the_table_and_drops_the_checkpoint_rows(checkpoints, tables):
+    served = build_layer(vllm_config(tables["nvfp4"]), text_config("nvfp4"), checkpoint_weights(checkpoints["nvfp4"]))
+    storage = served.ngram_embedding
+    assert storage.weight.shape == (0, 80) and storage.weight_scale.shape == (0, 10)
+    assert storage._shard_rows_dropped == storage.table.num_rows == 16_896
+
+
+def test_without_a_table_vllm_builds_its_own_storage(monkeypatch):
+    monkeypatch.delenv("PLE_PREP_TABLE", raising=False)
+    layer = build_layer(vllm_config(), text_config("fp8"), None)
+    assert type(layer.ngram_embedding).__name__ == "Qwen4ExpPLEDeviceEmbedding"
+    assert layer.ngram_embedding.weight.shape == (16_896, 160)
+
+
+def test_the_environment_variable_selects_the_table(monkeypatch, tables):
+    monkeypatch.setenv("PLE_PREP_TABLE", tables["fp8"])
+    monkeypatch.setenv("PLE_PREP_RESIDENT_BYTES", "160K")
+    layer = build_layer(vllm_config(), text_config("fp8"), None)
+    assert type(layer.ngram_embedding).__name__ == "PreparedTableEmbedding"
+    assert layer.ngram_embedding.rows.source.num_resident == 1024
+
+
+def test_refuses_a_table_of_another_encoding(tables):
+    with pytest.raises(TableMismatch, match=r"fp8_e4m3 rows, but the checkpoint's PLE table is nvfp4"):
+        build_layer(vllm_config(tables["fp8"]), text_config("nvfp4"), None)
+
+
+def test_refuses_a_table_of_another_row_count(tables):
+    with pytest.raises(TableMismatch, match=r"table of 16896 rows of 160 values; the model's has \d+ rows"):
+        build_layer(vllm_config(tables["fp8"]), text_config("fp8", ngram_vocab_size_base=1200), None)
+
+
+def test_refuses_other_hash_constants_at_construction(tables):
+    with pytest.raises(TableMismatch, match=r"other n-gram hash constants than the model's \(multipliers differ\)"):
+        build_layer(vllm_config(tables["fp8"]), text_config("fp8", seed=99), None)
+
+
+def test_refuses_other_hash_constants_loaded_from_the_checkpoint(checkpoints, tables):
+    other = {"ngram_heads_offsets": torch.arange(16, dtype=torch.int64) * 1000}
+    with pytest.raises(TableMismatch, match=r"\(head_offsets differ\)"):
+        build_layer(vllm_config(tables["fp8"]), text_config("fp8"), checkpoint_weights(checkpoints["fp8"], other))
+
+
+def test_refuses_another_checkpoints_scale(checkpoints, tables):
+    other = {"ngram_embedding.weight_scale": torch.tensor([3e-4], dtype=torch.bfloat16)}
+    with pytest.raises(TableMismatch, match=r"converted from a checkpoint with scale"):
+        build_layer(vllm_config(tables["fp8"]), text_config("fp8"), checkpoint_weights(checkpoints["fp8"], other))
+
+
+def test_refuses_checkpoint_rows_of_another_method(checkpoints, tables):
+    # An FP8 model config over a BF16 checkpoint: vLLM's own table would cast the rows silently.
+    with pytest.raises(TableMismatch, match=r"PLE shard at row 0 is torch.bfloat16, its method stores "
+                                            r"torch.float8_e4m3fn"):
+        build_layer(vllm_config(tables["fp8"]), text_config("fp8"), checkpoint_weights(checkpoints["bf16"]))
+
+
+def test_refuses_a_rank_file_that_is_not_this_ranks(checkpoints, tmp_path):
+    with open_source(checkpoints["fp8"]) as source:
+        convert_ranks(source, tmp_path / "ple.bin", 2)
+    with pytest.raises(TableMismatch, match=r"holds rank 1 of 2's rows \[8448, 16896\]; tensor-parallel rank 0 "
+                                            r"of 1 serves rows \[0, 16896\]: serve the whole table"):
+        build_layer(vllm_config(str(tmp_path / "ple.tp1of2.bin")), text_config("fp8"), None)
+
+
+@pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"])
+def test_refuses_full_cudagraphs_naming_the_setting(tables, mode):
+    config = vllm_config(tables["fp8"], cudagraph_mode=mode)
+    with pytest.raises(ValueError, match=r"FULL CUDA graph would not rerun.*cudagraph_mode.*PIECEWISE.*--enforce-eager"):
+        build_layer(config, text_config("fp8"), None)
+
+
+def test_refuses_piecewise_graphs_without_breakable_capture(tables, monkeypatch):
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "0")
+    config = vllm_config(tables["fp8"], cudagraph_mode="PIECEWISE")
+    with pytest.raises(ValueError, match=r"only breakable CUDA graphs provide.*VLLM_USE_BREAKABLE_CUDAGRAPH"):
+        build_layer(config, text_config("fp8"), None)
+
+
+def test_serves_under_breakable_piecewise_graphs(tables, monkeypatch):
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    layer = build_layer(vllm_config(tables["fp8"], cudagraph_mode="PIECEWISE"), text_config("fp8"), None)
+    assert type(layer.ngram_embedding).__name__ == "PreparedTableEmbedding"
