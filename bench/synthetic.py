@@ -60,7 +60,7 @@ class SyntheticSource(TableSource):
     def __init__(self, base: int, seed: int = 0):
         spec = NgramSpec.from_config(fixture_config(base))
         raw = np.array([FIXTURE_SCALE_BF16], dtype="<u2").tobytes()
-        scale = Scale("bfloat16", raw, float((np.array([FIXTURE_SCALE_BF16], dtype=np.uint32) << 16)
+        scale = Scale("BF16", raw, float((np.array([FIXTURE_SCALE_BF16], dtype=np.uint32) << 16)
                                              .view(np.float32)[0]))
         rows = spec.rows_stored
         super().__init__(format="synthetic", model_dir=Path(f"synthetic-base{base}-seed{seed}"),
