@@ -9,8 +9,10 @@ the rows of vLLM's own ETP-sharded table do.
 """
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ...core.errors import BadInput
@@ -79,44 +81,84 @@ def default_resident_bytes(table: Table) -> int:
 
 
 class PrefetchedRows:
-    """bf16 PLE values for (tokens, heads) row ids: `start(ids)` early, `finish()` where they are used."""
+    """bf16 PLE values for (tokens, heads) row ids: `start(ids)` early, `finish()` where they are used.
+
+    vLLM computes the ids on the device. `start` queues their copy to pinned host memory behind the
+    kernel that computes them and returns; a worker thread waits for that copy, then runs the
+    runtime's host half (`EmbeddingSource.start`: lookup, disk gather, copy to the device on a side
+    stream) while the model's earlier layers run. `finish` waits for the worker and runs the
+    runtime's device half, so the stream waits on an event, never the host on the device.
+    """
 
     def __init__(self, table: Table, *, device: str | torch.device, resident_bytes: int, max_tokens: int,
                  heads: int):
         self.table = table
         self.heads = heads
         self.source = EmbeddingSource(table, device=device, resident_bytes=resident_bytes,
-                                      max_tokens=max_tokens, heads=heads)
+                                      max_ids=max_tokens * heads)
         self.device = self.source.device
+        cuda = self.device.type == "cuda"
+        self._host_ids = torch.empty(max_tokens * heads, dtype=torch.int64, pin_memory=cuda)
+        self._ids_copied = torch.cuda.Event() if cuda else None
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ple-prep-vllm")
         first, stop = table.row_range
         # A rank's file holds its block only; other ids read a stand-in row that is then zeroed.
         self._whole = (first, stop) == (0, table.manifest["total_rows"])
-        self._pending: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._pending: concurrent.futures.Future | None = None
+        self._owned: torch.Tensor | None = None
 
     @property
     def resident_bytes(self) -> int:
         return self.source.num_resident * self.table.row_bytes
 
     def start(self, ids: torch.Tensor) -> None:
-        """Begin the lookup of `ids` (int64, (tokens, heads), on the device); returns at once."""
+        """Begin the lookup of `ids` (int64 (tokens, heads), on the device); returns at once."""
         if self._pending is not None:
-            # A forward pass abandoned after its start (an exception in between): drop that lookup.
-            self._pending = None
-        ids = ids.reshape(-1, self.heads)
-        owned = None
+            # A forward pass abandoned between its start and its finish (an exception): drop that lookup.
+            self._drop_pending()
+        flat = ids.reshape(-1)
+        count = len(flat)
+        if count > len(self._host_ids):
+            raise ValueError(f"{count // self.heads} tokens exceed the {len(self._host_ids) // self.heads} "
+                             "this PLE storage was sized for")
+        self._host_ids[:count].copy_(flat, non_blocking=True)
+        if self._ids_copied is not None:
+            self._ids_copied.record()
         if not self._whole:
             first, stop = self.table.row_range
-            owned = (ids >= first) & (ids < stop)
-            ids = torch.where(owned, ids, first)
-        self._pending = (ids, owned)
+            self._owned = ((flat >= first) & (flat < stop)).view(-1, self.heads, 1)
+        self._pending = self._worker.submit(self._begin, count)
+
+    def _begin(self, count: int) -> int:
+        """On the worker: the ids on the host, then the runtime's host half."""
+        if self._ids_copied is not None:
+            self._ids_copied.synchronize()
+        ids = self._host_ids[:count].numpy()
+        if not self._whole:
+            first, stop = self.table.row_range
+            ids = np.where((ids >= first) & (ids < stop), ids, first)
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                self.source.start(ids, inline=True)
+        else:
+            self.source.start(ids, inline=True)
+        return count
+
+    def _drop_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        try:
+            pending.result()
+            self.source.join()
+        except Exception:  # the abandoned lookup's own error; the new one starts clean
+            pass
 
     def finish(self) -> torch.Tensor:
         """bf16 (tokens, heads * values_per_row) of the last start; valid until the next finish."""
         if self._pending is None:
             raise RuntimeError("the PLE lookup was finished without a start")
-        ids, owned = self._pending
-        self._pending = None
-        values = self.source(ids)
-        if owned is not None:
-            values.view(len(ids), self.heads, -1).masked_fill_(~owned.unsqueeze(-1), 0)
+        pending, self._pending = self._pending, None
+        count = pending.result()
+        values = self.source.finish().view(count // self.heads, -1)
+        if not self._whole:
+            values.view(count // self.heads, self.heads, -1).masked_fill_(~self._owned, 0)
         return values

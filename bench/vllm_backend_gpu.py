@@ -1,0 +1,162 @@
+"""The vLLM plugin's lookup without vLLM: PrefetchedRows' start/finish pair on a chunk and a decode step.
+
+    python bench/synthetic.py /tmp/ple.bin --base 2500000 --profile-tokens 1000000
+    python bench/vllm_backend_gpu.py /tmp/ple.bin --resident-fraction 0.05          # on a GPU
+    python bench/vllm_backend_gpu.py /tmp/small.bin --device cpu --chunks 2 --decode-tokens 50
+
+`ple_prep.integrations.vllm.backend.PrefetchedRows` is what the plugin's storage class calls from
+vLLM's `start_prefetch` and `finalize_prefetch`. As in vLLM, the row ids of real text (a part of
+the text the table's profile never saw) arrive as an int64 tensor on the device, written by a kernel
+just before `start` (here a device-to-device copy into a fixed ids buffer, as vLLM's id kernel
+writes its `_prefetch_ids`). All measurements are warm (every disk-tier page cached):
+
+- `pair`: `start(ids)` then `finish()` back to back, from the ids kernel to the values ready on the
+  device (the device synchronised on both sides): the whole lookup when nothing hides it;
+- `prefetch`: `start(ids)`, then at least `--other-ms` of other device work (bf16 matrix products,
+  standing for decoder layer 0), then `finish()`: the time `finish` adds to the stream (CUDA events
+  after the other work and after finish; on the CPU, host seconds of `finish`), and how long
+  `start` held the host.
+
+Every request's values are checked bit for bit against `Table.values` rounded to bf16. Prints JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ple_prep.integrations.vllm.backend import PrefetchedRows  # noqa: E402
+from ple_prep.ngram import NgramSpec  # noqa: E402
+from ple_prep.runtime import open_table  # noqa: E402
+from ple_prep.runtime.dequant import round_to_bf16  # noqa: E402
+from ple_prep.tools.realtext import real_text_row_ids  # noqa: E402
+
+CHUNK_TOKENS = 4096
+
+
+def summary(seconds: list[float]) -> dict:
+    ms = np.array(seconds) * 1e3
+    return {"n": len(ms), "p50_ms": round(float(np.percentile(ms, 50)), 4),
+            "p90_ms": round(float(np.percentile(ms, 90)), 4), "p99_ms": round(float(np.percentile(ms, 99)), 4)}
+
+
+class Device:
+    """Synchronisation, stream marks and stand-in model work on the device under test."""
+
+    def __init__(self, device: torch.device, other_ms: float, size: int = 2048):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.a = torch.randn(size, size, device=device).to(torch.bfloat16 if self.cuda else torch.float32)
+        self.b = torch.randn_like(self.a)
+        self.out = torch.empty_like(self.a)
+        self.count = 1
+        while self.measure_other() < other_ms:
+            self.count *= 2
+        self.other_ms = self.measure_other()
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def mark(self):
+        """A point on the stream (a CUDA event), or the host clock on the CPU."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, begin, end) -> float:
+        if self.cuda:
+            return begin.elapsed_time(end) / 1e3
+        return end - begin
+
+    def other(self) -> None:
+        for _ in range(self.count):
+            torch.matmul(self.a, self.b, out=self.out)
+
+    def measure_other(self) -> float:
+        for _ in range(2):
+            self.sync()
+            begin = self.mark()
+            self.other()
+            end = self.mark()
+            self.sync()
+        return self.seconds(begin, end) * 1e3
+
+
+def expected_bits(table, ids: np.ndarray) -> np.ndarray:
+    values = table.values(ids.reshape(-1)).astype(np.float64)
+    return (round_to_bf16(values).view(np.uint32) >> 16).astype(np.uint16).reshape(len(ids), -1)
+
+
+def run(rows: PrefetchedRows, device: Device, requests: list[torch.Tensor], expected: list[np.ndarray],
+        ids_buffer: torch.Tensor, with_other: bool) -> dict:
+    total, added, start_host, exact = [], [], [], True
+    for ids, want in zip(requests, expected):
+        device.sync()
+        began = time.perf_counter()
+        written = ids_buffer[:len(ids)]
+        written.copy_(ids)                     # the ids kernel
+        rows.start(written)
+        start_host.append(time.perf_counter() - began)
+        if with_other:
+            device.other()
+        before_finish = device.mark()
+        values = rows.finish()
+        after_finish = device.mark()
+        device.sync()
+        total.append(time.perf_counter() - began)
+        added.append(device.seconds(before_finish, after_finish))
+        exact &= bool(np.array_equal(values.cpu().view(torch.int16).numpy().view(np.uint16), want))
+    report = {"start_holds_host": summary(start_host), "bit_exact": exact, "tokens": len(requests[0])}
+    if with_other:
+        return report | {"finish_adds": summary(added)}
+    return report | {"pair": summary(total)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("table", type=Path)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--resident-fraction", type=float, default=0.05)
+    parser.add_argument("--chunks", type=int, default=16)
+    parser.add_argument("--decode-tokens", type=int, default=2000)
+    parser.add_argument("--other-ms", type=float, default=1.0)
+    args = parser.parse_args()
+    table = open_table(args.table)
+    spec = NgramSpec.from_json(table.manifest["ngram"])
+    row_ids = real_text_row_ids(spec, args.chunks * CHUNK_TOKENS + args.decode_tokens, part=0, parts=2)
+    host = [row_ids[i * CHUNK_TOKENS:(i + 1) * CHUNK_TOKENS] for i in range(args.chunks)]
+    host_decode = [row_ids[args.chunks * CHUNK_TOKENS + i:][:1] for i in range(args.decode_tokens)]
+    resident_bytes = int(args.resident_fraction * table.num_rows * table.row_bytes)
+    started = time.perf_counter()
+    rows = PrefetchedRows(table, device=args.device, resident_bytes=resident_bytes, max_tokens=CHUNK_TOKENS,
+                          heads=spec.heads)
+    device = Device(rows.device, args.other_ms)
+    report = {"table": str(args.table), "rows": table.num_rows, "placed": table.order.num_placed,
+              "resident_bytes": rows.resident_bytes, "load_seconds": round(time.perf_counter() - started, 2),
+              "device": torch.cuda.get_device_name() if device.cuda else "cpu", "torch": torch.__version__,
+              "other_work_ms": round(device.other_ms, 3)}
+    chunks = [torch.from_numpy(ids).to(rows.device) for ids in host]
+    decode = [torch.from_numpy(ids).to(rows.device) for ids in host_decode]
+    chunk_bits = [expected_bits(table, ids) for ids in host]
+    decode_bits = [expected_bits(table, ids) for ids in host_decode]
+    ids_buffer = torch.empty((CHUNK_TOKENS, spec.heads), dtype=torch.int64, device=rows.device)
+    run(rows, device, chunks + decode, chunk_bits + decode_bits, ids_buffer, False)  # every page warm
+    report["chunk"] = run(rows, device, chunks * 2, chunk_bits * 2, ids_buffer, False)
+    report["decode"] = run(rows, device, decode, decode_bits, ids_buffer, False)
+    report["chunk_prefetch"] = run(rows, device, chunks * 2, chunk_bits * 2, ids_buffer, True)
+    report["decode_prefetch"] = run(rows, device, decode, decode_bits, ids_buffer, True)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""What vLLM's loader reads of the checkpoint's PLE table at boot: vLLM's own table against the plugin.
+
+    bash scripts/vllm-test-env.sh /work/venv-vllm
+    flock /tmp/ple-bench.lock /work/venv-vllm/bin/python bench/vllm_boot_reads.py --base 100000 --rounds 3
+
+An FP8 fixture checkpoint (`--base` sets its size: 100000 gives 1.6M rows, 256 MB of table) and its
+prepared table are written once under `--work`. Each round runs, alternating, one child per side
+with the checkpoint evicted from the page cache first: the child builds vLLM 0.33.0's real
+Qwen4ExpNGramEmbedding (tests/vllm/vllm_layer.py) and loads the checkpoint through vLLM's own
+safetensors iterator, either into vLLM's device table (no plugin setting) or with the plugin
+serving the prepared table. Per side: bytes read from storage (/proc/self/io read_bytes), the
+checkpoint's bytes in the page cache afterwards, peak RSS and seconds. Prints JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "vllm"))
+
+from ple_prep.converters import open_source  # noqa: E402
+from ple_prep.offline.writer import convert  # noqa: E402
+from ple_prep.tools.benchmark import cached_fraction, evict  # noqa: E402
+from ple_prep.tools.fixtures import make_checkpoint  # noqa: E402
+
+
+def io_counters() -> dict[str, int]:
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return {key: int(fields[key]) for key in ("rchar", "read_bytes")}
+
+
+def child(side: str, checkpoint: Path, table: Path, base: int) -> dict:
+    """One boot of the layer; runs in a fresh process."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    import socket
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.plugins import load_general_plugins
+    from vllm_layer import build_layer, checkpoint_weights, text_config, vllm_config
+
+    load_general_plugins()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                     local_rank=0, backend="gloo")
+        initialize_model_parallel(1, 1)
+    files = sorted(checkpoint.glob("*.safetensors"))
+    before = io_counters()
+    began = time.perf_counter()
+    config = vllm_config(str(table)) if side == "plugin" else vllm_config()
+    layer = build_layer(config, text_config("fp8", ngram_vocab_size_base=base), checkpoint_weights(checkpoint))
+    seconds = time.perf_counter() - began
+    after = io_counters()
+    storage = layer.ngram_embedding
+    return {"side": type(storage).__name__, "seconds": round(seconds, 2),
+            "read_bytes": after["read_bytes"] - before["read_bytes"], "rchar": after["rchar"] - before["rchar"],
+            "checkpoint_cached_bytes": int(sum(cached_fraction(f) * f.stat().st_size for f in files)),
+            "table_weight_bytes": storage.weight.numel() * storage.weight.element_size(),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", type=int, default=100000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/ple-vllm-boot"))
+    parser.add_argument("--child", nargs=3, metavar=("SIDE", "CHECKPOINT", "TABLE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        side, checkpoint, table = args.child
+        print(json.dumps(child(side, Path(checkpoint), Path(table), args.base)))
+        return
+    checkpoint = args.work / f"fp8-base{args.base}"
+    table = args.work / f"fp8-base{args.base}.bin"
+    if not table.exists():
+        args.work.mkdir(parents=True, exist_ok=True)
+        make_checkpoint(checkpoint, "fp8", base=args.base, num_files=8, with_tokenizer=False)
+        with open_source(checkpoint) as source:
+            convert(source, table)
+    files = sorted(checkpoint.glob("*.safetensors"))
+    results: dict[str, list[dict]] = {"device": [], "plugin": []}
+    for _ in range(args.rounds):
+        for side in results:
+            for path in files:
+                evict(path)
+            output = subprocess.run([sys.executable, __file__, "--base", str(args.base), "--child", side,
+                                     str(checkpoint), str(table)], check=True, capture_output=True, text=True)
+            results[side].append(json.loads(output.stdout.strip().splitlines()[-1]))
+    report = {"checkpoint_bytes": sum(f.stat().st_size for f in files), "table_file_bytes": table.stat().st_size,
+              "rounds": args.rounds}
+    for side, runs in results.items():
+        report[side] = {key: float(np.median([run[key] for run in runs]))
+                        for key in runs[0] if key != "side"} | {"storage": runs[0]["side"]}
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

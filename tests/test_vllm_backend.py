@@ -1,0 +1,125 @@
+"""The vLLM plugin's core without vLLM: table checks, the default budget and the split lookup (CPU)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ple_prep.converters import open_source  # noqa: E402
+from ple_prep.integrations.vllm.backend import (  # noqa: E402
+    PrefetchedRows,
+    TableMismatch,
+    check_hash,
+    check_layer,
+    check_scale,
+    default_resident_bytes,
+)
+from ple_prep.offline.ranks import convert_ranks  # noqa: E402
+from ple_prep.runtime import open_table  # noqa: E402
+from ple_prep.runtime.dequant import round_to_bf16  # noqa: E402
+
+ROWS = 16_896
+
+
+def bits(values: np.ndarray) -> np.ndarray:
+    return (round_to_bf16(values.astype(np.float64)).view(np.uint32) >> 16).astype(np.uint16)
+
+
+@pytest.fixture(scope="module")
+def rank_tables(fp8_checkpoint, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ranks")
+    with open_source(fp8_checkpoint) as source:
+        convert_ranks(source, folder / "ple.bin", 2)
+    return folder
+
+
+def test_start_finish_equals_the_tables_values_across_tiers(fp8_table):
+    with open_table(fp8_table) as table:
+        rows = PrefetchedRows(table, device="cpu", resident_bytes=4000 * 160, max_tokens=64, heads=16)
+        ids = np.random.default_rng(1).integers(0, ROWS, (40, 16))
+        for request in (ids, ids[:1], ids[5:]):
+            rows.start(torch.from_numpy(request))
+            values = rows.finish()
+            assert values.shape == (len(request), 2560)
+            want = bits(table.values(request.reshape(-1))).reshape(len(request), -1)
+            np.testing.assert_array_equal(values.view(torch.int16).numpy().view(np.uint16), want)
+
+
+def test_a_rank_serves_its_rows_and_zeros_for_the_others(fp8_table, rank_tables):
+    ids = np.random.default_rng(2).integers(0, ROWS, (30, 16))
+    with open_table(fp8_table) as whole:
+        want = bits(whole.values(ids.reshape(-1))).reshape(30, 16, 160)
+    total = np.zeros((30, 16, 160), dtype=np.int64)
+    for rank in range(2):
+        with open_table(rank_tables / f"ple.tp{rank}of2.bin") as table:
+            rows = PrefetchedRows(table, device="cpu", resident_bytes=0, max_tokens=32, heads=16)
+            rows.start(torch.from_numpy(ids))
+            got = rows.finish().view(torch.int16).numpy().view(np.uint16).reshape(30, 16, 160)
+            first, stop = table.row_range
+            owned = (ids >= first) & (ids < stop)
+            np.testing.assert_array_equal(got[owned], want[owned])
+            assert not got[~owned].any()
+            total += got
+    np.testing.assert_array_equal(total, want)
+
+
+def test_errors_of_the_started_lookup_surface_at_finish(fp8_table):
+    with open_table(fp8_table) as table:
+        rows = PrefetchedRows(table, device="cpu", resident_bytes=0, max_tokens=4, heads=16)
+        rows.start(torch.full((1, 16), ROWS))
+        with pytest.raises(IndexError, match=f"row id {ROWS} is outside"):
+            rows.finish()
+        with pytest.raises(RuntimeError, match="finished without a start"):
+            rows.finish()
+        with pytest.raises(ValueError, match="5 tokens exceed the 4"):
+            rows.start(torch.zeros((5, 16), dtype=torch.int64))
+
+
+def test_an_abandoned_start_is_dropped_by_the_next(fp8_table):
+    with open_table(fp8_table) as table:
+        rows = PrefetchedRows(table, device="cpu", resident_bytes=0, max_tokens=4, heads=16)
+        rows.start(torch.full((1, 16), ROWS))  # its forward pass failed before the PLE layer
+        ids = np.arange(32).reshape(2, 16)
+        rows.start(torch.from_numpy(ids))
+        np.testing.assert_array_equal(rows.finish().view(torch.int16).numpy().view(np.uint16),
+                                      bits(table.values(ids.reshape(-1))).reshape(2, -1))
+
+
+def test_check_layer_refuses_encoding_geometry_and_rank(fp8_table, rank_tables):
+    layer = {"method": "fp8", "total_rows": ROWS, "values_per_row": 160, "owned": (0, ROWS), "rank": 0, "size": 1}
+    with open_table(fp8_table) as table:
+        check_layer(table, **layer)
+        with pytest.raises(TableMismatch, match="holds fp8_e4m3 rows, but the checkpoint's PLE table is nvfp4"):
+            check_layer(table, **layer | {"method": "nvfp4"})
+        with pytest.raises(TableMismatch, match="16896 rows of 160 values; the model's has 17024 rows of 160"):
+            check_layer(table, **layer | {"total_rows": 17024})
+        with pytest.raises(TableMismatch, match=r"holds the whole table \[0, 16896\]; tensor-parallel rank 1 "
+                                                r"of 2 serves rows \[8448, 16896\]: convert with --tp-size 2"):
+            check_layer(table, **layer | {"owned": (8448, ROWS), "rank": 1, "size": 2})
+    with open_table(rank_tables / "ple.tp0of2.bin") as table:
+        check_layer(table, **layer | {"owned": (0, 8448), "rank": 0, "size": 2})
+        with pytest.raises(TableMismatch, match="holds rank 0 of 2's rows"):
+            check_layer(table, **layer | {"owned": (8448, ROWS), "rank": 1, "size": 2})
+
+
+def test_check_hash_and_scale(fp8_table):
+    with open_table(fp8_table) as table:
+        ngram = table.manifest["ngram"]
+        constants = {"multipliers": ngram["multipliers"], "head_offsets": ngram["head_offsets"],
+                     "head_sizes": ngram["head_sizes"]}
+        check_hash(table, **constants)
+        with pytest.raises(TableMismatch, match=r"\(multipliers, head_sizes differ\)"):
+            check_hash(table, **constants | {"multipliers": [1, 3, 5],
+                                             "head_sizes": [s + 2 for s in ngram["head_sizes"]]})
+        check_scale(table, float(torch.tensor(table.scale, dtype=torch.float32)))
+        check_scale(table, None)
+        with pytest.raises(TableMismatch, match="converted from a checkpoint with scale"):
+            check_scale(table, table.scale * 2)
+
+
+def test_default_budget_is_the_tables_5_percent_hint(fp8_table):
+    with open_table(fp8_table) as table:
+        assert default_resident_bytes(table) == 0  # a table converted without a profile has no hints
+        table.manifest["residency"] = [{"budget": "1%", "rows": 128}, {"budget": "5%", "rows": 768}]
+        assert default_resident_bytes(table) == 768 * 160
