@@ -1,14 +1,17 @@
 """The `ple-prep` command: parses options, calls the library, prints. Nothing else lives here.
 
-Exit codes: 0 ok, 1 a check failed, 2 bad input (one line `error: ...` on stderr).
+Exit codes: 0 ok, 1 a check failed, 2 bad input (one line `error: ...` on stderr), 70 a bug (an
+exception nobody expected: one line naming it, the traceback with --debug or PLE_PREP_DEBUG=1).
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -18,9 +21,27 @@ from . import __version__
 from .core.constants import DEFAULT_MAP_FRACTION, DEFAULT_PAGE_SIZE, GGUF_FIXTURE_VARIANTS
 from .core.errors import BadInput, CheckFailed
 
+EXIT_BUG = 70  # EX_SOFTWARE of sysexits.h: an internal software error
+DEBUG_VARIABLE = "PLE_PREP_DEBUG"
+
+
+def _report_bug(exc: BaseException, debug: bool) -> None:
+    """One line naming an unexpected exception and where it was raised; the traceback when debugging."""
+    if debug:
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    message = " ".join(str(exc).split())[:200]
+    click.echo(f"error: internal error, a bug in ple-prep {__version__}: {type(exc).__name__}"
+               f"{f': {message}' if message else ''}{where}. Please report it to the ple-prep issue "
+               f"tracker with the command you ran"
+               + ("" if debug else f" and the traceback that --debug (or {DEBUG_VARIABLE}=1) prints"), err=True)
+
 
 class _Group(click.Group):
     """Maps library errors and usage errors to one line on stderr and the documented exit codes."""
+
+    debug = False
 
     def main(self, *args: Any, **kwargs: Any) -> Any:
         kwargs.pop("standalone_mode", None)
@@ -42,6 +63,9 @@ class _Group(click.Group):
             where = f": {exc.filename}" if exc.filename else ""
             click.echo(f"error: {exc.strerror or exc}{where}", err=True)
             sys.exit(2)
+        except Exception as exc:
+            _report_bug(exc, _Group.debug or os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"))
+            sys.exit(EXIT_BUG)
 
 
 def json_option(command: Callable) -> Callable:
@@ -90,7 +114,9 @@ def echo_json(data: Any) -> None:
 
 @click.group(cls=_Group)
 @click.version_option(__version__, prog_name="ple-prep")
-def cli() -> None:
+@click.option("--debug", is_flag=True, help=f"On a bug (exit {EXIT_BUG}), print the traceback too "
+              f"(also {DEBUG_VARIABLE}=1).")
+def cli(debug: bool) -> None:
     """Prepare the n-gram PLE table of Qwen3.8-Flash-Next for serving from fast storage.
 
     \b
@@ -100,12 +126,15 @@ def cli() -> None:
 
     \b
     Exit status: 0 ok, 1 a check failed (verify), 2 bad input (one line
-    "error: ..." on stderr, nothing left behind), 130 interrupted.
+    "error: ..." on stderr, nothing left behind), 70 a bug in ple-prep (one
+    line naming it; --debug or PLE_PREP_DEBUG=1 adds the traceback, to
+    report), 130 interrupted.
     --model takes a folder or a model name found offline in the Hugging Face
     cache (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub).
     --json prints machine-readable output on stdout; progress bars go to
     stderr and switch off when it is not a terminal or with --quiet.
     """
+    _Group.debug = debug
 
 
 @cli.command()

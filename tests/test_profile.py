@@ -142,7 +142,7 @@ def test_profile_heldout_is_about_a_tenth_and_by_content():
 
 @pytest.mark.parametrize("name, content, message", [
     ("bad.csv", "x", "must be .txt, .jsonl or .npy"),
-    ("bad.jsonl", "{not json}\n", "bad.jsonl:1: not JSON"),
+    ("bad.jsonl", "{not json}\n", "bad.jsonl:1 is not JSON"),
     ("list.jsonl", "[1, 2]\n", "each line must be a JSON object"),
     ("keys.jsonl", '{"other": 1}\n', "expected a string 'text'"),
     ("ids.jsonl", '{"token_ids": [1, "a"]}\n', "token_ids must be a list of integers"),

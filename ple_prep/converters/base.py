@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..core.constants import Encoding
-from ..core.fileio import read_exactly
+from ..core.fileio import open_regular, read_exactly
 from ..ngram import NgramSpec
 
 # Rows read to fingerprint a source: enough to touch every shard, cheap enough for open time.
@@ -98,7 +98,7 @@ class TableSource:
 
     def _descriptor(self, path: Path) -> int:
         if path not in self._descriptors:
-            self._descriptors[path] = os.open(path, os.O_RDONLY)
+            self._descriptors[path] = open_regular(path, "source file")
         return self._descriptors[path]
 
     def _pread_into(self, path: Path, buffer: memoryview, offset: int) -> None:

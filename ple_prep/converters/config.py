@@ -1,22 +1,23 @@
 """A Hugging Face checkpoint's config.json: the hash parameters of a safetensors checkpoint."""
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 from typing import Any
 
 from ..core.errors import BadInput
+from ..core.fileio import load_json
 from ..ngram import NgramSpec
+
+# A real config.json is a few KB.
+MAX_CONFIG_BYTES = 16 << 20
 
 
 def load_config(model_dir: str | Path) -> dict[str, Any]:
     path = Path(model_dir) / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise BadInput(f"{path} not found: is this a checkpoint folder?") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadInput(f"{path} is not JSON: {exc}") from None
+    if not os.path.lexists(path):
+        raise BadInput(f"{path} not found: is this a checkpoint folder?")
+    return load_json(path, "config", limit=MAX_CONFIG_BYTES)
 
 
 def config_spec(model_dir: str | Path) -> NgramSpec:

@@ -13,6 +13,7 @@ import struct
 from pathlib import Path
 
 from ..core.errors import BadInput
+from ..core.fileio import open_input
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -77,7 +78,7 @@ class _Walker:
 
 def check_gguf_bounds(path: Path) -> None:
     """BadInput unless every count and length in the header fits the file; big-endian refused."""
-    with open(path, "rb") as handle:
+    with open_input(path, "GGUF file") as handle:
         size = handle.seek(0, 2)
         if size < 24:
             raise BadInput(f"{path.name}: not a readable GGUF file: {size} bytes is too short")

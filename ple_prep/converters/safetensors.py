@@ -8,9 +8,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import struct
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ from ..core.constants import (
     Encoding,
 )
 from ..core.errors import BadInput
+from ..core.fileio import MAX_JSON_DEPTH, check_json_depth, load_json, open_input
 from .base import Scale, Segment, SourceFile, TableSource
 from .config import config_spec
 
@@ -53,25 +55,28 @@ class TensorInfo:
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
     """Parse and check one safetensors header; refuse anything inconsistent with the file."""
+    # Messages name the problem, never the bytes that failed validation.
     try:
-        file_size = path.stat().st_size
-        with open(path, "rb") as handle:
+        with open_input(path, "shard") as handle:
+            file_size = os.fstat(handle.fileno()).st_size
             prefix = handle.read(8)
             if len(prefix) < 8:
                 raise BadInput(f"{path.name}: {file_size} bytes is too short for a safetensors file")
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len > SAFETENSORS_MAX_HEADER:
-                raise BadInput(f"{path.name}: header length {header_len} is above the 100 MB limit")
+                raise BadInput(f"{path.name}: the header length field is above the 100 MB limit: "
+                               f"not a safetensors file")
             if 8 + header_len > file_size:
-                raise BadInput(f"{path.name}: header length {header_len} runs past the end of the "
-                               f"{file_size}-byte file (truncated?)")
+                raise BadInput(f"{path.name}: the header length field runs past the end of the "
+                               f"{file_size}-byte file (truncated, or not a safetensors file)")
             raw = handle.read(header_len)
     except OSError as exc:
         raise BadInput(f"cannot read {path}: {exc.strerror}") from None
     try:
+        check_json_depth(raw, MAX_JSON_DEPTH, f"{path.name}: the header")
         header = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-        raise BadInput(f"{path.name}: the header is not JSON (or nests too deep)") from None
+        raise BadInput(f"{path.name}: the header is not JSON") from None
     if not isinstance(header, dict):
         raise BadInput(f"{path.name}: the header is not a JSON object")
     data_start = 8 + header_len
@@ -117,18 +122,25 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 def _checkpoint_files(model_dir: Path) -> list[Path]:
     """The files to read: those the index names (when there is one), else every *.safetensors."""
     index = model_dir / "model.safetensors.index.json"
-    if index.exists():
+    if os.path.lexists(index):
+        index_json = load_json(index, "safetensors index")
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = index_json["weight_map"]
             names = sorted(set(weight_map.values()))
             if not all(isinstance(n, str) for n in names):
                 raise TypeError
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+        except (KeyError, TypeError, AttributeError):
             raise BadInput(f"{index.name} is not a safetensors index (no weight_map)") from None
+        # Shards are files of this folder: an absolute name or one with `..` would read elsewhere.
+        outside = [n for n in names if PurePosixPath(n).is_absolute() or "\\" in n
+                   or ".." in PurePosixPath(n).parts or n in ("", ".")]
+        if outside:
+            raise BadInput(f"{index.name} names shard files outside the checkpoint folder "
+                           f"({', '.join(repr(n) for n in outside[:3])}); refused")
         relevant = sorted({f for t, f in weight_map.items() if ".ple.ple_embedding." in t})
-        missing = [n for n in names if not (model_dir / n).is_file()]
+        missing = [n for n in names if not os.path.lexists(model_dir / n)]
         if missing:
-            raise BadInput(f"{index.name} names {', '.join(missing)}, not found in {model_dir}")
+            raise BadInput(f"{index.name} names {', '.join(missing[:5])}, not found in {model_dir}")
         if not relevant:
             raise BadInput(f"{index.name} names no n-gram PLE tensor: is this Qwen3.8-Flash-Next?")
         return [model_dir / n for n in relevant]
@@ -144,7 +156,7 @@ def _read_scalar(info: TensorInfo, what: str) -> Scale:
     if math.prod(info.shape) != 1:
         raise BadInput(f"{what} {info.name} has shape {list(info.shape)}: only a scalar (per-tensor) "
                        f"scale is supported")
-    with open(info.path, "rb") as handle:
+    with open_input(info.path, "shard") as handle:
         handle.seek(info.offset)
         raw = handle.read(info.nbytes)
     stored = np.frombuffer(raw, dtype=SCALE_DTYPES[info.dtype])
@@ -161,7 +173,7 @@ def _read_int64(info: TensorInfo, length: int) -> list[int]:
     # Never through float32: the multipliers need 45 bits.
     if info.dtype != "I64" or info.shape != (length,):
         raise BadInput(f"{info.name} is {info.dtype} {list(info.shape)}; expected I64 [{length}]")
-    with open(info.path, "rb") as handle:
+    with open_input(info.path, "shard") as handle:
         handle.seek(info.offset)
         return [int(v) for v in np.frombuffer(handle.read(info.nbytes), dtype="<i8")]
 

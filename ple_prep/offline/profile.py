@@ -31,7 +31,11 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from ..core.errors import BadInput
-from ..core.fileio import atomic_output, open_input, parse_json
+from ..core.fileio import (
+    atomic_output,
+    open_input,
+    parse_json,
+)
 from ..ngram import NgramSpec, mixed_values, rows_of_mixed
 from .prompts import PromptReader
 
@@ -155,7 +159,7 @@ class _KeyCounter:
 
 
 def is_heldout(tokens: np.ndarray, every: int = HELDOUT_EVERY) -> bool:
-    digest = hashlib.blake2b(np.ascontiguousarray(tokens, dtype="<i8").tobytes(), digest_size=8)
+    digest = hashlib.blake2b(np.ascontiguousarray(tokens, dtype="<i8").data, digest_size=8)
     return int.from_bytes(digest.digest(), "little") % every == 0
 
 
@@ -178,12 +182,25 @@ class Profiler:
         if not len(tokens):
             return
         part = "heldout" if is_heldout(tokens, self.heldout_every) else "train"
-        self._buffer[part].append(tokens)
         self._requests[part] += 1
         self._tokens[part] += len(tokens)
+        if len(tokens) > BATCH_TOKENS:
+            self._add_long(part, tokens)
+            return
+        self._buffer[part].append(tokens)
         self._buffered += len(tokens)
         if self._buffered >= BATCH_TOKENS:
             self.flush()
+
+    def _add_long(self, part: str, tokens: np.ndarray) -> None:
+        """A request longer than a batch, hashed a batch at a time: each window gets the tokens
+        before it as context, so the values are those of the whole request in one call."""
+        history = self.spec.ngram_size - 1
+        for start in range(0, len(tokens), BATCH_TOKENS):
+            context = tokens[max(0, start - history):start] if start else None
+            mixed = mixed_values(tokens[start:start + BATCH_TOKENS], self.spec, context=context)
+            for column, order in enumerate(self.orders):
+                self._counters[part][order].add(mixed[:, column])
 
     def flush(self) -> None:
         for part, requests in self._buffer.items():
@@ -208,7 +225,7 @@ class Profiler:
 
 def _file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with open_input(path, "prompt file") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()

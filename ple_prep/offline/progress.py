@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..core.errors import BadInput
-from ..core.fileio import create_exclusive, read_bounded, read_exactly
+from ..core.fileio import create_exclusive, open_regular, read_bounded, read_exactly
 from ..format.header import Header
 from ..format.pages import page_rows, rows_in_block
 
@@ -109,7 +109,7 @@ def verify_prefix(path: Path, header: Header, block_bytes: int, header_crc: int,
     go into the SHA-256 only once its CRC has matched.
     """
     digest = hashlib.sha256()
-    descriptor = os.open(path, os.O_RDONLY)
+    descriptor = open_regular(path, "partial table")
     reader = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     hasher = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     buffers = [np.empty(block_bytes, dtype=np.uint8) for _ in range(3)]
@@ -159,7 +159,7 @@ def _hash_rows(digest, raw: np.ndarray, header: Header, rows: int) -> None:
 
 def truncate_after(journal: Path, blocks: int) -> None:
     """Cut the journal after its first `blocks` block lines (dropping bad blocks and a torn line)."""
-    raw = journal.read_bytes()
+    raw = read_bounded(journal, MAX_JOURNAL_BYTES, "journal")
     end = 0
     for _ in range(blocks + 1):
         end = raw.index(b"\n", end) + 1

@@ -2,18 +2,38 @@
 chat messages rendered with the checkpoint's template, or token ids) and .npy (token ids)."""
 from __future__ import annotations
 
+import codecs
 import dataclasses
-import json
+import itertools
+import math
+import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import numpy as np
 
 from ..core.errors import BadInput
+from ..core.fileio import (
+    MAX_JSON_DEPTH,
+    check_json_depth,
+    load_json,
+    open_input,
+    open_regular,
+    parse_json,
+    read_bounded,
+)
 from ..ngram import NgramSpec
 
 # Texts per tokenizer call (the `tokenizers` library encodes a batch on all cores).
 TEXT_BATCH = 256
+# The tokenizer needs ~200 bytes of memory per byte it encodes at once: texts longer than
+# PIECE_CHARS are encoded in pieces cut between words, and one call encodes at most BATCH_CHARS.
+PIECE_CHARS = 1 << 18
+BATCH_CHARS = 1 << 20
+# Caps on prompt-side inputs: one .jsonl line, tokenizer.json, tokenizer_config.json.
+MAX_LINE_BYTES = 64 << 20
+MAX_TOKENIZER_BYTES = 256 << 20
+MAX_TOKENIZER_CONFIG_BYTES = 16 << 20
 
 
 @dataclasses.dataclass
@@ -38,11 +58,13 @@ class PromptReader:
             from tokenizers import Tokenizer
 
             path = self.model_dir / "tokenizer.json"
-            if not path.is_file():
+            if not os.path.lexists(path):
                 raise BadInput(f"{path} not found: text prompts need the checkpoint's tokenizer.json "
                                f"(or give token ids as .npy or .jsonl with token_ids)")
+            data = read_bounded(path, MAX_TOKENIZER_BYTES, "tokenizer")
+            check_json_depth(data, MAX_JSON_DEPTH, f"tokenizer {path}")
             try:
-                self._tokenizer = Tokenizer.from_file(str(path))
+                self._tokenizer = Tokenizer.from_str(data.decode())
             except Exception as exc:  # the binding raises plain Exception on a bad file
                 raise BadInput(f"{path} is not a tokenizers file: {exc}") from None
         return self._tokenizer
@@ -51,10 +73,11 @@ class PromptReader:
     def tokenizer_config(self) -> dict[str, Any]:
         if self._tokenizer_config is None:
             path = self.model_dir / "tokenizer_config.json"
-            try:
-                self._tokenizer_config = json.loads(path.read_text()) if path.is_file() else {}
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise BadInput(f"{path} is not JSON: {exc}") from None
+            config = (load_json(path, "tokenizer config", limit=MAX_TOKENIZER_CONFIG_BYTES)
+                      if os.path.lexists(path) else {})
+            if not isinstance(config, dict):
+                raise BadInput(f"{path} is not a JSON object")
+            self._tokenizer_config = config
         return self._tokenizer_config
 
     def render_chat(self, messages: Any, where: str) -> str:
@@ -65,25 +88,53 @@ class PromptReader:
     def requests(self, path: Path) -> Iterator[np.ndarray]:
         """The requests of one prompt file, as int64 token id arrays, in file order."""
         suffix = path.suffix.lower()
-        if not path.is_file():
-            raise BadInput(f"prompt file {path} not found")
+        os.close(open_regular(path, "prompt file"))
         if suffix == ".npy":
             yield self._checked(self._load_npy(path), str(path))
         elif suffix == ".txt":
-            try:
-                text = path.read_text(encoding="utf-8")
-            except UnicodeDecodeError as exc:
-                raise BadInput(f"{path} is not UTF-8 text: {exc}") from None
-            yield from self._tokenised([(str(path), _Text(text, True))])
+            yield self._checked(self._encode_pieces(self._txt_pieces(path), True), str(path))
         elif suffix == ".jsonl":
             yield from self._tokenised(self._jsonl_items(path))
         else:
             raise BadInput(f"{path}: prompt files must be .txt, .jsonl or .npy, not {suffix or 'no suffix'!r}")
 
+    def _txt_pieces(self, path: Path) -> Iterator[str]:
+        """A UTF-8 file's text in pieces of about PIECE_CHARS, each cut between two words."""
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        pending = ""
+        with open_input(path, "prompt file") as handle:
+            while True:
+                block = handle.read(PIECE_CHARS)
+                try:
+                    pending += decoder.decode(block, final=not block)
+                except UnicodeDecodeError as exc:
+                    raise BadInput(f"{path} is not UTF-8 text: {exc.reason} near byte "
+                                   f"{handle.tell() - len(block) + exc.start}") from None
+                while len(pending) > PIECE_CHARS:
+                    cut = _word_boundary(pending, PIECE_CHARS)
+                    yield pending[:cut]
+                    pending = pending[cut:]
+                if not block:
+                    break
+        yield pending
+
     def _load_npy(self, path: Path) -> np.ndarray:
         try:
-            array = np.load(path, allow_pickle=False)
-        except (ValueError, OSError) as exc:
+            with open_input(path, "prompt file") as handle:
+                version = np.lib.format.read_magic(handle)
+                read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                               else np.lib.format.read_array_header_2_0)
+                shape, fortran, dtype = read_header(handle)
+                # The declared shape must match the bytes there, or numpy would allocate what it says.
+                left = os.fstat(handle.fileno()).st_size - handle.tell()
+                if dtype.hasobject or math.prod(shape) * dtype.itemsize != left:
+                    raise BadInput(f"{path}: the .npy header declares {dtype} {shape}, not the "
+                                   f"{left} bytes that follow it")
+                handle.seek(0)
+                array = np.load(handle, allow_pickle=False)
+        except (ValueError, OSError, SyntaxError) as exc:
+            if isinstance(exc, BadInput):
+                raise
             raise BadInput(f"{path} is not a numpy .npy array of token ids: {exc}") from None
         if array.ndim != 1 or array.dtype.kind not in "iu":
             raise BadInput(f"{path}: expected a 1-D integer array of token ids, got "
@@ -91,15 +142,15 @@ class PromptReader:
         return array
 
     def _jsonl_items(self, path: Path) -> Iterator[tuple[str, np.ndarray | _Text]]:
-        with open(path, "rb") as handle:
-            for number, line in enumerate(handle, 1):
+        with open_input(path, "prompt file") as handle:
+            for number, line in enumerate(iter(lambda: handle.readline(MAX_LINE_BYTES + 1), b""), 1):
                 where = f"{path}:{number}"
+                if len(line) > MAX_LINE_BYTES:
+                    raise BadInput(f"{where}: a line longer than {MAX_LINE_BYTES >> 20} MiB; put long "
+                                   f"texts in a .txt file (read in pieces)")
                 if not line.strip():
                     continue
-                try:
-                    record = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                    raise BadInput(f"{where}: not JSON: {exc}") from None
+                record = parse_json(line, where)
                 if not isinstance(record, dict):
                     raise BadInput(f"{where}: each line must be a JSON object")
                 if "token_ids" in record:
@@ -129,21 +180,53 @@ class PromptReader:
                 yield self._checked(next(encoded) if isinstance(item, _Text) else item, where)
             pending.clear()
 
+        chars = 0
         for entry in items:
             pending.append(entry)
-            if len(pending) >= TEXT_BATCH:
+            chars += len(entry[1].text) if isinstance(entry[1], _Text) else 0
+            if len(pending) >= TEXT_BATCH or chars >= BATCH_CHARS:
                 yield from drain()
+                chars = 0
         yield from drain()
 
     def _encode(self, texts: list[_Text]) -> list[np.ndarray]:
-        out: list[np.ndarray] = []
+        out: list[tuple[int, np.ndarray]] = [
+            (i, self._encode_pieces(_text_pieces(t.text), t.add_special_tokens))
+            for i, t in enumerate(texts) if len(t.text) > PIECE_CHARS]
         for flag in (True, False):
-            chosen = [i for i, t in enumerate(texts) if t.add_special_tokens is flag]
+            chosen = [i for i, t in enumerate(texts)
+                      if t.add_special_tokens is flag and len(t.text) <= PIECE_CHARS]
             if chosen:
                 encodings = self.tokenizer.encode_batch([texts[i].text for i in chosen],
                                                         add_special_tokens=flag)
                 out.extend(zip(chosen, (np.array(e.ids, dtype=np.int64) for e in encodings)))
         return [ids for _, ids in sorted(out, key=lambda pair: pair[0])]
+
+    def _encode_pieces(self, pieces: Iterator[str], add_special_tokens: bool) -> np.ndarray:
+        """One text given in pieces cut between words: the ids of the whole text, with memory for
+        one piece at a time in the tokenizer. A text of one piece is encoded as it is."""
+        first = next(pieces)
+        second = next(pieces, None)
+        if second is None:
+            return np.array(self.tokenizer.encode(first, add_special_tokens=add_special_tokens).ids,
+                            dtype=np.int64)
+        parts = [np.array(self.tokenizer.encode(piece, add_special_tokens=False).ids, dtype=np.int32)
+                 for piece in itertools.chain([first, second], pieces)]
+        if add_special_tokens:
+            before, after = self._special_tokens()
+            parts = [np.array(before, dtype=np.int32), *parts, np.array(after, dtype=np.int32)]
+        return np.concatenate(parts).astype(np.int64)
+
+    def _special_tokens(self) -> tuple[list[int], list[int]]:
+        """The ids the tokenizer adds before and after a text (its post-processor's special tokens)."""
+        plain = self.tokenizer.encode("a", add_special_tokens=False).ids
+        full = self.tokenizer.encode("a", add_special_tokens=True).ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start:start + len(plain)] == plain:
+                return full[:start], full[start + len(plain):]
+        raise BadInput("this tokenizer's special tokens wrap a text in a way pieces cannot follow; "
+                       "split long prompts into requests of at most "
+                       f"{PIECE_CHARS:,} characters")
 
     def _checked(self, tokens: np.ndarray, where: str) -> np.ndarray:
         tokens = np.asarray(tokens).astype(np.int64, copy=False)
@@ -151,3 +234,25 @@ class PromptReader:
             raise BadInput(f"{where}: token ids must be in [0, {self.spec.vocab_size}); "
                            f"found {int(tokens.min())}..{int(tokens.max())}")
         return tokens
+
+
+def _word_boundary(text: str, limit: int) -> int:
+    """Where to cut `text` at or before `limit`: before a space between two letters, a place where
+    the tokenizer's pre-tokenizer splits too, so the pieces encode as the whole text does. With no
+    such place in the last quarter of the piece, at `limit`."""
+    position = limit
+    while position > limit * 3 // 4:
+        position = text.rfind(" ", limit * 3 // 4, position)
+        if position <= 0:
+            break
+        if text[position - 1].isalpha() and position + 1 < len(text) and text[position + 1].isalpha():
+            return position
+    return limit
+
+
+def _text_pieces(text: str) -> Iterator[str]:
+    while len(text) > PIECE_CHARS:
+        cut = _word_boundary(text, PIECE_CHARS)
+        yield text[:cut]
+        text = text[cut:]
+    yield text

@@ -45,6 +45,8 @@ def convert_ranks(source: TableSource, out: str | Path, tp_size: int,
     of them is checked before the first.
     """
     options = options or WriteOptions()
+    # Checked before listing the ranks: --tp-size 2**62 must be refused, not allocated.
+    rank_rows(source.num_rows, tp_size, 0)
     ranks = list(range(tp_size)) if tp_ranks is None else list(tp_ranks)
     ranges = [rank_rows(source.num_rows, tp_size, rank) for rank in ranks]
     out = Path(out)

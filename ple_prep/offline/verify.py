@@ -11,7 +11,7 @@ import numpy as np
 
 from ..converters import open_source
 from ..core.errors import BadInput
-from ..core.fileio import read_exactly
+from ..core.fileio import open_input, open_regular, read_exactly
 from ..format.manifest import load_table_manifest, manifest_path, validate_with_schema
 from ..runtime import open_table
 from .staleness import source_changes
@@ -49,6 +49,8 @@ def verify(path: str | Path, model: str | Path | None = None, *, sample: int | N
     report = VerifyReport(str(path))
     manifest = load_table_manifest(path)
     validate_with_schema(manifest, manifest_path(path).name)
+    # No table at all (missing, a folder, a FIFO) is bad input, not a failed check.
+    os.close(open_regular(path, "table"))
     try:
         table = open_table(path)
     except BadInput as exc:
@@ -70,9 +72,9 @@ def verify(path: str | Path, model: str | Path | None = None, *, sample: int | N
 
 def _header_crc(path: Path, manifest: dict[str, Any]) -> int | None:
     try:
-        with open(path, "rb") as handle:
+        with open_input(path, "table") as handle:
             raw = handle.read(manifest["data_offset"])
-    except OSError:
+    except (OSError, BadInput):
         return None
     return zlib.crc32(raw) if len(raw) == manifest["data_offset"] else None
 
@@ -82,7 +84,7 @@ def _check_checksums(table, report: VerifyReport, progress) -> None:
     block_bytes = checksums["block_bytes"]
     data_offset, file_size = table.header.data_offset, table.header.file_size
     buffer = bytearray(CHECKSUM_READ_BYTES)
-    descriptor = os.open(table.path, os.O_RDONLY)
+    descriptor = open_regular(table.path, "table")
     try:
         report.header_ok = zlib.crc32(os.pread(descriptor, data_offset, 0)) == checksums["header_crc32"]
         for block, expected in enumerate(checksums["blocks"]):
