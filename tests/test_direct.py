@@ -148,3 +148,24 @@ def test_refused_o_direct_falls_back_by_default_and_fails_clearly_when_asked_for
         open_table(ordered_table, read_path="direct")
     with pytest.raises(ValueError, match="read_path must be one of"):
         open_table(ordered_table, read_path="uring")
+
+
+def test_direct_tables_share_one_aio_context_and_a_forked_child_makes_its_own(ordered_table, source_rows,
+                                                                              monkeypatch):
+    """Contexts count against the host-wide fs.aio-max-nr, so tables share the process's one."""
+    monkeypatch.setattr(Gatherer, "_cached", lambda self, slots: False)
+    with open_table(ordered_table) as first, open_table(ordered_table) as second:
+        assert first._gatherer.direct._context is second._gatherer.direct._context
+        ids = request_ids(first.num_rows, 2000, 8)
+        reader, writer = os.pipe()
+        child = os.fork()
+        if child == 0:  # the child inherits the tables but not the parent's AIO context
+            try:
+                os.write(writer, b"1" if np.array_equal(second.gather(ids), source_rows[ids]) else b"0")
+            finally:
+                os._exit(0)
+        os.close(writer)
+        assert os.read(reader, 1) == b"1"
+        os.waitpid(child, 0)
+        os.close(reader)
+        assert np.array_equal(first.gather(ids), source_rows[ids])

@@ -23,6 +23,7 @@ import mmap
 import os
 import platform
 import threading
+import weakref
 
 import numpy as np
 
@@ -30,6 +31,10 @@ import numpy as np
 # bursts and a busy host deschedules the refilling thread for milliseconds, so the queue must hold
 # that long of work; 512 (a 2 MiB buffer) was the steadiest here (BENCHMARKS.md, "Disk tier").
 DEFAULT_QUEUE_DEPTH = 512
+# The shared context's size (events reserved against fs.aio-max-nr) and so the deepest queue.
+MAX_QUEUE_DEPTH = 1024
+# Bytes of blocks in flight per table at most: tables with large pages get a shallower queue.
+MAX_BUFFER_BYTES = 8 << 20
 # The smallest O_DIRECT unit that suits every common device (logical blocks of 512 or 4096 bytes).
 MIN_BLOCK = 4096
 
@@ -73,28 +78,64 @@ def _call(number: int, *args) -> int:
             raise OSError(code, os.strerror(code))
 
 
+def _destroy(handle: int, pid: int) -> None:
+    if os.getpid() == pid:
+        _call(_NUMBERS[1], ctypes.c_ulong(handle))
+
+
+class _Context:
+    """The process's one native AIO context, shared by every table's reader.
+
+    Contexts count against the host-wide `fs.aio-max-nr` (65,536 events by default), so a context
+    per table would run out with a few hundred tables open across the host's processes. A fork's
+    child cannot use its parent's context (contexts belong to an address space): it makes its own.
+    Requests from all tables take turns on its lock.
+    """
+
+    def __init__(self):
+        self.pid = os.getpid()
+        handle = ctypes.c_ulong(0)
+        _call(_NUMBERS[0], ctypes.c_long(MAX_QUEUE_DEPTH), ctypes.byref(handle))
+        self.handle = handle.value
+        self.events = np.zeros(MAX_QUEUE_DEPTH, dtype=_EVENT)
+        self.in_flight = 0
+        self.lock = threading.Lock()
+        weakref.finalize(self, _destroy, self.handle, self.pid)
+
+
+_SHARED: _Context | None = None
+_SHARED_LOCK = threading.Lock()
+
+
+def _shared_context() -> _Context:
+    global _SHARED
+    with _SHARED_LOCK:
+        if _SHARED is None or _SHARED.pid != os.getpid():
+            _SHARED = _Context()
+        return _SHARED
+
+
 class DirectReader:
     """Rows of one table file by slot, read with O_DIRECT at `queue_depth` reads in flight.
 
     Raises DirectUnavailable when the file system refuses O_DIRECT (EINVAL) or the kernel refuses
-    native AIO (no syscall, ENOSYS, or the host's aio-max-nr reached). One request at a time: a
-    lock serialises callers on several threads.
+    native AIO (no syscall, ENOSYS, or the host's aio-max-nr reached). One request at a time per
+    process: readers share one AIO context (`_Context`) and take turns on its lock.
     """
 
     def __init__(self, path, header, queue_depth: int = DEFAULT_QUEUE_DEPTH):
         if _SYSCALL is None:
             raise DirectUnavailable(errno.ENOSYS, f"no native AIO on {platform.machine()} here")
-        if queue_depth < 1:
-            raise ValueError("queue_depth must be >= 1")
-        self.queue_depth = int(queue_depth)
+        if not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
+            raise ValueError(f"queue_depth must be from 1 to {MAX_QUEUE_DEPTH}")
         self._data_offset = header.data_offset
         self._page_size = header.page_size
         self._rows_per_page = header.rows_per_page
         self._row_bytes = header.row_bytes
         self._block = max(header.page_size, MIN_BLOCK)
+        # Large pages make large blocks: the buffer's cap bounds the bytes in flight instead.
+        self.queue_depth = max(1, min(int(queue_depth), MAX_BUFFER_BYTES // self._block))
         self._file_end = header.data_offset + header.num_pages * header.page_size
-        self._in_flight = 0
-        self._context = ctypes.c_ulong(0)
         self._descriptor = -1
         self._buffer = None
         try:
@@ -104,13 +145,15 @@ class DirectReader:
                 raise DirectUnavailable(exc.errno, f"{path} refuses O_DIRECT ({exc.strerror})") from None
             raise
         try:
-            _call(_NUMBERS[0], ctypes.c_long(self.queue_depth), ctypes.byref(self._context))
+            self._context = _shared_context()
         except OSError as exc:
             os.close(self._descriptor)
             self._descriptor = -1
             raise DirectUnavailable(exc.errno, f"native AIO refused: {exc.strerror}") from None
-        # Anonymous memory from mmap is page aligned, as O_DIRECT needs.
-        self._buffer = mmap.mmap(-1, self.queue_depth * self._block)
+        # Private anonymous memory from mmap is page aligned, as O_DIRECT needs (and, unlike
+        # mmap's shared default, not shmem that a memory cgroup counts as page cache).
+        self._buffer = mmap.mmap(-1, self.queue_depth * self._block,
+                                 flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         base = np.frombuffer(self._buffer, dtype=np.uint8, count=1).ctypes.data
         self._iocbs = np.zeros(self.queue_depth, dtype=_IOCB)
         self._iocbs["data"] = np.arange(self.queue_depth)
@@ -119,18 +162,15 @@ class DirectReader:
         self._iocbs["buf"] = base + np.arange(self.queue_depth, dtype=np.uint64) * self._block
         self._iocbs["nbytes"] = self._block
         self._pointers = self._iocbs.ctypes.data + np.arange(self.queue_depth, dtype=np.uint64) * _IOCB.itemsize
-        self._events = np.zeros(self.queue_depth, dtype=_EVENT)
         # Rows as opaque elements of a strided view of the buffer, as Gatherer does over the mapping.
         step = math.gcd(header.page_size, header.row_bytes)
         self._step = step
         self._row_type = np.dtype((np.void, header.row_bytes))
         self._units = np.ndarray(shape=((len(self._buffer) - header.row_bytes) // step + 1,),
                                  dtype=self._row_type, buffer=self._buffer, strides=(step,))
-        self._lock = threading.Lock()
 
     def close(self) -> None:
         if self._descriptor >= 0:
-            _call(_NUMBERS[1], self._context)
             os.close(self._descriptor)
             self._descriptor = -1
         self._units = None
@@ -157,7 +197,9 @@ class DirectReader:
         # Element of `_units` for each row, counted from its block's buffer slot (slot added later).
         within = (offsets % self._block) // self._step
         rows = np.empty((len(distinct), self._row_bytes), dtype=np.uint8)
-        with self._lock:
+        if self._context.pid != os.getpid():
+            self._context = _shared_context()
+        with self._context.lock:
             self._read(blocks[starts] * self._block, starts, block_rows, within,
                        rows.view(self._row_type).reshape(-1))
         out[...] = rows[inverse.reshape(-1)]
@@ -168,6 +210,7 @@ class DirectReader:
         """Read each block once, `queue_depth` in flight, copying its rows to `target` on arrival."""
         count = len(block_offsets)
         depth = self.queue_depth
+        context = self._context
         slot_block = np.zeros(depth, dtype=np.int64)  # block index held by each buffer slot
         units_per_block = self._block // self._step
         submitted = done = 0
@@ -181,10 +224,10 @@ class DirectReader:
                     slot_block[take] = fresh
                     submitted += len(take)
                     self._submit(np.ascontiguousarray(self._pointers[take]))
-                got = _call(_NUMBERS[3], self._context, ctypes.c_long(1), ctypes.c_long(depth),
-                            ctypes.c_void_p(self._events.ctypes.data), None)
-                self._in_flight -= got
-                events = self._events[:got]
+                got = _call(_NUMBERS[3], ctypes.c_ulong(context.handle), ctypes.c_long(1),
+                            ctypes.c_long(depth), ctypes.c_void_p(context.events.ctypes.data), None)
+                context.in_flight -= got
+                events = context.events[:got]
                 free = events["data"].astype(np.int64)
                 finished = slot_block[free]
                 self._check(events["res"], block_offsets[finished])
@@ -196,18 +239,18 @@ class DirectReader:
                 done += got
         finally:
             # Never leave reads in flight into a buffer the next request reuses.
-            while self._in_flight > 0:
-                self._in_flight -= _call(_NUMBERS[3], self._context, ctypes.c_long(self._in_flight),
-                                         ctypes.c_long(depth), ctypes.c_void_p(self._events.ctypes.data),
-                                         None)
+            while context.in_flight > 0:
+                context.in_flight -= _call(_NUMBERS[3], ctypes.c_ulong(context.handle),
+                                           ctypes.c_long(context.in_flight), ctypes.c_long(MAX_QUEUE_DEPTH),
+                                           ctypes.c_void_p(context.events.ctypes.data), None)
 
     def _submit(self, pointers: np.ndarray) -> None:
         """Submit every iocb in `pointers`; the kernel may take fewer per call."""
         sent = 0
         while sent < len(pointers):
-            taken = _call(_NUMBERS[2], self._context, ctypes.c_long(len(pointers) - sent),
+            taken = _call(_NUMBERS[2], ctypes.c_ulong(self._context.handle), ctypes.c_long(len(pointers) - sent),
                           ctypes.c_void_p(pointers.ctypes.data + sent * pointers.itemsize))
-            self._in_flight += taken
+            self._context.in_flight += taken
             sent += taken
 
     def _check(self, results: np.ndarray, offsets: np.ndarray) -> None:
