@@ -154,18 +154,27 @@ def test_direct_tables_share_one_aio_context_and_a_forked_child_makes_its_own(or
                                                                               monkeypatch):
     """Contexts count against the host-wide fs.aio-max-nr, so tables share the process's one."""
     monkeypatch.setattr(Gatherer, "_cached", lambda self, slots: False)
-    with open_table(ordered_table) as first, open_table(ordered_table) as second:
+    try:
+        first, second = (open_table(ordered_table, read_path="direct") for _ in range(2))
+    except BadInput as exc:  # fs.aio-max-nr used up by other processes on this host
+        pytest.skip(str(exc))
+    with first, second:
         assert first._gatherer.direct._context is second._gatherer.direct._context
         ids = request_ids(first.num_rows, 2000, 8)
         reader, writer = os.pipe()
         child = os.fork()
         if child == 0:  # the child inherits the tables but not the parent's AIO context
             try:
-                os.write(writer, b"1" if np.array_equal(second.gather(ids), source_rows[ids]) else b"0")
+                os.write(writer, b"equal" if np.array_equal(second.gather(ids), source_rows[ids]) else b"differ")
+            except BaseException as exc:
+                os.write(writer, repr(exc).encode())
             finally:
                 os._exit(0)
         os.close(writer)
-        assert os.read(reader, 1) == b"1"
+        answer = os.read(reader, 4096).decode()
         os.waitpid(child, 0)
         os.close(reader)
+        if "Resource temporarily unavailable" in answer:  # fs.aio-max-nr used up on this host
+            pytest.skip(answer)
+        assert answer == "equal"
         assert np.array_equal(first.gather(ids), source_rows[ids])
