@@ -166,6 +166,8 @@ def test_open_table_in_place_truncation_is_sigbus_that_rename_avoids(table_path,
                   "t.gather(np.arange(t.num_rows))\n")
         done = subprocess.run([sys.executable, "-c", script, str(copy)], capture_output=True,
                               cwd=Path(__file__).resolve().parent.parent)
+        if b"native AIO refused" in done.stderr:  # fs.aio-max-nr used up by other processes
+            continue
         assert done.returncode == expected, done.stderr
         if read_path == "direct":
             assert b"the file shrank" in done.stderr
