@@ -1,13 +1,22 @@
 """The gather path and the resident/disk split, against the source bytes, with poisoned buffers."""
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from ple_prep.converters import open_source
+from ple_prep.format import order as order_module
 from ple_prep.format.layout import TableLayout
 from ple_prep.format.order import RowOrder
 from ple_prep.offline.writer import WriteOptions, convert
+from ple_prep.runtime import gather as gather_module
 from ple_prep.runtime import open_table
 from ple_prep.runtime.gather import Gatherer
 from ple_prep.tools.benchmark import evict
@@ -39,8 +48,20 @@ def read_path(request):
     return request.param
 
 
+@pytest.fixture(params=["compiled", "numpy"])
+def loops(request, monkeypatch):
+    """The compiled helper's loops (core/_native.c), or the numpy fallback of a machine built
+    without a compiler: both must give the same bytes."""
+    if request.param == "numpy":
+        monkeypatch.setattr(gather_module, "_native", None)
+        monkeypatch.setattr(order_module, "_native", None)
+    elif gather_module._native is None:
+        pytest.skip("the compiled helper is not built here (no compiler at install)")
+    return request.param
+
+
 @pytest.fixture(params=["cold", "cached"])
-def table(request, table_path, read_path, monkeypatch):
+def table(request, table_path, read_path, monkeypatch, loops):
     """The table with the page-cache probe forced, so every copy path runs whatever the cache holds."""
     monkeypatch.setattr(Gatherer, "_cached", lambda self, slots: request.param == "cached")
     with open_table(table_path, read_path=read_path) as opened:
@@ -206,7 +227,7 @@ def test_gather_other_page_sizes(fp8_checkpoint, source_rows, tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("threads", [2, 3])
-def test_gather_cached_rows_on_threads(table_path, source_rows, monkeypatch, threads):
+def test_gather_cached_rows_on_threads(table_path, source_rows, monkeypatch, threads, loops):
     monkeypatch.setattr(Gatherer, "_cached", lambda self, slots: True)
     monkeypatch.setattr("ple_prep.runtime.gather.THREAD_MIN_ROWS", 100)
     with open_table(table_path) as table:
@@ -229,3 +250,41 @@ def test_gather_probe_sees_an_evicted_file_cold_and_a_gathered_request_cached(ta
         assert not gatherer._cached(slots)
         table.gather_slots(slots)
         assert gatherer._cached(slots)
+
+
+def test_compiled_copy_refuses_slots_outside_the_table(table_path, monkeypatch):
+    if gather_module._native is None:
+        pytest.skip("the compiled helper is not built here (no compiler at install)")
+    monkeypatch.setattr(Gatherer, "_cached", lambda self, slots: True)
+    with open_table(table_path) as table:
+        for slot in (table.num_rows, -1, 2**62):
+            with pytest.raises(IndexError, match=f"slot {slot} is outside"):
+                table.gather_slots(np.array([0, slot]))
+
+
+def test_install_without_a_compiler_falls_back_to_numpy(tmp_path, source_rows, table_path):
+    """`pip install .` on a machine without a C compiler: the wheel builds without the helper, and
+    the installed package gathers the same bytes with numpy."""
+    pytest.importorskip("setuptools")
+    repository = Path(__file__).resolve().parents[1]
+    source = tmp_path / "src"
+    shutil.copytree(repository / "ple_prep", source / "ple_prep",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(repository / name, source / name)
+    no_compiler = os.environ | {"CC": "false", "LDSHARED": "false"}
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp_path / "wheel"), str(source)], check=True, env=no_compiler,
+                   capture_output=True)
+    (wheel,) = (tmp_path / "wheel").glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        assert not [name for name in archive.namelist() if name.endswith(".so")]
+        archive.extractall(tmp_path / "site")
+    code = ("import sys, numpy as np; from ple_prep.runtime import open_table, gather; "
+            "from ple_prep.format import order; assert gather._native is None and order._native is None; "
+            "t = open_table(sys.argv[1]); ids = np.arange(t.num_rows)[::-7]; "
+            "sys.stdout.buffer.write(t.gather(ids).tobytes())")
+    done = subprocess.run([sys.executable, "-c", code, str(table_path)], capture_output=True, check=True,
+                          env=os.environ | {"PYTHONPATH": str(tmp_path / "site")}, cwd=tmp_path)
+    ids = np.arange(len(source_rows))[::-7]
+    assert done.stdout == source_rows[ids].tobytes()

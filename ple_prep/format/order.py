@@ -4,12 +4,12 @@ The first `num_placed` slots hold chosen rows (the hot ones) in the order given;
 follows in source order. Only the placed rows are stored, so the map costs 12 bytes per placed row
 and nothing for the rest: slot = num_placed + row - (placed rows below it).
 
-A lookup must cost the same whatever the map's size (the real table places about 21M rows). Small
-requests binary-search `sorted_rows` with keys of its own dtype (numpy would otherwise convert the
-whole map to the keys' dtype on every call). Large requests would pay a dozen cache misses per key
-there, so they read a rank index built on their first call: a bit per row (placed or not) and the
-count of placed rows before each 64-bit word, two memory reads per key (3 bytes per 16 rows: 60 MB
-for the real table, a quarter of its map).
+A lookup must cost the same whatever the map's size (the real table places about 21M rows). A
+binary search of `sorted_rows` pays a dozen cache misses per id at that size (and, with int64 keys
+on the uint32 map, numpy converts the whole map on every call), so lookups read a rank index built
+once: a bit per row (placed or not) and the count of placed rows before each 64-bit word, two
+memory reads per id (3 bytes per 16 rows: 60 MB for the real table, a quarter of its map). The
+compiled helper (core/_native.c) walks it in one loop; numpy does the same in a dozen passes.
 """
 from __future__ import annotations
 
@@ -20,9 +20,11 @@ import numpy as np
 from ..core.constants import ORDER_DTYPE
 from ..core.errors import BadInput
 
-# Requests of up to this many ids binary-search the map; larger ones use the rank index (below
-# this size its few extra numpy calls cost more than the searches' cache misses).
-SEARCH_MAX_IDS = 64
+try:
+    from ..core import _native
+except ImportError:  # built only where a C compiler was there at install (setup.py)
+    _native = None
+
 # Placed rows turned into rank-index bits per step while building it (bounds its temporaries).
 RANK_BUILD_ROWS = 1 << 20
 
@@ -79,32 +81,28 @@ class RowOrder:
 
     def slot_of(self, rows: np.ndarray) -> np.ndarray:
         """File slot of each local row id (int64, ids already checked to be in range)."""
-        rows = np.asarray(rows, dtype=np.int64)
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
         if not self.num_placed:
             return rows.copy()
-        if len(rows) <= SEARCH_MAX_IDS:
-            # Row ids fit the map's dtype (the format holds fewer than 2**32 rows).
-            position = np.searchsorted(self.sorted_rows, rows.astype(self.sorted_rows.dtype))
-            clipped = np.minimum(position, self.num_placed - 1)
-            placed = self.sorted_rows[clipped] == rows
-        else:
-            placed, position = self._rank(rows)
-            clipped = np.minimum(position, self.num_placed - 1)
-        return np.where(placed, self.sorted_slots[clipped].astype(np.int64),
-                        self.num_placed + rows - position)
-
-    def _rank(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Whether each row is placed, and how many placed rows sit below it."""
-        bits, below = self._rank_index
+        bits, below = self.rank_index
+        if _native is not None:
+            slots = np.empty(rows.shape, dtype=np.int64)
+            _native.slot_of(rows, bits, below, self.sorted_slots, slots)
+            return slots
         words = rows >> 6
-        word = bits[words]
-        offset = (rows & 63).astype(np.uint64)
-        placed = ((word >> offset) & np.uint64(1)).astype(bool)
-        word &= (np.uint64(1) << offset) - np.uint64(1)
-        return placed, below[words] + _popcount(word)
+        # Each row's bit moved to the top of its word: it says whether the row is placed, and the
+        # bits at and below it count the placed rows up to it.
+        to_row = bits[words]
+        to_row <<= (63 - (rows & 63)).view(np.uint64)
+        placed = to_row >> np.uint64(63)
+        below_row = below[words] + _popcount(to_row)
+        below_row -= placed
+        slots = self.num_placed + rows - below_row
+        placed_slots = self.sorted_slots[np.minimum(below_row, self.num_placed - 1)]
+        return np.where(placed.view(np.int64) != 0, placed_slots, slots)
 
     @functools.cached_property
-    def _rank_index(self) -> tuple[np.ndarray, np.ndarray]:
+    def rank_index(self) -> tuple[np.ndarray, np.ndarray]:
         """A bit per row (uint64 words), and the placed rows before each word (uint32)."""
         bits = np.zeros(-(-self.num_rows // 64), dtype=np.uint64)
         for start in range(0, self.num_placed, RANK_BUILD_ROWS):

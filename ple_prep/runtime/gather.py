@@ -10,7 +10,10 @@ back one page at a time. A window of 0 turns advice off.
 
 A request whose pages are already cached (a probe of a few of its pages with mincore) skips the
 sort and the advice: from memory, address order buys nothing and advice costs a system call per
-page. Everything runs inline on the calling thread; docs/RUNTIME.md gives the measurements.
+page. Its rows are copied by the compiled helper (core/_native.c: one memcpy per row, straight into
+the output, without the GIL) where it was built, else by numpy's fancy index over a view holding
+each row as one opaque element. Everything runs inline on the calling thread unless `threads` is
+raised; docs/RUNTIME.md gives the measurements.
 """
 from __future__ import annotations
 
@@ -21,6 +24,11 @@ import math
 import mmap
 
 import numpy as np
+
+try:
+    from ..core import _native
+except ImportError:  # built only where a C compiler was there at install (setup.py)
+    _native = None
 
 # Tuned on this project's benchmark host (BENCHMARKS.md, "issue 4"): the window that reached the
 # disk's random-read ceiling, and a byte cap that keeps advice from flooding a small page cache.
@@ -64,6 +72,7 @@ class Gatherer:
         self._page_size = header.page_size
         self._rows_per_page = header.rows_per_page
         self._row_bytes = header.row_bytes
+        self._num_slots = header.num_rows
         # Each row as one opaque element of a 1-D view: numpy then copies a row with one memcpy
         # (about 3x faster than indexing a (page, position, byte) view). The view's stride is the
         # largest step that lands on every row start; rows are elements `unit_of(slot)`.
@@ -106,7 +115,7 @@ class Gatherer:
 
     def gather_slots(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """uint8 `(len(slots), row_bytes)`: the rows at these file slots, in request order."""
-        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        slots = np.ascontiguousarray(slots, dtype=np.int64).reshape(-1)
         count = len(slots)
         if out is not None:
             if out.shape != (count, self._row_bytes) or out.dtype != np.uint8:
@@ -117,46 +126,49 @@ class Gatherer:
                 return out
         if not count:
             return np.empty((0, self._row_bytes), dtype=np.uint8) if out is None else out
-        if self.direct is not None and not self._cached(slots):
-            if out is None:
-                out = np.empty((count, self._row_bytes), dtype=np.uint8)
-            return self.direct.gather_slots(slots, out)
-        units = self._units_of(slots)
         window = self.window
-        if window and not self._cached(slots):
+        if (self.direct is not None or window) and not self._cached(slots):
             if out is None:
                 out = np.empty((count, self._row_bytes), dtype=np.uint8)
-            self._gather_cold(units, out, window)
+            if self.direct is not None:
+                return self.direct.gather_slots(slots, out)
+            self._gather_cold(self._units_of(slots), out, window)
             return out
         parts = min(self.threads, count // THREAD_MIN_ROWS)
-        if out is None and parts <= 1:
+        if _native is None and out is None and parts <= 1:
             # One copy, straight into the array returned.
-            return self._units[units].view(np.uint8).reshape(count, self._row_bytes)
+            return self._units[self._units_of(slots)].view(np.uint8).reshape(count, self._row_bytes)
         if out is None:
             out = np.empty((count, self._row_bytes), dtype=np.uint8)
         if parts <= 1:
-            self._copy(self._as_rows(out), units)
+            self._copy(slots, out)
         else:
-            self._copy_in_parts(self._as_rows(out), units, parts)
+            self._copy_in_parts(slots, out, parts)
         return out
 
-    def _copy(self, target: np.ndarray, units: np.ndarray) -> None:
-        """Rows at `units` into `target`, one step of COPY_STEP_ROWS at a time."""
-        for start in range(0, len(units), COPY_STEP_ROWS):
-            target[start:start + COPY_STEP_ROWS] = self._units[units[start:start + COPY_STEP_ROWS]]
+    def _copy(self, slots: np.ndarray, out: np.ndarray) -> None:
+        """The cached rows at `slots` into `out` (C-contiguous)."""
+        if _native is not None:
+            _native.copy_rows(self._mapping, slots, out, self._data_offset, self._page_size,
+                              self._rows_per_page, self._row_bytes, self._num_slots)
+            return
+        target = self._as_rows(out)
+        for start in range(0, len(slots), COPY_STEP_ROWS):
+            step = slice(start, start + COPY_STEP_ROWS)
+            target[step] = self._units[self._units_of(slots[step])]
 
-    def _copy_in_parts(self, target: np.ndarray, units: np.ndarray, parts: int) -> None:
-        """Copy cached rows on `parts` threads (numpy releases the GIL while it copies)."""
+    def _copy_in_parts(self, slots: np.ndarray, out: np.ndarray, parts: int) -> None:
+        """Copy cached rows on `parts` threads (the helper and numpy's copy release the GIL)."""
         if self._pool_threads < parts:
             if self._pool is not None:
                 self._pool.shutdown()
             self._pool = concurrent.futures.ThreadPoolExecutor(self.threads)
             self._pool_threads = self.threads
-        bounds = [len(units) * part // parts for part in range(parts + 1)]
+        bounds = [len(slots) * part // parts for part in range(parts + 1)]
 
         def copy(part: int) -> None:
             low, high = bounds[part], bounds[part + 1]
-            self._copy(target[low:high], units[low:high])
+            self._copy(slots[low:high], out[low:high])
 
         list(self._pool.map(copy, range(parts)))
 
