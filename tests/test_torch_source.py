@@ -59,14 +59,19 @@ def poison(source: EmbeddingSource) -> None:
     source._tiers[source.num_resident:].fill_(0xFF)
 
 
-def disk_rows(table, source, ids: np.ndarray) -> int:
+def disk_rows(table, source, ids: np.ndarray, *, distinct: bool) -> int:
     slots = table.slot_of(ids.reshape(-1))
-    return len(np.unique(slots[slots >= source.num_resident]))
+    on_disk = slots[slots >= source.num_resident]
+    return len(np.unique(on_disk)) if distinct else len(on_disk)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_host_ids_give_values_per_position_across_poisoned_buffers(table, device):
+@pytest.mark.parametrize("cached", [True, False])
+def test_host_ids_give_values_per_position_across_poisoned_buffers(table, device, cached, monkeypatch):
     source = EmbeddingSource(table, device=device, resident_bytes=3000 * table.row_bytes, max_ids=300 * 16)
+    # Cached: torch copies every disk position from the file; not cached: the table's read path
+    # reads each distinct row (whatever the page cache holds, both must give the same values).
+    monkeypatch.setattr(source, "_cached", lambda slots: cached)
     # Both sides of INLINE_IDS (worker thread and inline), shrinking and growing between calls.
     for tokens, seed in ((300, 1), (120, 2), (300, 3), (1, 4), (64, 5)):
         ids = token_ids(table, tokens, seed)
@@ -76,9 +81,10 @@ def test_host_ids_give_values_per_position_across_poisoned_buffers(table, device
         assert values.shape == (tokens * 16, table.values_per_row) and values.dtype == torch.bfloat16
         assert values.device == source.device and values.data_ptr() == source.output.data_ptr()
         assert np.array_equal(bits(values), expected_bits(table, ids))
-        # Each distinct disk row read once (dedup applies past DEDUP_MIN_ROWS disk positions).
+        # Cold: each distinct disk row read once (past DEDUP_MIN_ROWS disk positions); cached: each
+        # disk position copied.
         if tokens > 4:
-            assert source.last_disk_rows == disk_rows(table, source, ids) > 0
+            assert source.last_disk_rows == disk_rows(table, source, ids, distinct=not cached) > 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -104,7 +110,7 @@ def test_all_from_disk_and_all_resident(table, device, resident_rows):
     ids = token_ids(table, 50, 6)
     poison(source)
     assert np.array_equal(bits(source(ids)), expected_bits(table, ids))
-    assert source.last_disk_rows == (0 if resident else len(np.unique(ids)))
+    assert source.last_disk_rows == (0 if resident else ids.size)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -174,6 +180,25 @@ def test_the_start_copies_the_callers_ids(table, monkeypatch):
     source.start(given)
     given[...] = table.num_rows  # out of range: an error if the worker saw it
     assert np.array_equal(bits(source.finish()), expected_bits(table, ids))
+
+
+def test_a_request_read_through_the_page_cache_counts_as_cached(table):
+    source = EmbeddingSource(table, device="cpu", resident_bytes=0, max_ids=64)
+    slots = np.arange(0, table.num_rows, max(1, table.num_rows // 50))
+    table.gather_slots(slots)  # the pages are in the page cache now
+    assert source._cached(slots)
+
+
+def test_close_and_reopen_serve_a_new_opening_of_the_file(table):
+    source = EmbeddingSource(table, device="cpu", resident_bytes=100 * table.row_bytes, max_ids=640)
+    ids = token_ids(table, 40, 20)
+    source.close()
+    with open_table(table.path) as again:
+        source.reopen(again)
+        poison(source)
+        assert np.array_equal(bits(source(ids)), expected_bits(table, ids))
+        source.close()
+    source.reopen(table)
 
 
 @needs_cuda

@@ -25,7 +25,11 @@ Imported only when asked: needs torch (`pip install 'ple-prep[torch]'`).
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
+import ctypes.util
+import mmap
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -34,11 +38,31 @@ from .table import Table
 from .tiers import read_leading_slots
 from .torch_dequant import decoder_for
 
-# Up to this many ids, `start` does its host work inline: a hop to the worker thread costs more.
+# Up to this many ids, `start` does its host work inline (a hop to the worker thread costs more)
+# and copies on the caller's stream, and an eager `finish` replays a graph captured for the count
+# rounded up to a power of two (one launch instead of a handful).
 INLINE_IDS = 1024
-# Up to this many disk positions, rows are gathered without deduplication: the sort costs more
-# than copying a rare duplicate row (and a duplicate's page is cached by its first read).
+GRAPH_MIN_IDS = 16
+# Up to this many disk positions of a cold request, rows are read without deduplication: the sort
+# costs more than reading a rare duplicate row (whose page the first read has cached).
 DEDUP_MIN_ROWS = 64
+# Up to this many ids, the resident/disk split runs in plain Python.
+SMALL_IDS = 64
+# Disk rows checked with mincore (spread over the request) to tell a cached request from a cold one.
+PROBE_ROWS = 4
+
+
+def _load_mincore():
+    try:
+        mincore = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    mincore.restype = ctypes.c_int
+    return mincore
+
+
+_MINCORE = _load_mincore()
 
 
 def _distinct(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -120,10 +144,17 @@ class EmbeddingSource:
         self._rows = torch.empty((capacity, row_bytes), dtype=torch.uint8, device=self.device)
         self.output = torch.empty((capacity, table.values_per_row), dtype=torch.bfloat16, device=self.device)
         self._decoder = decoder_for(table.encoding, table.values_per_row, table.scale, self.device)
+        self._host_rows_tensor = torch.from_numpy(self._host_rows)
+        # Tier row of each staging row (the staging area follows the resident rows).
+        self._staging_rows = np.arange(rows, rows + capacity, dtype=np.int32)
+        self._probe_result = (ctypes.c_ubyte * 2)()
+        self._map_file(table)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future | _Done | None = None
         self._joined: int | None = None
-        # Distinct rows the last start read from the disk tier.
+        # Rows the last start copied from the disk tier: each disk position when they were cached,
+        # each distinct disk row once when they were not.
         self.last_disk_rows = 0
         # Seconds of the last start's host stages: lookup, split, gather, copy (the launch).
         self.last_stages: dict[str, float] = {}
@@ -137,6 +168,9 @@ class EmbeddingSource:
         Up to INLINE_IDS ids it runs inline, else on a worker thread (`inline` forces either way).
         Errors of that work (ids outside the table, I/O) are raised by `join` or `finish`.
         """
+        self._start(row_ids, inline, None)
+
+    def _start(self, row_ids, inline: bool | None, stream) -> None:
         if self._pending is not None:
             raise RuntimeError("start() called again before finish() or join() of the previous start()")
         ids = self._host_ids(row_ids)
@@ -145,13 +179,16 @@ class EmbeddingSource:
             inline = len(ids) <= INLINE_IDS
         if inline:
             try:
-                self._pending = _Done(self._prepare(ids))
+                self._pending = _Done(self._prepare(ids, stream or self._current_stream()))
             except Exception as error:  # raised at finish(), as from the worker
                 self._pending = _Done(len(ids), error)
             return
         if self._worker is None:
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ple-prep-start")
-        self._pending = self._worker.submit(self._prepare, ids)
+        self._pending = self._worker.submit(self._prepare, ids, self._copy_stream if self._cuda else None)
+
+    def _current_stream(self):
+        return torch.cuda.current_stream(self.device) if self._cuda else None
 
     def join(self) -> int:
         """Wait for the last start's host work (the copy launched, not finished); raise its error.
@@ -178,8 +215,58 @@ class EmbeddingSource:
         # A copy: the caller may reuse its array while the worker reads this one.
         return ids.reshape(-1).astype(np.int64)
 
-    def _prepare(self, ids: np.ndarray) -> int:
-        """Slots, the resident/disk split, the disk rows and the tier index into the span; the copy."""
+    def _map_file(self, table: Table) -> None:
+        """The table's file mapped once more, read through torch: warm rows are copied by torch's
+        CPU index kernel, which splits a large request over threads (numpy's row copy runs on one)."""
+        self.table = table
+        descriptor = open(table.path, "rb")
+        with descriptor:
+            self._file_map = mmap.mmap(descriptor.fileno(), 0, prot=mmap.PROT_READ)
+        self._file_map.madvise(mmap.MADV_RANDOM)
+        with warnings.catch_warnings():
+            # A read-only buffer: torch warns that writes would fail; nothing here writes.
+            warnings.simplefilter("ignore", UserWarning)
+            file_bytes = torch.frombuffer(self._file_map, dtype=torch.uint8)
+        self._file_base = file_bytes.data_ptr()
+        # Row bytes at every byte offset: index_select's rows are byte offsets, each a memcpy.
+        self._file_rows = file_bytes.as_strided((len(file_bytes) - table.row_bytes + 1, table.row_bytes), (1, 1))
+
+    def close(self) -> None:
+        """Release the file mapping and the worker thread (a pending start is finished first)."""
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
+        self._file_rows = None
+        self._file_map.close()
+
+    def reopen(self, table: Table) -> None:
+        """Serve from `table`, a new opening of the same file (after `close`)."""
+        if (table.num_rows, table.row_bytes, table.header.file_id) != \
+                (self.table.num_rows, self.table.row_bytes, self.table.header.file_id):
+            raise ValueError(f"{table.path} is not the table this source was built from")
+        self._map_file(table)
+
+    def _cached(self, slots: np.ndarray) -> bool:
+        """Whether the pages of a few rows spread over `slots` are in the page cache."""
+        if _MINCORE is None:
+            return False
+        header = self.table.header
+        last = len(slots) - 1
+        for pick in range(min(PROBE_ROWS, len(slots))):
+            slot = int(slots[last * pick // max(1, PROBE_ROWS - 1)])
+            start = header.data_offset + slot // header.rows_per_page * header.page_size
+            aligned = start - start % mmap.PAGESIZE
+            if (_MINCORE(self._file_base + aligned, start + header.row_bytes - aligned, self._probe_result) != 0
+                    or not self._probe_result[0] & 1):
+                return False
+        return True
+
+    def _prepare(self, ids: np.ndarray, stream) -> int:
+        """Slots, the resident/disk split, the disk rows and the tier index into the span; the copy
+        on `stream` (the caller's for inline work, where it is queued ahead of what comes next)."""
         count = len(ids)
         began = time.perf_counter()
         if self._cuda:
@@ -189,31 +276,48 @@ class EmbeddingSource:
         looked_up = time.perf_counter()
         index = self._host_index[:count]
         np.copyto(index, slots, casting="unsafe")
-        disk_positions = np.flatnonzero(slots >= self.num_resident)
+        if count <= SMALL_IDS:
+            # A decode step's few ids: Python lists cost less than a dozen numpy calls.
+            disk_positions = [p for p, slot in enumerate(slots.tolist()) if slot >= self.num_resident]
+        else:
+            disk_positions = np.flatnonzero(slots >= self.num_resident)
         disk = len(disk_positions)
+        split = gathered = looked_up
         if disk:
             disk_slots = slots[disk_positions]
-            if disk > DEDUP_MIN_ROWS:
-                disk_slots, inverse = _distinct(disk_slots)
-                disk = len(disk_slots)
+            header = self.table.header
+            if self._cached(disk_slots):
+                # From the page cache: every disk position copied, in parallel, no sort.
+                first = self.capacity - disk
+                pages, places = np.divmod(disk_slots, header.rows_per_page)
+                pages *= header.page_size
+                pages += places * header.row_bytes + header.data_offset
+                index[disk_positions] = self._staging_rows[first:]
+                split = time.perf_counter()
+                torch.index_select(self._file_rows, 0, torch.from_numpy(pages), out=self._host_rows_tensor[first:])
             else:
-                inverse = np.arange(disk)
-            # Staging is filled from its end: tier rows [num_resident + capacity - disk, ...).
-            first = self.capacity - disk
-            index[disk_positions] = inverse + (self.num_resident + first)
-            split = time.perf_counter()
-            self.table.gather_slots(disk_slots, out=self._host_rows[first:])
-        else:
-            split = time.perf_counter()
-        gathered = time.perf_counter()
+                # Cold: each distinct row read once, through the table's read path.
+                if disk > DEDUP_MIN_ROWS:
+                    disk_slots, inverse = _distinct(disk_slots)
+                    disk = len(disk_slots)
+                else:
+                    inverse = np.arange(disk)
+                first = self.capacity - disk
+                index[disk_positions] = self._staging_rows[first:][inverse]
+                split = time.perf_counter()
+                self.table.gather_slots(disk_slots, out=self._host_rows[first:])
+            gathered = time.perf_counter()
         self.last_disk_rows = disk
         if self._cuda:
             low, high = (self.capacity - disk) * self.table.row_bytes, self._index_at + 4 * count
-            with torch.cuda.stream(self._copy_stream):
-                # The device span is rewritten only after the last finish has read it.
-                self._copy_stream.wait_event(self._consumed)
+            # The device span is rewritten only after the last finish has read it.
+            stream.wait_event(self._consumed)
+            if stream is self._copy_stream:
+                with torch.cuda.stream(stream):
+                    self._span[low:high].copy_(self._host_span[low:high], non_blocking=True)
+            else:  # the caller's current stream
                 self._span[low:high].copy_(self._host_span[low:high], non_blocking=True)
-                self._copied.record(self._copy_stream)
+            self._copied.record(stream)
         self.last_stages = {"lookup": looked_up - began, "split": split - looked_up,
                             "gather": gathered - split, "copy": time.perf_counter() - gathered}
         return count
@@ -229,6 +333,9 @@ class EmbeddingSource:
         While the current stream captures a CUDA graph only the device half is recorded, and the
         last start must have been joined before the capture began.
         """
+        return self._finish(count, None)
+
+    def _finish(self, count: int | None, stream) -> torch.Tensor:
         capturing = self._cuda and torch.cuda.is_current_stream_capturing()
         if capturing:
             if self._pending is not None:
@@ -243,20 +350,47 @@ class EmbeddingSource:
                 raise ValueError(f"count {count} is smaller than the {joined} ids started")
         if not 0 <= count <= self.capacity:
             raise ValueError(f"count {count} is outside [0, max_ids = {self.capacity}]")
-        if self._cuda:
-            self._copied.wait(torch.cuda.current_stream(self.device))
+        if not self._cuda:
+            return self._index_and_decode(count)
+        stream = stream or self._current_stream()
+        self._copied.wait(stream)
+        if capturing or not 0 < count <= INLINE_IDS:
+            values = self._index_and_decode(count)
+        else:
+            size = min(self.capacity, max(GRAPH_MIN_IDS, 1 << (count - 1).bit_length()))
+            graph = self._graphs.get(size) or self._capture(size, stream)
+            graph.replay()
+            values = self.output[:count]
+        self._consumed.record(stream)
+        return values
+
+    def _index_and_decode(self, count: int) -> torch.Tensor:
         rows = torch.index_select(self._tiers, 0, self._index[:count], out=self._rows[:count])
         values = self.output[:count]
         self._decoder(rows, out=values)
-        if self._cuda:
-            self._consumed.record(torch.cuda.current_stream(self.device))
         return values
+
+    def _capture(self, size: int, stream) -> torch.cuda.CUDAGraph:
+        """The device half for `size` positions as a CUDA graph, captured once per size."""
+        graph = torch.cuda.CUDAGraph()
+        capture = torch.cuda.Stream(self.device)
+        capture.wait_stream(stream)
+        with torch.cuda.stream(capture):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self._index_and_decode(size)
+            finally:
+                graph.capture_end()
+        stream.wait_stream(capture)
+        self._graphs[size] = graph
+        return graph
 
     def __call__(self, row_ids) -> torch.Tensor:
         """`start` inline then `finish`: bf16 values on the device, each row of ids concatenated;
         ids `(T, 16)` give `(T, 16 * values_per_row)`, flat ids `(n, values_per_row)`."""
-        self.start(row_ids, inline=True)
-        values = self.finish()
+        stream = self._current_stream()  # looked up once for both halves
+        self._start(row_ids, True, stream)
+        values = self._finish(None, stream)
         shape = tuple(row_ids.shape)
         if len(shape) < 2:
             return values
