@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ple_prep.converters.gguf import open_gguf, spec_from_metadata
-from ple_prep.converters.safetensors import DTYPE_SIZES, read_header
+from ple_prep.converters.safetensors import DTYPE_BITS, read_header
 from ple_prep.core.constants import HEADER_SIZE, HEADER_STRUCT, MAGIC, Encoding
 from ple_prep.core.errors import BadInput
 from ple_prep.format.header import Header
@@ -94,7 +94,7 @@ def test_read_header_random_bytes_give_bad_input(data):
 
 
 ENTRY = st.fixed_dictionaries({}, optional={
-    "dtype": st.sampled_from(sorted(DTYPE_SIZES)) | st.text(max_size=6) | HOSTILE_INTS,
+    "dtype": st.sampled_from(sorted(DTYPE_BITS)) | st.text(max_size=6) | HOSTILE_INTS,
     "shape": st.lists(HOSTILE_INTS, max_size=4) | JSON_VALUES,
     "data_offsets": st.lists(HOSTILE_INTS, min_size=0, max_size=3) | JSON_VALUES,
 })

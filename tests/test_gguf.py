@@ -9,6 +9,7 @@ import pytest
 
 from ple_prep.converters import open_source, read_spec
 from ple_prep.converters.gguf import gguf_files, open_gguf, spec_from_metadata
+from ple_prep.converters.gguf_header import read_gguf_header
 from ple_prep.core.constants import ENCODING_BLOCKS, GGML_TYPES, Encoding
 from ple_prep.core.errors import BadInput
 from ple_prep.ngram import NgramSpec, row_ids
@@ -156,17 +157,36 @@ def write_with_vocabulary(path, tokens: int, keep_vocab_size: bool) -> np.ndarra
     return table
 
 
-def test_convert_gguf_reader_reads_metadata_arrays_like_gguf(tmp_path):
-    from ple_prep.converters.gguf import _field_value, _Reader
+def _stock_value(field) -> object:
+    """A field of gguf's own reader as plain Python (string arrays as their count of Nones)."""
+    if field.types[0] == gguf.GGUFValueType.ARRAY and field.types[-1] == gguf.GGUFValueType.STRING:
+        return [None] * len(field.data)
+    value = field.contents()
+    return [v.item() if hasattr(v, "item") else v for v in value] if isinstance(value, list) else value
 
+
+def test_gguf_header_parser_reads_what_the_gguf_package_reads(tmp_path):
     write_with_vocabulary(tmp_path / "v.gguf", 5000, keep_vocab_size=True)
-    fast, stock = _Reader(tmp_path / "v.gguf"), gguf.GGUFReader(tmp_path / "v.gguf")
-    assert fast.fields.keys() == stock.fields.keys()
-    for key in fast.fields:
-        assert _field_value(fast.fields[key]) == _field_value(stock.fields[key]), key
-    assert len(fast.fields["tokenizer.ggml.tokens"].data) == 5000
-    assert [(t.name, t.data_offset, t.n_bytes) for t in fast.tensors] == \
-        [(t.name, t.data_offset, t.n_bytes) for t in stock.tensors]
+    ours, stock = read_gguf_header(tmp_path / "v.gguf"), gguf.GGUFReader(tmp_path / "v.gguf")
+    fields = {key: field for key, field in stock.fields.items() if not key.startswith("GGUF.")}
+    assert ours.metadata.keys() == fields.keys()
+    for key, field in fields.items():
+        assert ours.metadata[key] == _stock_value(field), key
+        assert type(ours.metadata[key]) is type(_stock_value(field)) or isinstance(ours.metadata[key], list), key
+    assert len(ours.metadata["tokenizer.ggml.tokens"]) == 5000
+    assert ours.data_offset == stock.data_offset and ours.alignment == stock.alignment
+    assert [(t.name, t.offset, t.nbytes, t.dims) for t in ours.tensors] == \
+        [(t.name, int(t.data_offset), int(t.n_bytes), tuple(int(d) for d in t.shape)) for t in stock.tensors]
+
+
+def test_gguf_header_parser_refuses_a_version_it_does_not_know(tmp_path):
+    write_with_vocabulary(tmp_path / "v.gguf", 10, keep_vocab_size=True)
+    raw = bytearray((tmp_path / "v.gguf").read_bytes())
+    for version, message in ((1, "GGUF version 1"), (4, "GGUF version 4; this reader knows versions 2, 3")):
+        raw[4:8] = version.to_bytes(4, "little")
+        (tmp_path / "w.gguf").write_bytes(bytes(raw))
+        with pytest.raises(BadInput, match=message):
+            read_gguf_header(tmp_path / "w.gguf")
 
 
 def test_convert_gguf_vocab_size_from_token_count(tmp_path):

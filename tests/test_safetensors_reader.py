@@ -2,17 +2,19 @@
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 
 import numpy as np
 import pytest
 from handmade import INDEX, find, load_tensors, pack_safetensors, save_tensors
+from safetensors import TensorSpec, serialize_file
 
 from ple_prep.converters import open_source
-from ple_prep.converters.safetensors import open_checkpoint, read_header
+from ple_prep.converters.safetensors import DTYPE_BITS, open_checkpoint, read_header
 from ple_prep.core.constants import Encoding
 from ple_prep.core.errors import BadInput
-from ple_prep.tools.fixtures import FIXTURE_SCALE_BF16, make_checkpoint
+from ple_prep.tools.fixtures import FIXTURE_ROWS, FIXTURE_SCALE_BF16, make_checkpoint
 
 SHARD = "ngram_embedding.shard_{}.weight"
 
@@ -165,10 +167,66 @@ def test_read_header_checks_against_file(tmp_path):
         (header, b"123456", "tensors end at byte"),
         ({"a": {"dtype": "U8", "shape": [2], "data_offsets": [1, 3]}}, b"123", "expected"),
         ({"a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 2]}}, b"12", "do not hold"),
-        ({"a": {"dtype": "Q9", "shape": [2], "data_offsets": [0, 2]}}, b"12", "unknown dtype"),
+        ({"a": {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]}}, b"12", "not a whole number of bytes"),
+        ({"a": {"dtype": "Q9", "shape": [2], "data_offsets": [3, 2]}}, b"12", "do not hold"),
         ({"a": {"dtype": "U8", "shape": [-2], "data_offsets": [0, 2]}}, b"12", "malformed"),
         ([1, 2], b"", "not a JSON object"),
     ]:
         path.write_bytes(pack_safetensors(json.dumps(bad_header).encode(), data))
         with pytest.raises(BadInput, match=message):
             read_header(path)
+
+
+def test_read_header_knows_every_dtype_the_format_has(tmp_path):
+    # Every dtype the safetensors library writes, with the byte sizes it gives them, plus the two
+    # six-bit floats it has no numpy type for (packed by hand: 8 values in 6 bytes).
+    library = {"bool": "BOOL", "int8": "I8", "uint8": "U8", "int16": "I16", "uint16": "U16", "int32": "I32",
+               "uint32": "U32", "int64": "I64", "uint64": "U64", "float16": "F16", "float32": "F32",
+               "float64": "F64", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float8_e4m3fnuz": "F8_E4M3FNUZ",
+               "float8_e5m2": "F8_E5M2", "float8_e5m2fnuz": "F8_E5M2FNUZ", "float8_e8m0fnu": "F8_E8M0",
+               "float4_e2m1fn_x2": "F4", "complex64": "C64"}
+    buffer = np.zeros(64, np.uint8)
+    specs = {}
+    for name, code in library.items():
+        # float4_e2m1fn_x2 takes the storage shape (8 bytes) and records 16 four-bit values.
+        nbytes = 8 if code == "F4" else 8 * DTYPE_BITS[code] // 8
+        specs[name] = TensorSpec(dtype=name, shape=[8], data_ptr=buffer.ctypes.data, data_len=nbytes)
+    path = tmp_path / "all.safetensors"
+    serialize_file(specs, str(path))
+    written = json.loads(path.read_bytes()[8:8 + int.from_bytes(path.read_bytes()[:8], "little")])
+    assert {entry["dtype"] for key, entry in written.items() if key != "__metadata__"} == set(library.values())
+    found = read_header(path)
+    for key, entry in written.items():
+        if key != "__metadata__":
+            begin, end = entry["data_offsets"]
+            assert (found[key].dtype, found[key].nbytes) == (entry["dtype"], end - begin)
+    six_bit = {"a": {"dtype": "F6_E2M3", "shape": [8], "data_offsets": [0, 6]},
+               "b": {"dtype": "F6_E3M2", "shape": [4, 4], "data_offsets": [6, 18]}}
+    path.write_bytes(pack_safetensors(six_bit, bytes(18)))
+    assert {k: v.nbytes for k, v in read_header(path).items()} == {"a": 6, "b": 12}
+    assert set(DTYPE_BITS) == set(library.values()) | {"F6_E2M3", "F6_E3M2"}
+
+
+def test_unknown_dtype_refused_only_on_a_tensor_the_table_needs(fp8_checkpoint, tmp_path):
+    # A tensor of a dtype this reader does not know, outside the table, does not stop a convert.
+    model = tmp_path / "ckpt"
+    shutil.copytree(fp8_checkpoint, model)
+    files = load_tensors(model)
+    extra = tmp_path / "extra.safetensors"
+    extra.write_bytes(pack_safetensors({"model.vision.patch": {"dtype": "F3_NEW", "shape": [4],
+                                                               "data_offsets": [0, 2]}}, b"ab"))
+    (model / "extra.safetensors").write_bytes(extra.read_bytes())
+    index = json.loads((model / INDEX).read_text())
+    index["weight_map"]["model.vision.patch"] = "extra.safetensors"
+    (model / INDEX).write_text(json.dumps(index))
+    with open_source(model) as source:
+        assert source.num_rows == FIXTURE_ROWS
+    # The same dtype on a table shard is refused, naming it.
+    name, tensor = find(files, ".shard_0.weight")
+    raw = (model / name).read_bytes()
+    header_len = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + header_len])
+    header[tensor]["dtype"] = "F3_NEW"
+    (model / name).write_bytes(pack_safetensors(header, raw[8 + header_len:]))
+    with pytest.raises(BadInput, match="F3_NEW"):
+        open_source(model)

@@ -13,25 +13,21 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import struct
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES, QK_K
 
 from ..core.constants import DEFAULT_SEED, GGML_TYPES, GGUF_ARCHITECTURE, GGUF_JOINED_TENSOR, Encoding, row_bytes_for
 from ..core.errors import BadInput
 from ..ngram import NgramSpec, check_table_bounds, primes_from, running_offsets
 from .base import Segment, SourceFile, TableSource
-from .gguf_bounds import check_gguf_bounds
+from .gguf_header import GGUFHeader, read_gguf_header
 
 SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 HEAD_NAME = re.compile(r"^ple_ngram_embd\.(\d+)\.weight$")
 ENCODINGS = {GGMLQuantizationType(type_id): encoding for encoding, (_, type_id) in GGML_TYPES.items()}
-INTEGER_TYPES = {GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
-                 GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,81 +79,8 @@ def _model_key(path: Path) -> str:
     return match.group("stem") if match else path.name
 
 
-class _Reader(GGUFReader):
-    """`GGUFReader`, with metadata arrays read in one piece.
-
-    The stock reader makes numpy views per array element: about 15 s for a 248k-token vocabulary
-    and its merges, paid on every open. Here an array of numbers is one view, and an array of
-    strings is walked for its extent only (its `data` holds one index per string, so its length
-    is the count; the strings themselves are never needed).
-    """
-
-    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple:
-        if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
-            return super()._get_field_parts(orig_offs, raw_type)
-        item_type, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
-        if len(item_type) != 1 or len(count) != 1:
-            raise ValueError("a metadata array runs past the end of the file (truncated?)")
-        sub_type, count_value, start = GGUFValueType(item_type[0]), int(count[0]), orig_offs + 12
-        types = [GGUFValueType.ARRAY, sub_type]
-        if sub_type in self.gguf_scalar_to_np:
-            values = self._get(start, self.gguf_scalar_to_np[sub_type], count_value)
-            if len(values) != count_value:
-                raise ValueError("a metadata array runs past the end of the file (truncated?)")
-            return 12 + values.nbytes, [item_type, count, values], [2], types
-        if sub_type == GGUFValueType.STRING:
-            position, end = start, len(self.data)
-            for _ in range(count_value):
-                if position + 8 > end:
-                    raise ValueError("a metadata string runs past the end of the file (truncated?)")
-                position += 8 + struct.unpack_from("<Q", self.data, position)[0]
-            if position > end:
-                raise ValueError("a metadata string runs past the end of the file (truncated?)")
-            return position - orig_offs, [item_type, count, self.data[start:position]], \
-                [2] * count_value, types
-        return super()._get_field_parts(orig_offs, raw_type)
-
-
-def _open_reader(path: Path) -> GGUFReader:
-    """Parse one file with the gguf package, its failures turned into messages that say why."""
-    try:
-        # The package trusts the file's counts: check them first (hostile files, gguf_bounds.py).
-        check_gguf_bounds(path)
-        return _Reader(path)
-    except BadInput:
-        raise
-    except OSError as exc:
-        raise BadInput(f"cannot read {path}: {exc.strerror}") from None
-    except (ValueError, KeyError, IndexError, OverflowError, UnicodeDecodeError) as exc:
-        text = str(exc)
-        unknown = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", text)
-        partial = re.search(r"not a multiple of (\w+) block size \((\d+)\)", text)
-        if unknown:
-            reason = f"a tensor has GGML type id {unknown.group(1)}, an unknown GGML type"
-        elif partial and int(partial.group(2)) == QK_K:
-            reason = (f"a tensor is {partial.group(1)}, a K-quant: its {QK_K}-value blocks cannot "
-                      f"hold a 160-value row; use a GGUF quantised to {_supported()}")
-        elif partial:
-            reason = f"a tensor's row is not a whole number of blocks ({text})"
-        else:
-            reason = f"malformed or truncated ({text})"
-        raise BadInput(f"{path.name}: not a readable GGUF file: {reason}") from None
-
-
 def _supported() -> str:
     return ", ".join(name for name, _ in GGML_TYPES.values())
-
-
-def _field_value(field: Any) -> Any:
-    """A metadata value as plain Python: ints stay ints (never through float)."""
-    kind = field.types[0]
-    if kind == GGUFValueType.ARRAY:
-        if field.types[-1] == GGUFValueType.STRING:
-            return [None] * len(field.data)  # only the count is ever needed
-        values = field.contents()
-        return [int(v) for v in values] if field.types[-1] in INTEGER_TYPES else values
-    value = field.contents()
-    return int(value) if kind in INTEGER_TYPES else value
 
 
 def spec_from_metadata(metadata: dict[str, Any], arch: str = GGUF_ARCHITECTURE,
@@ -221,20 +144,18 @@ def spec_from_metadata(metadata: dict[str, Any], arch: str = GGUF_ARCHITECTURE,
                      values["row_values"] * heads, sizes[0], divisible_by, multipliers, sizes, offsets)
 
 
-def _check_tensors(reader: GGUFReader, path: Path, file_size: int) -> list[GGUFTensor]:
+def _check_tensors(header: GGUFHeader, path: Path, file_size: int) -> list[GGUFTensor]:
     """Every tensor's offset and length against the file, before any tensor byte is read."""
     tensors, problems = [], []
-    for tensor in reader.tensors:
-        dims = tuple(int(d) for d in tensor.shape)
-        start, nbytes = int(tensor.data_offset), int(tensor.n_bytes)
-        if start < reader.data_offset or start % reader.alignment:
+    for tensor in header.tensors:
+        start, nbytes = tensor.offset, tensor.nbytes
+        if (start - header.data_offset) % header.alignment:
             problems.append(f"{tensor.name} starts at byte {start}, not an aligned offset in the "
-                            f"data region (from {reader.data_offset})")
+                            f"data region (from {header.data_offset})")
         elif start + nbytes > file_size:
             problems.append(f"{tensor.name} ends at byte {start + nbytes}, past the end of the "
                             f"{file_size}-byte file (truncated?)")
-        tensors.append(GGUFTensor(tensor.name, path, GGMLQuantizationType(tensor.tensor_type), dims,
-                                  start, nbytes))
+        tensors.append(GGUFTensor(tensor.name, path, tensor.ggml_type, tensor.dims, start, nbytes))
     position, previous = 0, None
     for tensor in sorted(tensors, key=lambda t: t.offset):
         if tensor.offset < position:
@@ -250,16 +171,8 @@ def _read_files(files: list[Path]) -> tuple[dict[str, Any], dict[str, GGUFTensor
     metadata: dict[str, Any] = {}
     tensors: dict[str, GGUFTensor] = {}
     for number, path in enumerate(files):
-        reader = _open_reader(path)
-        if reader.byte_order != "I":
-            raise BadInput(f"{path.name} is a big-endian GGUF; convert it to little-endian first")
-        for key, field in reader.fields.items():
-            if key.startswith("GGUF."):
-                continue
-            try:
-                value = _field_value(field)
-            except (ValueError, IndexError, OverflowError, UnicodeDecodeError) as exc:
-                raise BadInput(f"{path.name}: metadata {key!r} cannot be read ({exc})") from None
+        header = read_gguf_header(path)
+        for key, value in header.metadata.items():
             if key.startswith("split."):
                 _check_split_key(path, key, value, number, len(files))
             elif key in metadata and metadata[key] != value:
@@ -267,12 +180,11 @@ def _read_files(files: list[Path]) -> tuple[dict[str, Any], dict[str, GGUFTensor
                                f"{metadata[key]!r}")
             else:
                 metadata[key] = value
-        for tensor in _check_tensors(reader, path, path.stat().st_size):
+        for tensor in _check_tensors(header, path, path.stat().st_size):
             if tensor.name in tensors:
                 raise BadInput(f"tensor {tensor.name} is in both {tensors[tensor.name].path.name} "
                                f"and {path.name}")
             tensors[tensor.name] = tensor
-        del reader  # drops the file mapping; rows are read with positioned reads later
     return metadata, tensors
 
 

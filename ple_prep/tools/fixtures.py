@@ -22,7 +22,12 @@ VARIANTS = ("fp8", "bf16", "nvfp4")
 FIXTURE_SCALE_BF16 = 0x3953  # bf16 bits of about 2.0e-4, the size of the real scale
 
 
-def fixture_config(base: int = 1000, num_shards: int = 128) -> dict[str, Any]:
+# The example checkpoint's geometry: a small ngram_vocab_size_base in the model's real layout.
+FIXTURE_BASE = 1000
+FIXTURE_SHARDS = 128
+
+
+def fixture_config(base: int = FIXTURE_BASE, num_shards: int = FIXTURE_SHARDS) -> dict[str, Any]:
     return {
         "architectures": ["Qwen3_8FlashNextForCausalLM"],
         "model_type": "qwen3_8_flash_next",
@@ -39,6 +44,11 @@ def fixture_config(base: int = 1000, num_shards: int = 128) -> dict[str, Any]:
         "split_ngram_parts": num_shards,
         "torch_dtype": "bfloat16",
     }
+
+
+# Rows of the example table (16 heads of consecutive primes from the base, padded to 128): what
+# tests and docs compare with, never typed out.
+FIXTURE_ROWS = NgramSpec.from_config(fixture_config()).rows_stored
 
 
 def _bf16_bits(values: np.ndarray) -> np.ndarray:
@@ -68,8 +78,8 @@ _DTYPES = {("fp8", "weight"): "float8_e4m3fn", ("bf16", "weight"): "bfloat16",
 _SHARD_STREAM, _FILLER_STREAM = 1, 2
 
 
-def make_checkpoint(out: str | Path, variant: str = "fp8", *, base: int = 1000,
-                    num_shards: int = 128, num_files: int = 3, with_index: bool = True,
+def make_checkpoint(out: str | Path, variant: str = "fp8", *, base: int = FIXTURE_BASE,
+                    num_shards: int = FIXTURE_SHARDS, num_files: int = 3, with_index: bool = True,
                     seed: int = 0, prefix: str = PREFIX, with_tokenizer: bool = True) -> Path:
     """Write a checkpoint folder; returns its path. Deterministic for a given seed.
 
@@ -229,7 +239,7 @@ def add_gguf_metadata(writer: Any, spec: NgramSpec, vocab_size: int = 248320) ->
 
 
 def make_gguf(out: str | Path, ggml_type: str = "q8_0", *, layout: str = "joined",
-              num_files: int = 1, base: int = 1000, seed: int = 0,
+              num_files: int = 1, base: int = FIXTURE_BASE, seed: int = 0,
               arch: str = "qwen4exp") -> Path:
     """Write a GGUF model folder with `GGUFWriter`; returns the folder. Deterministic per seed.
 
