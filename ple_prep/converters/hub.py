@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from ..core.errors import BadInput
+from ..core.fileio import read_bounded
 
 # OWNER/NAME or NAME as the hub spells them, then optionally @REVISION (a branch, tag or commit
 # hash) and :QUANT (a GGUF file of the repo, as llama.cpp's `-hf OWNER/NAME:QUANT` picks one).
@@ -20,6 +21,7 @@ _NAME = re.compile(r"^(?:(?P<owner>[\w.-]+)/)?(?P<name>[\w.-]+)"
                    r"(?:@(?P<revision>[\w./-]+))?(?::(?P<quant>[\w.-]+))?$")
 _SPLIT_GGUF = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 _LISTED = 8
+_COMMIT = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 
 
 def hub_cache_dir() -> Path:
@@ -130,11 +132,27 @@ def _snapshot(repo_id: str, folder: Path, cache: Path, revision: str | None) -> 
             known = ", ".join(refs + [c[:12] for c in commits]) or "none"
             raise BadInput(f"{repo_id} has no cached revision {revision} in {folder} (cached: {known})")
         revision = prefixed[0]
+    commit = _read_ref(folder, revision, repo_id) if revision in refs else revision
     try:
-        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True))
+        snapshot = Path(snapshot_download(repo_id, revision=commit, cache_dir=cache, local_files_only=True))
     except LocalEntryNotFoundError as error:
         # A ref naming a missing snapshot, or an interrupted download the hub knows is incomplete.
         raise BadInput(f"{repo_id}@{revision} in {folder}: {error}".replace("\n", " ")) from None
+    # Snapshots are folders of the cache; one that leads elsewhere (a planted link) is not followed.
+    if not snapshot.resolve().is_relative_to((folder / "snapshots").resolve()):
+        raise BadInput(f"{repo_id}@{revision}: the snapshot {snapshot} leads outside the cache at {cache}")
+    return snapshot
+
+
+def _read_ref(folder: Path, ref: str, repo_id: str) -> str:
+    """The commit hash a ref file holds; anything but a hash (a path out of the cache) is refused."""
+    if ".." in Path(ref).parts or Path(ref).is_absolute():
+        raise BadInput(f"{repo_id}: revision {ref!r} is not a branch or tag name")
+    commit = read_bounded(folder / "refs" / ref, 4096, "cache ref").decode(errors="replace").strip()
+    if not _COMMIT.fullmatch(commit):
+        raise BadInput(f"{repo_id}: refs/{ref} in {folder} does not hold a commit hash; the cache is "
+                       f"damaged (delete that ref or download the model again)")
+    return commit
 
 
 def _gguf_file(repo_id: str, snapshot: Path, quant: str) -> Path:
