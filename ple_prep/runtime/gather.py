@@ -93,6 +93,8 @@ class Gatherer:
         self.threads = 1
         # The O_DIRECT reader of runtime/direct.py, when the table reads its disk tier that way.
         self.direct = None
+        # The footprint bound of runtime/footprint.py, when the table has one.
+        self.budget = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_threads = 0
 
@@ -132,8 +134,12 @@ class Gatherer:
                 out = np.empty((count, self._row_bytes), dtype=np.uint8)
             if self.direct is not None:
                 return self.direct.gather_slots(slots, out)
+            if self.budget is not None:
+                self.budget.charge(count)
             self._gather_cold(self._units_of(slots), out, window)
             return out
+        if self.budget is not None:
+            self.budget.charge(count)
         parts = min(self.threads, count // THREAD_MIN_ROWS)
         if _native is None and out is None and parts <= 1:
             # One copy, straight into the array returned.

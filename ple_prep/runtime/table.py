@@ -17,6 +17,7 @@ from ..format.manifest import load_table_manifest, manifest_path, scale_value, s
 from ..format.order import RowOrder
 from .dequant import decode
 from .direct import DEFAULT_QUEUE_DEPTH, DirectReader, DirectUnavailable
+from .footprint import MappedBudget
 from .gather import DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_PAGES, Gatherer
 from .tiers import Lookup, Resident, load_resident, merge, split
 
@@ -118,6 +119,11 @@ class Table:
     def read_path(self) -> str:
         """How rows not in the page cache are read: "direct" (O_DIRECT) or "mapped" (page faults)."""
         return "mapped" if self._gatherer.direct is None else "direct"
+
+    @property
+    def mapped_budget(self) -> MappedBudget | None:
+        """The bound on pages mapped by copies (`open_table(mapped_budget_bytes=...)`), or None."""
+        return self._gatherer.budget
 
     @property
     def window_pages(self) -> int:
@@ -258,14 +264,17 @@ class FileWatch:
 def open_table(path: str | Path, manifest: str | Path | None = None, *,
                window_pages: int = DEFAULT_WINDOW_PAGES,
                window_bytes: int = DEFAULT_WINDOW_BYTES, read_path: str | None = None,
-               queue_depth: int = DEFAULT_QUEUE_DEPTH) -> Table:
+               queue_depth: int = DEFAULT_QUEUE_DEPTH, mapped_budget_bytes: int | None = None,
+               budget_advice: str = "dontneed") -> Table:
     """Open a prepared table and its manifest, refusing any pair that does not belong together.
 
     `window_pages`/`window_bytes` bound the read-ahead advice of cold gathers (docs/RUNTIME.md).
     `read_path` "direct" reads uncached rows with O_DIRECT at `queue_depth` reads in flight and
     refuses a file system or kernel that cannot; "mapped" reads them through the mapping; None
     takes DEFAULT_READ_PATH, falling back to "mapped" where O_DIRECT is refused (`read_path_note`
-    says why).
+    says why). `mapped_budget_bytes` bounds the pages that copies leave mapped (RssFile): past it
+    the data region is advised away with `budget_advice`, "dontneed" or "pageout"
+    (runtime/footprint.py).
     To also refuse a table whose source checkpoint changed since conversion, open it with
     `ple_prep.offline.staleness.open_checked` (that check reads the checkpoint's format).
     """
@@ -306,4 +315,11 @@ def open_table(path: str | Path, manifest: str | Path | None = None, *,
                 raise BadInput(f"cannot read {path.name} with O_DIRECT: {exc.strerror}; "
                                f"open it with read_path='mapped'") from None
             note = f"O_DIRECT unavailable ({exc.strerror}): rows are read through the mapping"
-    return Table(path, meta, header, mapping, window_pages, window_bytes, watch, direct, note)
+    table = Table(path, meta, header, mapping, window_pages, window_bytes, watch, direct, note)
+    if mapped_budget_bytes is not None:
+        try:
+            table._gatherer.budget = MappedBudget(mapping, header, mapped_budget_bytes, budget_advice)
+        except ValueError:
+            table.close()
+            raise
+    return table

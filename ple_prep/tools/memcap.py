@@ -72,20 +72,33 @@ def cgroup_stat(field: str, cgroup: Path | None = None) -> int:
 
 
 def measure(table: str | Path, ids: np.ndarray, *, limit_bytes: int, headroom_bytes: int,
-            options: dict[str, Any] | None = None, budget_bytes: int | None = None) -> dict[str, Any]:
+            options: dict[str, Any] | None = None) -> dict[str, Any]:
     """One cold gather of `ids` in a child capped at `limit_bytes`, `headroom_bytes` left free.
 
     `options` go to `open_table` (read_path, window_pages, window_bytes). A child the cgroup's OOM
     killer ended gives only `oom_killed` True and the cgroup's failcnt.
     """
+    return _run_capped({"kind": "gather", "table": str(table), "headroom_bytes": headroom_bytes,
+                        "options": options or {}}, [ids], limit_bytes)
+
+
+def measure_footprint(table: str | Path, requests: list[np.ndarray], *, options: dict[str, Any],
+                      limit_bytes: int = 1 << 50) -> dict[str, Any]:
+    """`requests` gathered one after another from a cold start in a child in its own cgroup:
+    per request its seconds, the child's RssFile and page tables (VmPTE) and the cgroup's usage."""
+    return _run_capped({"kind": "footprint", "table": str(table), "options": options}, requests, limit_bytes)
+
+
+def _run_capped(request: dict[str, Any], arrays: list[np.ndarray], limit_bytes: int) -> dict[str, Any]:
     cgroup = CGROUP_ROOT / f"ple-prep-{os.getpid()}-{next(_NAMES)}"
     cgroup.mkdir()
     try:
         (cgroup / "memory.limit_in_bytes").write_text(str(limit_bytes))
         with tempfile.TemporaryDirectory(prefix="ple-prep-memcap-") as folder:
-            np.save(Path(folder) / "ids.npy", np.asarray(ids, dtype=np.int64))
-            request = {"table": str(table), "ids": str(Path(folder) / "ids.npy"),
-                       "headroom_bytes": headroom_bytes, "options": options or {}}
+            request["ids"] = []
+            for index, ids in enumerate(arrays):
+                np.save(Path(folder) / f"ids{index}.npy", np.asarray(ids, dtype=np.int64))
+                request["ids"].append(str(Path(folder) / f"ids{index}.npy"))
             (Path(folder) / "request.json").write_text(json.dumps(request))
             procs = str(cgroup / "cgroup.procs")
 
@@ -115,13 +128,48 @@ def _oom_kills(cgroup: Path) -> int:
     return 0
 
 
+def _footprint_child(request: dict[str, Any]) -> dict[str, Any]:
+    from ..runtime import open_table
+    from .benchmark import evict
+
+    path = Path(request["table"])
+    cgroup = own_cgroup()
+    evict(path)
+    table = open_table(path, **request["options"])
+    budget = table.mapped_budget
+    release_seconds: list[float] = []
+    if budget is not None:
+        release = budget.release
+
+        def timed_release() -> None:
+            started = time.perf_counter()
+            release()
+            release_seconds.append(time.perf_counter() - started)
+
+        budget.release = timed_release
+    steps = []
+    for name in request["ids"]:
+        ids = np.load(name, allow_pickle=False)
+        started = time.perf_counter()
+        table.gather(ids)
+        steps.append({"seconds": time.perf_counter() - started, "rss_file_kib": status_kib("RssFile"),
+                      "vm_pte_kib": status_kib("VmPTE"),
+                      "usage_bytes": cgroup_value("memory.usage_in_bytes", cgroup)})
+    read_path = table.read_path
+    table.close()
+    return {"read_path": read_path, "steps": steps, "releases": len(release_seconds),
+            "release_seconds": release_seconds}
+
+
 def _child(request_file: str) -> dict[str, Any]:
     from ..runtime import open_table
     from .benchmark import evict, major_faults
 
     request = json.loads(Path(request_file).read_text())
+    if request["kind"] == "footprint":
+        return _footprint_child(request)
     path = Path(request["table"])
-    ids = np.load(request["ids"], allow_pickle=False)
+    ids = np.load(request["ids"][0], allow_pickle=False)
     cgroup = own_cgroup()
     evict(path)
     table = open_table(path, **request["options"])
