@@ -93,6 +93,20 @@ def test_plugin_never_allocates_the_table_and_drops_the_checkpoint_rows(checkpoi
     assert storage._shard_rows_dropped == storage.table.num_rows == 16_896
 
 
+def test_the_entry_point_patches_vllms_module_when_vllm_imports_it():
+    """In a worker the plugin loads before any model module: the swap happens at that import."""
+    code = ("import sys\n"
+            "from vllm.plugins import load_general_plugins\n"
+            "load_general_plugins()\n"
+            "assert 'vllm.models.qwen4_exp.nvidia.ngram_embedding' not in sys.modules\n"
+            "import vllm.models.qwen4_exp.nvidia.ngram_embedding as chooser\n"
+            "from vllm.models.qwen4_exp.common import ngram_embedding as classes\n"
+            "assert chooser.Qwen4ExpPLEPinnedHostEmbedding.original is classes.Qwen4ExpPLEPinnedHostEmbedding\n"
+            "assert chooser.Qwen4ExpPLEDeviceEmbedding.original is classes.Qwen4ExpPLEDeviceEmbedding\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def test_without_a_table_vllm_builds_its_own_storage(monkeypatch):
     monkeypatch.delenv("PLE_PREP_TABLE", raising=False)
     layer = build_layer(vllm_config(), text_config("fp8"), None)

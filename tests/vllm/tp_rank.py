@@ -18,11 +18,13 @@ import torch
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
 from vllm.plugins import load_general_plugins
-from vllm_layer import build_layer, checkpoint_weights, ple_input, schedule, text_config, vllm_config
+
+# As in a vLLM worker: the plugins load before the model's modules are imported.
+load_general_plugins()
+from vllm_layer import build_layer, checkpoint_weights, ple_input, schedule, text_config, vllm_config  # noqa: E402
 
 rank, size, port = (int(arg) for arg in sys.argv[1:4])
 template, checkpoint, variant, out = sys.argv[4], Path(sys.argv[5]), sys.argv[6], sys.argv[7]
-load_general_plugins()
 with set_current_vllm_config(VllmConfig()):
     init_distributed_environment(world_size=size, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}",
                                  local_rank=rank, backend="gloo")
