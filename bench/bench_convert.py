@@ -11,7 +11,7 @@ so building it needs memory for one file (--files). Run it alone:
 
     flock /tmp/ple-bench.lock python bench/bench_convert.py --dir /work/bigdata/issue2
 
-Targets (issue 2): convert throughput >= 0.8x the copy's, peak RSS < 512 MiB.
+Targets: convert throughput >= 0.8x the copy's, peak RSS < 512 MiB.
 """
 from __future__ import annotations
 

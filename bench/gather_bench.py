@@ -1,4 +1,4 @@
-"""Issue 4's gather targets on a table of at least 6 GiB, side by side in one run.
+"""The gather targets (BENCHMARKS.md, "runtime gather") on a table of at least 6 GiB, side by side in one run.
 
     flock /tmp/ple-bench.lock python bench/gather_bench.py /work/bigdata/issue4/ple-6g.bin
 

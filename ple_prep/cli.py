@@ -498,7 +498,7 @@ def profile_merge(profiles: tuple[Path, ...], out: Path, force: bool, as_json: b
                    f"{summary['tokens']:,} tokens")
 
 
-# --- bench (issue 4) ------------------------------------------------------------------------------
+# --- bench -----------------------------------------------------------------------------------------
 
 _BENCH_ROWS = (("cold_prefill", "cold prefill chunk"), ("cold_decode_16", "cold decode, 1 token"),
                ("warm_prefill", "warm prefill chunk"), ("warm_decode_16", "warm decode, 1 token"),

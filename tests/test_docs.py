@@ -32,3 +32,14 @@ def test_docs_readme_links_every_doc():
     unlinked = [f"docs/{page.name}" for page in sorted((ROOT / "docs").glob("*.md"))
                 if f"](docs/{page.name})" not in readme]
     assert not unlinked, f"add these to the README's Documentation list: {unlinked}"
+
+
+def test_comments_point_at_files_in_the_repository():
+    # Comments and docstrings say why and point at docs/; issues and outside notes are no
+    # reader's context. Data paths such as /work/bigdata/issue4 are not references.
+    pattern = re.compile(r"\b(?:[Ii]ssue \d|spec section|\.\./shared|shared/spec)")
+    found = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+             for folder in ("ple_prep", "tests", "bench") for path in sorted((ROOT / folder).rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if pattern.search(line) and path.name != "test_docs.py"]
+    assert not found, "\n".join(found)

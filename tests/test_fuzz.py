@@ -293,7 +293,7 @@ def _valid_manifest() -> dict:
         "total_rows": 16896, "scale": {"dtype": "BF16", "hex": "5339", "value": 0.00020122528076171875},
         "ngram": SPEC.to_json(),
         "source": {"format": "safetensors", "model": "m", "files": [{"name": "model.safetensors", "size": 1}],
-                   "table_sha256": "0" * 64},
+                   "table_sha256": "0" * 64, "sample_rows": 256, "sample_sha256": "1" * 64},
         "checksums": {"algorithm": "crc32", "block_bytes": 64 << 20, "header_crc32": 0, "blocks": [0]},
         "layout": {"kind": "source-order", "num_placed": 0}, "residency": [],
     })

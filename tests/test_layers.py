@@ -1,7 +1,7 @@
 """The package's layers: every import (also inside functions) goes down or sideways, never up, and
 no modules import each other in a circle.
 
-Layers, lowest first (docs/ARCHITECTURE.md says what each holds):
+Layers, lowest first:
   core  ->  ngram, format  ->  runtime  ->  converters  ->  offline  ->  tools  ->  cli
 with integrations/ beside the top, importing only the runtime's public API, the hash and core.
 """
@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
-
-import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ple_prep"
 
@@ -26,9 +24,6 @@ LAYERS = {
 }
 # What an integration with a serving stack may import: the reader, the hash and the basics.
 INTEGRATION_MAY_IMPORT = ("ple_prep.runtime", "ple_prep.runtime.torch", "ple_prep.ngram", "ple_prep.core")
-
-# Edges being shed; each entry must still exist: remove it with the import.
-PENDING: set[tuple[str, str]] = set()
 
 
 def module_name(path: Path) -> str:
@@ -87,7 +82,7 @@ def test_the_walk_sees_lazy_imports():
 
 def test_no_import_goes_up_a_layer():
     upward = sorted(f"{module} (layer {layer_of(module)}) imports {target} (layer {layer_of(target)})"
-                    for module, target in EDGES - PENDING
+                    for module, target in EDGES
                     if layer_of(target) > layer_of(module))
     assert not upward, "\n".join(upward)
 
@@ -102,7 +97,7 @@ def test_integrations_use_only_the_public_runtime():
 
 
 def test_no_circular_imports():
-    graph = {module: {t for t in targets if t in IMPORTS and (module, t) not in PENDING}
+    graph = {module: {t for t in targets if t in IMPORTS}
              for module, targets in IMPORTS.items()}
     state: dict[str, int] = {}
     stack: list[str] = []
@@ -126,7 +121,3 @@ def test_no_circular_imports():
     # submodule imports the package back.
     assert not cycles, "\n".join(cycles)
 
-
-@pytest.mark.parametrize("edge", sorted(PENDING))
-def test_pending_edges_still_exist(edge):
-    assert edge in EDGES, f"{edge[0]} no longer imports {edge[1]}: remove it from PENDING in {__file__}"

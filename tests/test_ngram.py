@@ -1,4 +1,4 @@
-"""The n-gram hash against the spec's public check vector and a plain-Python transcription."""
+"""The n-gram hash against the check vector of docs/MODEL.md and a plain-Python transcription."""
 from __future__ import annotations
 
 import numpy as np
@@ -28,7 +28,7 @@ def small_spec() -> NgramSpec:
 
 
 def reference_rows(tokens: list[int], spec: NgramSpec, history: list[int] | None = None) -> list[list[int]]:
-    """The spec's rules (section 2) word for word, one position at a time, on Python integers."""
+    """The rules of docs/MODEL.md word for word, one position at a time, on Python integers."""
     mask = (1 << 64) - 1
     sequence = list(history or []) + list(tokens)
     first = len(history or [])

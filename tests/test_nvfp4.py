@@ -1,4 +1,4 @@
-"""NVFP4-packed safetensors: 80 code bytes and 10 block scales interleaved per row, the spec's formula."""
+"""NVFP4-packed safetensors: 80 code bytes and 10 block scales interleaved per row, docs/MODEL.md's formula."""
 from __future__ import annotations
 
 import json

@@ -38,7 +38,7 @@ def tables(fp8_checkpoint, bf16_checkpoint, nvfp4_checkpoint, tmp_path_factory):
     return made
 
 
-# --- Independent reference decoders (plain Python, per the spec's formulas) -----------------------
+# --- Independent reference decoders (plain Python, per docs/MODEL.md) -----------------------
 
 def e4m3(code: int) -> float:
     sign = -1.0 if code & 0x80 else 1.0

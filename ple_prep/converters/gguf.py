@@ -1,4 +1,4 @@
-"""GGUF checkpoints of architecture qwen4exp (spec section 4), packed rows kept byte for byte.
+"""GGUF checkpoints of architecture qwen4exp (docs/MODEL.md), packed rows kept byte for byte.
 
 The table is either joined (`per_layer_token_embd.weight`, ggml dims [160, rows]) or split into the
 16 hash heads (`ple_ngram_embd.{h}.weight`, head h holding rows [offset[h], offset[h] + size[h])).
@@ -19,13 +19,20 @@ from typing import Any
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES, QK_K
 
-from ..core.constants import DEFAULT_SEED, GGML_TYPES, GGUF_ARCHITECTURE, GGUF_JOINED_TENSOR, Encoding, row_bytes_for
+from ..core.constants import (
+    DEFAULT_SEED,
+    GGML_TYPES,
+    GGUF_ARCHITECTURE,
+    GGUF_JOINED_TENSOR,
+    GGUF_SPLIT_NAME,
+    Encoding,
+    row_bytes_for,
+)
 from ..core.errors import BadInput
 from ..ngram import NgramSpec, check_table_bounds, primes_from, running_offsets
 from .base import Segment, SourceFile, TableSource
 from .gguf_header import GGUFHeader, read_gguf_header
 
-SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 HEAD_NAME = re.compile(r"^ple_ngram_embd\.(\d+)\.weight$")
 ENCODINGS = {GGMLQuantizationType(type_id): encoding for encoding, (_, type_id) in GGML_TYPES.items()}
 
@@ -53,14 +60,14 @@ def gguf_files(path: Path) -> list[Path]:
         first = next(p for p in candidates if _model_key(p) == models[0])
     else:
         first = path
-    match = SPLIT_NAME.match(first.name)
+    match = GGUF_SPLIT_NAME.match(first.name)
     if not match:
         return [first]
     stem, count = match.group("stem"), int(match.group("count"))
     siblings = first.parent.glob(f"{_glob_escape(stem)}-*-of-*.gguf")
     found = {int(m.group("index")): p for p in siblings
-             if (m := SPLIT_NAME.match(p.name)) and m.group("stem") == stem}
-    counts = {int(SPLIT_NAME.match(p.name).group("count")) for p in found.values()}
+             if (m := GGUF_SPLIT_NAME.match(p.name)) and m.group("stem") == stem}
+    counts = {int(GGUF_SPLIT_NAME.match(p.name).group("count")) for p in found.values()}
     if counts != {count} or count < 1:
         raise BadInput(f"split files of {stem} disagree on their count ({sorted(counts)})")
     missing = [f"{stem}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1) if i not in found]
@@ -75,7 +82,7 @@ def _glob_escape(text: str) -> str:
 
 
 def _model_key(path: Path) -> str:
-    match = SPLIT_NAME.match(path.name)
+    match = GGUF_SPLIT_NAME.match(path.name)
     return match.group("stem") if match else path.name
 
 

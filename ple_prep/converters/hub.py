@@ -12,6 +12,7 @@ import os
 import re
 from pathlib import Path
 
+from ..core.constants import GGUF_SPLIT_NAME
 from ..core.errors import BadInput
 from ..core.fileio import read_bounded
 
@@ -19,7 +20,6 @@ from ..core.fileio import read_bounded
 # hash) and :QUANT (a GGUF file of the repo, as llama.cpp's `-hf OWNER/NAME:QUANT` picks one).
 _NAME = re.compile(r"^(?:(?P<owner>[\w.-]+)/)?(?P<name>[\w.-]+)"
                    r"(?:@(?P<revision>[\w./-]+))?(?::(?P<quant>[\w.-]+))?$")
-_SPLIT_GGUF = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 _LISTED = 8
 _COMMIT = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 
@@ -163,7 +163,7 @@ def _gguf_file(repo_id: str, snapshot: Path, quant: str) -> Path:
     for file in files:
         if not named.search(file.relative_to(snapshot).as_posix().lower()):
             continue
-        split = _SPLIT_GGUF.match(file.name)
+        split = GGUF_SPLIT_NAME.match(file.name)
         key = str(file.parent / split["stem"]) if split else str(file)
         if key not in models or (split is not None and int(split["index"]) == 1):
             models[key] = file

@@ -1,4 +1,4 @@
-"""FP8, BF16 and NVFP4-packed safetensors checkpoints (spec section 3).
+"""FP8, BF16 and NVFP4-packed safetensors checkpoints (docs/MODEL.md).
 
 Headers are parsed here rather than through the `safetensors` binding, which cannot hand out FP8 as
 numpy; every header is checked against its file before any tensor byte is trusted.
@@ -22,6 +22,7 @@ from ..core.constants import (
     HEAD_SIZES_SUFFIX,
     MULTIPLIERS_SUFFIX,
     NVFP4_GLOBAL_SCALE_SUFFIXES,
+    PLE_NAME_PART,
     SAFETENSORS_MAX_HEADER,
     SCALE_SUFFIX,
     Encoding,
@@ -145,7 +146,7 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
         if outside:
             raise BadInput(f"{index.name} names shard files outside the checkpoint folder "
                            f"({', '.join(repr(n) for n in outside[:3])}); refused")
-        relevant = sorted({f for t, f in weight_map.items() if ".ple.ple_embedding." in t})
+        relevant = sorted({f for t, f in weight_map.items() if PLE_NAME_PART in t})
         missing = [n for n in names if not os.path.lexists(model_dir / n)]
         if missing:
             raise BadInput(f"{index.name} names {', '.join(missing[:5])}, not found in {model_dir}")
@@ -261,10 +262,10 @@ def open_checkpoint(model_dir: str | Path) -> TableSource:
     num_rows = sum(t.shape[0] for t in ordered)
     if num_rows < spec.rows_used:
         raise BadInput(f"the table has {num_rows} rows but the hash reaches row {spec.rows_used - 1}")
-    used = sorted({info.path for name, info in tensors.items() if ".ple.ple_embedding." in name})
+    used = sorted({info.path for name, info in tensors.items() if PLE_NAME_PART in name})
     files = [SourceFile("config.json", (model_dir / "config.json").stat().st_size)]
     files += [SourceFile(p.name, p.stat().st_size) for p in used]
-    extra["tensor_prefix"] = ordered[0].name[: ordered[0].name.index(".ple.ple_embedding.")]
+    extra["tensor_prefix"] = ordered[0].name[: ordered[0].name.index(PLE_NAME_PART)]
     extra["shards"] = len(ordered)
     extra["shard_rows"] = ordered[0].shape[0]
     return TableSource(format="safetensors", model_dir=model_dir, encoding=encoding,
@@ -313,7 +314,7 @@ def _nvfp4_scales(shards: dict[str, dict[int, TensorInfo]], count: int, blocks_p
     infos = [info for found in globals_found.values() for info in found.values()]
     # Some exports keep the one global scale beside the shards instead of in each of them.
     infos += [info for kind in NVFP4_GLOBAL_SCALE_SUFFIXES
-              if (info := _find_one(tensors, f".ple.ple_embedding.ngram_embedding.{kind}"))]
+              if (info := _find_one(tensors, f"{PLE_NAME_PART}ngram_embedding.{kind}"))]
     if not infos:
         raise BadInput("NVFP4 table without a global scale (weight_scale_2 or weight_global_scale)")
     values = {_read_scalar(info, "NVFP4 global scale").raw for info in infos}

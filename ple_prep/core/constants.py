@@ -5,6 +5,7 @@ Nothing here imports more than the standard library, so the runtime can use it w
 from __future__ import annotations
 
 import enum
+import re
 import struct
 
 # --- Prepared file, format v1 (docs/FORMAT.md) -------------------------------------------------
@@ -104,10 +105,9 @@ def row_bytes_for(encoding: Encoding, values_per_row: int) -> int:
 # --- The model ------------------------------------------------------------------------------------
 
 VALUES_PER_ROW = 160
-HEADS = 16
 DEFAULT_SEED = 1234
-PLE_PREFIX_SUFFIX = ".ple.ple_embedding."
-SHARD_SUFFIX_PATTERN = r"\.ple\.ple_embedding\.ngram_embedding\.shard_(\d+)\.weight(_scale)?$"
+# Every tensor of the n-gram PLE module has this in its name (docs/MODEL.md).
+PLE_NAME_PART = ".ple.ple_embedding."
 SCALE_SUFFIX = ".ple.ple_embedding.ngram_embedding.weight_scale"
 NVFP4_GLOBAL_SCALE_SUFFIXES = ("weight_scale_2", "weight_global_scale")
 MULTIPLIERS_SUFFIX = ".ple.ple_embedding.layer_multipliers"
@@ -115,10 +115,11 @@ HEAD_OFFSETS_SUFFIX = ".ple.ple_embedding.ngram_heads_offsets"
 HEAD_SIZES_SUFFIX = ".ple.ple_embedding.ngram_heads_vocab_sizes"
 SAFETENSORS_MAX_HEADER = 100_000_000
 
-# --- GGUF (spec section 4) ------------------------------------------------------------------------
+# --- GGUF (docs/MODEL.md) ------------------------------------------------------------------------
 
 GGUF_ARCHITECTURE = "qwen4exp"
 GGUF_JOINED_TENSOR = "per_layer_token_embd.weight"
-GGUF_HEAD_TENSOR = "ple_ngram_embd.{head}.weight"
+# Split GGUF files: NAME-0000k-of-0000N.gguf.
+GGUF_SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 # make-fixture variants that write GGUF models, one per supported GGML type.
 GGUF_FIXTURE_VARIANTS = tuple(f"gguf-{name.lower()}" for name, _ in GGML_TYPES.values())

@@ -136,8 +136,9 @@ def validate_manifest(manifest: Any, name: str = "manifest") -> None:
         if manifest[key] < 1:
             raise BadInput(f"{name}: {key} {manifest[key]} must be at least 1")
     source, layout = manifest["source"], manifest["layout"]
-    if not isinstance(source.get("table_sha256"), str) or not _SHA256.fullmatch(source["table_sha256"]):
-        raise BadInput(f"{name}: source.table_sha256 must be 64 lowercase hex digits")
+    for key in ("table_sha256", "sample_sha256"):
+        if not isinstance(source.get(key), str) or not _SHA256.fullmatch(source[key]):
+            raise BadInput(f"{name}: source.{key} must be 64 lowercase hex digits")
     if layout.get("kind") not in _LAYOUT_KINDS or not _is_count(layout.get("num_placed")):
         raise BadInput(f"{name}: layout must be one of {sorted(_LAYOUT_KINDS)} with num_placed >= 0, "
                        f"not {layout.get('kind')!r}")

@@ -38,8 +38,7 @@ def source_changes(manifest: dict[str, Any], source: TableSource) -> list[str]:
     recorded_scale = manifest["scale"]["hex"] if manifest["scale"] else None
     if scale != recorded_scale:
         changes.append(f"the scale was {recorded_scale}, now {scale}")
-    # Older manifests carry no sample; sizes and scale are then all that can be compared.
-    if "sample_sha256" in recorded and not changes and recorded["sample_sha256"] != current["sample_sha256"]:
+    if not changes and recorded["sample_sha256"] != current["sample_sha256"]:
         changes.append(f"the {current['sample_rows']} sampled rows differ (same sizes, other values)")
     return changes
 

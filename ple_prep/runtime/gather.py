@@ -30,7 +30,7 @@ try:
 except ImportError:  # built only where a C compiler was there at install (setup.py)
     _native = None
 
-# Tuned on this project's benchmark host (BENCHMARKS.md, "issue 4"): the window that reached the
+# Tuned on this project's benchmark host (BENCHMARKS.md, "runtime gather"): the window that reached the
 # disk's random-read ceiling, and a byte cap that keeps advice from flooding a small page cache.
 DEFAULT_WINDOW_PAGES = 128
 DEFAULT_WINDOW_BYTES = 8 << 20

@@ -174,10 +174,6 @@ class Table:
         self._resident = load_resident(self.path, self.header, budget_bytes, device)
         return self._resident
 
-    @property
-    def resident_tier(self) -> Resident | None:
-        return self._resident
-
     def lookup(self, ids: np.ndarray, out: Any = None) -> Lookup:
         """Split a request into resident positions (with their slots) and disk positions (with
         their rows, gathered). With `out` (uint8 `(len(ids), row_bytes)`, a numpy array or a

@@ -1,4 +1,4 @@
-"""The built-in example: fixture checkpoint, convert, verify, and the spec's hash check."""
+"""The built-in example: fixture checkpoint, convert, verify, and the hash's check vector (docs/MODEL.md)."""
 from __future__ import annotations
 
 import time
@@ -14,7 +14,7 @@ from ..offline.writer import WriteOptions, convert
 from ..runtime import open_table
 from .fixtures import make_checkpoint
 
-# The spec's public check: a fresh request's tokens, with an EOS cutting the last window.
+# The check vector of docs/MODEL.md: a fresh request's tokens, with an EOS cutting the last window.
 CHECK_TOKENS = [9707, 11, 1879, 248044, 40]
 
 

@@ -196,11 +196,10 @@ def write_safetensors(path: Path, tensors: dict[str, tuple[str, np.ndarray]]) ->
     serialize_file(specs, str(path), metadata={"format": "pt"})
 
 
-# --- GGUF fixtures (spec section 4) ---------------------------------------------------------------
+# --- GGUF fixtures (docs/MODEL.md) ---------------------------------------------------------------
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
 GGUF_LAYOUTS = ("joined", "split")
-GGUF_VARIANTS = tuple(f"gguf-{t}" for t in GGUF_TYPES)
 
 
 def gguf_table_bytes(ggml_type: str, rows: int, rng: np.random.Generator) -> np.ndarray:
