@@ -240,7 +240,7 @@ def test_gather_cached_rows_on_threads(table_path, source_rows, monkeypatch, thr
         assert table._gatherer._pool_threads == threads
 
 
-def test_gather_probe_sees_an_evicted_file_cold_and_a_gathered_request_cached(table_path):
+def test_gather_probe_sees_an_evicted_file_cold_and_a_gathered_request_cached(table_path, loops):
     """The real mincore probe (not forced): after posix_fadvise(DONTNEED) the request is cold, so
     gather takes the advised path; once gathered through the mapping, the same request reads as cached."""
     evict(table_path)
@@ -288,3 +288,18 @@ def test_install_without_a_compiler_falls_back_to_numpy(tmp_path, source_rows, t
                           env=os.environ | {"PYTHONPATH": str(tmp_path / "site")}, cwd=tmp_path)
     ids = np.arange(len(source_rows))[::-7]
     assert done.stdout == source_rows[ids].tobytes()
+
+
+@pytest.mark.parametrize("page_size", [1024, 16384])
+def test_gather_probe_on_other_page_sizes(fp8_checkpoint, source_rows, tmp_path, page_size, loops):
+    """The probe reads one result byte per memory page it asks about, whatever the table's page size."""
+    with open_source(fp8_checkpoint) as source:
+        convert(source, tmp_path / "t.bin", WriteOptions(page_size=page_size))
+    evict(tmp_path / "t.bin")
+    with open_table(tmp_path / "t.bin", read_path="mapped") as table:
+        ids = real_like_ids(table.num_rows, 2000, 12)
+        slots = table.slot_of(ids)
+        assert not table._gatherer._cached(slots)
+        assert np.array_equal(table.gather(ids), source_rows[ids])
+        assert table._gatherer._cached(slots)
+        assert np.array_equal(table.gather(ids), source_rows[ids])

@@ -6,11 +6,20 @@
  *     out[i] = the row at file slot slots[i]: one memcpy per row, straight into `out`.
  * slot_of(rows, bits, below, sorted_slots, out)
  *     out[i] = the file slot of local row rows[i], from format/order.py's rank index.
+ * cached(mapping, slots, data_offset, page_size, rows_per_page, row_bytes, num_slots, probes)
+ *     Whether the memory page holding the first byte of each of `probes` rows spread over the
+ *     request (first and last included) is in the page cache (mincore); slots outside the table are
+ *     left to copy_rows to refuse.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+/* Ids looked at ahead of the one being resolved: enough misses in flight to cover memory latency. */
+#define PREFETCH_AHEAD 16
 
 static int get_buffer(PyObject *object, Py_buffer *view, int writable, Py_ssize_t item, const char *name)
 {
@@ -65,6 +74,13 @@ static PyObject *copy_rows(PyObject *self, PyObject *args)
         Py_ssize_t bad = -1;
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < count; i++) {
+            if (i + PREFETCH_AHEAD < count && (uint64_t)slot[i + PREFETCH_AHEAD] < (uint64_t)num_slots) {
+                int64_t ahead = slot[i + PREFETCH_AHEAD];
+                const char *row = base + (ahead / rows_per_page) * page_size + (ahead % rows_per_page) * row_bytes;
+                for (Py_ssize_t line = 0; line < row_bytes; line += 64)
+                    __builtin_prefetch(row + line);
+                __builtin_prefetch(row + row_bytes - 1);
+            }
             int64_t s = slot[i];
             if ((uint64_t)s >= (uint64_t)num_slots) {
                 bad = i;
@@ -127,7 +143,17 @@ static PyObject *slot_of(PyObject *self, PyObject *args)
     int64_t *target = (int64_t *)out.buf;
     Py_ssize_t bad = -1;
     Py_BEGIN_ALLOW_THREADS
+    /* Two passes, each prefetching PREFETCH_AHEAD ids ahead, so the cache misses of many ids
+     * overlap: first each row's rank (placed rows below it, negated for a placed row), then the
+     * placed rows' slots. */
     for (Py_ssize_t i = 0; i < count; i++) {
+        if (i + PREFETCH_AHEAD < count) {
+            uint64_t ahead = (uint64_t)row[i + PREFETCH_AHEAD] >> 6;
+            if (ahead < (uint64_t)num_words) {
+                __builtin_prefetch(&word[ahead]);
+                __builtin_prefetch(&before[ahead]);
+            }
+        }
         int64_t r = row[i];
         if (r < 0 || (r >> 6) >= num_words) {
             bad = i;
@@ -142,7 +168,15 @@ static PyObject *slot_of(PyObject *self, PyObject *args)
             bad = i;
             break;
         }
-        target[i] = placed ? (int64_t)slot[position] : num_placed + r - position;
+        target[i] = placed ? -1 - position : num_placed + r - position;
+    }
+    if (bad < 0) {
+        for (Py_ssize_t i = 0; i < count; i++) {
+            if (i + PREFETCH_AHEAD < count && target[i + PREFETCH_AHEAD] < 0)
+                __builtin_prefetch(&slot[-1 - target[i + PREFETCH_AHEAD]]);
+            if (target[i] < 0)
+                target[i] = slot[-1 - target[i]];
+        }
     }
     Py_END_ALLOW_THREADS
     if (bad >= 0) {
@@ -157,9 +191,47 @@ done:
     return result;
 }
 
+static PyObject *cached(PyObject *self, PyObject *args)
+{
+    PyObject *mapping_object, *slots_object;
+    Py_ssize_t data_offset, page_size, rows_per_page, row_bytes, num_slots, probes;
+    if (!PyArg_ParseTuple(args, "OOnnnnnn", &mapping_object, &slots_object, &data_offset, &page_size,
+                          &rows_per_page, &row_bytes, &num_slots, &probes))
+        return NULL;
+    if (row_bytes <= 0 || rows_per_page <= 0 || rows_per_page * row_bytes > page_size || data_offset < 0
+        || num_slots < 0 || probes < 2) {
+        PyErr_SetString(PyExc_ValueError, "bad table geometry");
+        return NULL;
+    }
+    Py_buffer mapping, slots;
+    if (get_buffer(mapping_object, &mapping, 0, 1, "mapping") != 0)
+        return NULL;
+    if (get_buffer(slots_object, &slots, 0, sizeof(int64_t), "slots") != 0) {
+        PyBuffer_Release(&mapping);
+        return NULL;
+    }
+    Py_ssize_t count = slots.len / (Py_ssize_t)sizeof(int64_t);
+    const int64_t *slot = (const int64_t *)slots.buf;
+    uintptr_t system_page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    int resident = 1;
+    for (Py_ssize_t k = 0; k < probes && count && resident; k++) {
+        int64_t s = slot[(count - 1) * k / (probes - 1)];
+        Py_ssize_t offset = data_offset + (s / rows_per_page) * page_size + (s % rows_per_page) * row_bytes;
+        if ((uint64_t)s >= (uint64_t)num_slots || offset >= mapping.len)
+            continue;
+        uintptr_t address = (uintptr_t)mapping.buf + (uintptr_t)offset;
+        unsigned char state = 0;
+        resident = mincore((void *)(address - address % system_page), 1, &state) == 0 && (state & 1);
+    }
+    PyBuffer_Release(&slots);
+    PyBuffer_Release(&mapping);
+    return PyBool_FromLong(resident);
+}
+
 static PyMethodDef methods[] = {
     {"copy_rows", copy_rows, METH_VARARGS, "Rows at file slots into out (see the module's comment)."},
     {"slot_of", slot_of, METH_VARARGS, "File slots of local rows from the rank index."},
+    {"cached", cached, METH_VARARGS, "Whether a few rows spread over a request are in the page cache."},
     {NULL, NULL, 0, NULL},
 };
 

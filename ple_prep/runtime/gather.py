@@ -220,15 +220,20 @@ class Gatherer:
             target[requests[begin:end]] = rows[ranks[begin:end] - low]
 
     def _cached(self, slots: np.ndarray) -> bool:
-        """Whether the pages of a few rows spread over the request are all in the page cache."""
+        """Whether the memory pages of a few rows spread over the request are all in the page cache."""
+        if _native is not None:
+            return _native.cached(self._mapping, slots, self._data_offset, self._page_size, self._rows_per_page,
+                                  self._row_bytes, self._num_slots, PROBE_PAGES)
         if _MINCORE is None:
             return False
         last = len(slots) - 1
         picks = slots[[last * k // (PROBE_PAGES - 1) for k in range(PROBE_PAGES)]]
+        offsets = self._data_offset + picks // self._rows_per_page * self._page_size \
+            + picks % self._rows_per_page * self._row_bytes
         result = ctypes.byref(self._probe_result)
-        for page in set((picks // self._rows_per_page).tolist()):
-            start, length = self._span(page, 1)
-            if _MINCORE(self._base + start, length, result) != 0 or not self._probe_result.value & 1:
+        for offset in set((offsets - offsets % mmap.PAGESIZE).tolist()):
+            # One memory page (the one holding the row's first byte): one result byte.
+            if _MINCORE(self._base + offset, 1, result) != 0 or not self._probe_result.value & 1:
                 return False
         return True
 
