@@ -21,6 +21,7 @@ Each result is checked bit for bit against `Table.values` rounded to bf16. Print
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -33,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ple_prep.ngram import NgramSpec  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
+from ple_prep.runtime import torch as runtime_torch  # noqa: E402
 from ple_prep.runtime.dequant import round_to_bf16  # noqa: E402
 from ple_prep.runtime.torch import EmbeddingSource  # noqa: E402
 from ple_prep.tools.benchmark import evict  # noqa: E402
@@ -151,7 +153,10 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=2000)
     parser.add_argument("--cold-chunks", type=int, default=6)
     parser.add_argument("--other-ms", type=float, default=1.0)
+    parser.add_argument("--lookup-threads", type=int, default=runtime_torch.LOOKUP_THREADS,
+                        help="Threads of a large request's slot lookup (1: one).")
     args = parser.parse_args()
+    runtime_torch.LOOKUP_THREADS = args.lookup_threads
     torch.cuda.init()
     table = open_table(args.table)
     spec = NgramSpec.from_json(table.manifest["ngram"])
@@ -166,7 +171,9 @@ def main() -> None:
               "resident_rows": source.num_resident, "resident_bytes": resident_bytes,
               "load_seconds": round(time.perf_counter() - started, 2),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "numpy": np.__version__}
+              "numpy": np.__version__,
+              "compiled_helper": importlib.util.find_spec("ple_prep.core._native") is not None,
+              "lookup_threads": args.lookup_threads}
     report["bit_exact_chunk"] = exact(source, source(chunks[0]), chunks[0])
     source.start(chunks[1])
     report["bit_exact_split_chunk"] = exact(source, source.finish(), chunks[1])

@@ -182,6 +182,21 @@ def test_the_start_copies_the_callers_ids(table, monkeypatch):
     assert np.array_equal(bits(source.finish()), expected_bits(table, ids))
 
 
+def test_a_large_lookup_split_over_threads_equals_the_tables(table, monkeypatch):
+    monkeypatch.setattr(runtime_torch, "_compiled", object())  # as where the compiled helper is built
+    monkeypatch.setattr(runtime_torch, "LOOKUP_PART_IDS", 100)
+    source = EmbeddingSource(table, device="cpu", resident_bytes=500 * table.row_bytes, max_ids=1600)
+    ids = token_ids(table, 100, 21)
+    assert np.array_equal(source._slot_of(ids.reshape(-1)), table.slot_of(ids.reshape(-1)))
+    poison(source)
+    assert np.array_equal(bits(source(ids)), expected_bits(table, ids))
+    bad = ids.reshape(-1).copy()
+    bad[777] = table.num_rows
+    source.start(bad)
+    with pytest.raises(IndexError, match=f"row id {table.num_rows} is outside"):
+        source.finish()
+
+
 def test_a_request_read_through_the_page_cache_counts_as_cached(table):
     source = EmbeddingSource(table, device="cpu", resident_bytes=0, max_ids=64)
     slots = np.arange(0, table.num_rows, max(1, table.num_rows // 50))
