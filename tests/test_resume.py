@@ -53,8 +53,7 @@ def _kill_after_blocks(model: Path, out: Path, blocks: int) -> tuple[Path, Path,
                                 "--out", str(out), "-q"], cwd=REPO)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and process.poll() is None:
-        journal = _journal_of(out, process.pid)
-        if journal is not None and journal.read_bytes().count(b"\n") >= blocks + 1:
+        if _journal_lines(_journal_of(out, process.pid)) >= blocks + 1:
             break
     process.kill()
     assert process.wait() == -9, "the convert finished before it could be killed"
@@ -68,6 +67,14 @@ def _journal_of(out: Path, pid: int) -> Path | None:
     """The journal of `pid`'s convert of `out` (its name ends in a random token), once it exists."""
     found = list(out.parent.glob(f".{out.name}.progress.{pid}-*.partial"))
     return found[0] if found else None
+
+
+def _journal_lines(journal: Path | None) -> int:
+    """Lines in a journal; 0 before it exists or after a finished run removed it."""
+    try:
+        return journal.read_bytes().count(b"\n") if journal is not None else 0
+    except FileNotFoundError:
+        return 0
 
 
 def _resume(runner, model: Path, out: Path, *extra: str) -> dict:
@@ -147,8 +154,7 @@ def test_convert_resume_tp_rank(fp8_checkpoint, tmp_path, runner):
                                 str(fp8_checkpoint), "--out", str(out), "--tp-size", "2",
                                 "--tp-rank", "1", "-q"], cwd=REPO)
     while process.poll() is None:
-        journal = _journal_of(rank_file, process.pid)
-        if journal is not None and journal.read_bytes().count(b"\n") >= 6:
+        if _journal_lines(_journal_of(rank_file, process.pid)) >= 6:
             break
     process.kill()
     assert process.wait() == -9
