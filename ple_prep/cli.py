@@ -108,6 +108,19 @@ def progress_bar(total: int, description: str, quiet: bool, unit: str = "B") -> 
         yield bar.update
 
 
+def _count(number: int, noun: str) -> str:
+    """'1 block', '3 blocks'."""
+    return f"{number:,} {noun}{'' if number == 1 else 's'}"
+
+
+def _size(nbytes: int) -> str:
+    """Bytes in the largest binary unit that keeps a whole part: '2.64 MiB', '47.68 GiB', '512 bytes'."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.2f} {unit}"
+    return f"{nbytes} bytes"
+
+
 def echo_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True))
 
@@ -215,7 +228,7 @@ def _print_written(written: list[tuple[Path, dict[str, Any]]], tp_size: int | No
             echo_json(summary)
         elif not quiet:
             click.echo(f"wrote {out}: {summary['rows']:,} {summary['encoding']} rows, "
-                       f"{summary['file_size'] / 2**20:.1f} MiB in {seconds:.1f} s")
+                       f"{_size(summary['file_size'])} in {seconds:.1f} s")
         return
     files = [{"out": str(path), "tp_rank": m["tensor_parallel"]["rank"], "first_row": m["first_row"],
               "rows": m["num_rows"], "file_size": m["file_size"]} for path, m in written]
@@ -226,7 +239,7 @@ def _print_written(written: list[tuple[Path, dict[str, Any]]], tp_size: int | No
         for entry in files:
             click.echo(f"wrote {entry['out']}: rank {entry['tp_rank']} of {tp_size}, rows "
                        f"{entry['first_row']:,} to {entry['first_row'] + entry['rows']:,}, "
-                       f"{entry['file_size'] / 2**20:.1f} MiB")
+                       f"{_size(entry['file_size'])}")
         click.echo(f"{len(files)} file{'s' if len(files) != 1 else ''} in {seconds:.1f} s")
 
 
@@ -255,7 +268,7 @@ def verify(table: Path, model: Path | None, sample: int | None, seed: int, as_js
     if as_json:
         echo_json(report.to_json())
     elif not quiet:
-        click.echo(f"checksums: {report.checksum_blocks} blocks, "
+        click.echo(f"checksums: {_count(report.checksum_blocks, 'block')}, "
                    f"{len(report.bad_blocks)} bad, header {'ok' if report.header_ok else 'BAD'}")
         for block in report.bad_blocks:
             click.echo(f"  block {block['block']} (bytes {block['bytes'][0]}-{block['bytes'][1]}): "
@@ -312,8 +325,8 @@ def inspect(table: Path, plot_path: Path | None, as_json: bool) -> None:
           if manifest.get("tensor_parallel") else []),
         f"source:     {manifest['source']['format']} {manifest['source'].get('model', '')}",
         f"layout:     {manifest['layout']['kind']}, {manifest['layout']['num_placed']:,} rows placed first",
-        f"checksums:  {len(manifest['checksums']['blocks'])} crc32 blocks of "
-        f"{manifest['checksums']['block_bytes'] // 2**20} MiB",
+        f"checksums:  {_count(len(manifest['checksums']['blocks']), 'crc32 block')} of "
+        f"{_size(manifest['checksums']['block_bytes'])}",
         f"file id:    {manifest['file_id']} (ple-prep {manifest['tool_version']})",
     ]
     lines += _residency_lines(manifest)
@@ -385,14 +398,21 @@ def demo(folder: Path | None, variant: str, as_json: bool, quiet: bool) -> None:
     """
     from .tools.demo import run_demo
 
+    temporary = folder is None
     with contextlib.ExitStack() as stack:
         if folder is None:
             folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ple-prep-demo-")))
         summary = run_demo(folder, variant)
+    if temporary:
+        # The files went with their temporary folder: name no path that no longer exists.
+        summary["checkpoint"] = summary["table"] = None
     if as_json:
         echo_json(summary)
     elif not quiet:
-        click.echo("\n".join(f"{key}: {value}" for key, value in summary.items()))
+        lines = [f"{key}: {value}" for key, value in summary.items() if value is not None]
+        if temporary:
+            lines.append("files: written to a temporary folder and removed (keep them with --dir DIR)")
+        click.echo("\n".join(lines))
     if not summary["verified"]:
         raise CheckFailed("the demo table does not match its source")
 
@@ -542,8 +562,8 @@ def bench(table: Path, prefill_requests: int, decode_requests: int, fio_seconds:
         echo_json(report)
         return
     cached = report["cached_after_evict"]
-    click.echo(f"table: {table} ({report['file_bytes'] / 2**30:.2f} GiB), advice window "
-               f"{report['window_pages']} pages / {report['window_bytes'] >> 20} MiB, page cache "
+    click.echo(f"table: {table} ({_size(report['file_bytes'])}), advice window "
+               f"{report['window_pages']} pages / {_size(report['window_bytes'])}, page cache "
                f"after evicting: {'unknown' if cached is None else f'{cached:.1%}'}")
     click.echo(f"{'':24}{'requests':>9}{'rows':>9}{'distinct':>9}{'p50 us':>10}{'p99 us':>10}"
                f"{'rows/s':>12}{'major faults':>14}")

@@ -262,3 +262,17 @@ def test_convert_bad_input_real_process(tmp_path):
     assert result.stderr == ("error: model-hostile.safetensors: the header length field runs past the end "
                              "of the 10-byte file (truncated, or not a safetensors file)\n")
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_convert_another_models_checkpoint_says_so(fp8_checkpoint, runner, tmp_path):
+    model = tmp_path / "llama"
+    model.mkdir()
+    for path in fp8_checkpoint.iterdir():
+        (model / path.name).write_bytes(path.read_bytes())
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 128256,
+                                                   "hidden_size": 4096, "eos_token_id": 128001}))
+    out = tmp_path / "out"
+    out.mkdir()
+    result = runner.invoke(cli, convert_args(model, out / "t.bin"))
+    assert_refused(result, out, f"{model} is not a Qwen3.8-Flash-Next checkpoint: its config.json "
+                                f"(model_type 'llama') has no n-gram PLE fields")

@@ -74,3 +74,8 @@ def test_demo_prints_summary_in_temporary_folder(runner):
     assert result.exit_code == 0, result.output
     lines = dict(line.split(": ", 1) for line in result.stdout.splitlines())
     assert lines["verified"] == "True" and lines["encoding"] == "fp8_e4m3"
+    # The temporary folder is gone when the summary prints: no path to it is shown.
+    assert "ple-prep-demo-" not in result.stdout and "checkpoint" not in lines and "table" not in lines
+    assert lines["files"] == "written to a temporary folder and removed (keep them with --dir DIR)"
+    summary = json.loads(runner.invoke(cli, ["demo", "--json", "-q"]).stdout)
+    assert summary["checkpoint"] is None and summary["table"] is None and summary["verified"] is True

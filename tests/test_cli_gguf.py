@@ -157,7 +157,8 @@ def _no_table(tmp_path):
 
 
 BAD_GGUF = {
-    "wrong architecture": (_wrong_arch, ["general.architecture is 'gemma3n'", "qwen4exp"]),
+    "wrong architecture": (_wrong_arch, ["not a Qwen3.8-Flash-Next model", "general.architecture is 'gemma3n'",
+                                         "qwen4exp"]),
     "k-quant": (_k_quant, ["Q4_K", "K-quant"]),
     "unknown type": (_unknown_type, ["unknown GGML type"]),
     "unsupported type": (_unsupported_type, ["I16", "unsupported"]),

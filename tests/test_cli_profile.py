@@ -192,3 +192,26 @@ def test_profile_merge_refuses_a_profile_given_twice(runner, fp8_checkpoint, pro
         assert result.exit_code == 2, result.output
         assert "both counted doc.txt" in result.stderr and "twice" in result.stderr
         assert not (tmp_path / "m.prof").exists()
+
+
+def test_plot_labels_stay_inside_the_axes(runner, fp8_checkpoint, prompts, tmp_path):
+    pytest.importorskip("matplotlib")
+    from ple_prep.format.manifest import load_table_manifest
+    from ple_prep.tools.plot import residency_figure
+
+    profile, table = tmp_path / "p.prof", tmp_path / "t.bin"
+    runner.invoke(cli, ["profile", "--model", str(fp8_checkpoint), "--prompts", str(prompts / "chats.jsonl"),
+                        str(prompts / "ids.npy"), "--out", str(profile), "-q"])
+    runner.invoke(cli, ["convert", "--model", str(fp8_checkpoint), "--profile", str(profile),
+                        "--out", str(table), "-q"])
+    figure = residency_figure(load_table_manifest(table), "t.bin")
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    axes = figure.axes[0]
+    box = axes.get_window_extent(renderer)
+    labels = axes.texts
+    assert len(labels) >= 2
+    for label in labels:
+        extent = label.get_window_extent(renderer)
+        assert (box.x0 - 1 <= extent.x0 and extent.x1 <= box.x1 + 1 and box.y0 - 1 <= extent.y0
+                and extent.y1 <= box.y1 + 1), (label.get_text(), extent, box)

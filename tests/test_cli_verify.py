@@ -39,7 +39,7 @@ def test_verify_match_exits_zero(converted, runner):
     model, out = converted
     result = runner.invoke(cli, ["verify", str(out), "--model", str(model)])
     assert result.exit_code == 0, result.output
-    assert result.stdout == ("checksums: 1 blocks, 0 bad, header ok\n"
+    assert result.stdout == ("checksums: 1 block, 0 bad, header ok\n"
                              "rows: 16,896 compared, 0 differ\n")
 
 
@@ -163,3 +163,14 @@ def test_inspect_not_a_table(runner, tmp_path):
     result = runner.invoke(cli, ["inspect", str(tmp_path / "x.bin")])
     assert result.exit_code == 2
     assert result.stderr == "error: x.bin.json: the manifest is not a JSON object\n"
+
+
+def test_counts_and_sizes_read_as_english(converted, runner):
+    _, out = converted
+    verified = runner.invoke(cli, ["verify", str(out)]).stdout
+    assert verified.startswith("checksums: 1 block, 0 bad") and "1 blocks" not in verified
+    inspected = runner.invoke(cli, ["inspect", str(out)]).stdout
+    assert "checksums:  1 crc32 block of 64.00 MiB" in inspected
+    bench = runner.invoke(cli, ["bench", str(out), "--prefill-requests", "1", "--decode-requests", "2",
+                                "--fio-seconds", "0"]).stdout
+    assert f"({out.stat().st_size / 2**20:.2f} MiB)" in bench and "0.00 GiB" not in bench

@@ -237,8 +237,8 @@ def open_gguf(path: str | Path) -> TableSource:
     metadata, tensors = _read_files(files)
     architecture = metadata.get("general.architecture")
     if architecture != GGUF_ARCHITECTURE:
-        raise BadInput(f"general.architecture is {architecture!r}, expected {GGUF_ARCHITECTURE!r} "
-                       f"(Gemma 3n/4 use the same tensor names for a different table)")
+        raise BadInput(f"not a Qwen3.8-Flash-Next model: general.architecture is {architecture!r}, expected "
+                       f"{GGUF_ARCHITECTURE!r} (Gemma 3n/4 use the same tensor names for a different table)")
     if f"{GGUF_ARCHITECTURE}.vocab_size" not in metadata and "tokenizer.ggml.tokens" in metadata:
         metadata[f"{GGUF_ARCHITECTURE}.vocab_size"] = len(metadata["tokenizer.ggml.tokens"])
     spec = spec_from_metadata(metadata, GGUF_ARCHITECTURE)

@@ -1,6 +1,7 @@
 """Draw a prepared table's residency curve (optional: needs matplotlib, the `plot` extra)."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,16 @@ from ..core.errors import BadInput
 
 def plot_residency(manifest: dict[str, Any], out: str | Path, title: str = "") -> None:
     """Held-out hit fraction against resident bytes, one point per hint, written as a PNG."""
+    out = Path(out)
+    if not out.parent.is_dir():
+        raise BadInput(f"output folder {out.parent} does not exist")
+    pyplot = _pyplot()
+    figure = residency_figure(manifest, title)
+    figure.savefig(out, format="png", dpi=120)
+    pyplot.close(figure)
+
+
+def _pyplot() -> Any:
     try:
         import matplotlib
 
@@ -16,9 +27,12 @@ def plot_residency(manifest: dict[str, Any], out: str | Path, title: str = "") -
         import matplotlib.pyplot as pyplot
     except ImportError:
         raise BadInput("--plot needs matplotlib: pip install 'ple-prep[plot]'") from None
-    out = Path(out)
-    if not out.parent.is_dir():
-        raise BadInput(f"output folder {out.parent} does not exist")
+    return pyplot
+
+
+def residency_figure(manifest: dict[str, Any], title: str = "") -> Any:
+    """The residency curve as a matplotlib figure, every label inside the axes."""
+    pyplot = _pyplot()
     # Budgets larger than the table all keep the whole table: one point, labelled with all of them.
     labels: dict[tuple[int, float], list[str]] = {}
     for hint in manifest["residency"]:
@@ -29,16 +43,23 @@ def plot_residency(manifest: dict[str, Any], out: str | Path, title: str = "") -
     if not points:
         raise BadInput("this table has no measured residency hints (convert with --profile)")
     figure, axes = pyplot.subplots(figsize=(7, 4.5))
-    axes.plot([p[0] / 2**30 for p in points], [p[1] for p in points], marker="o")
-    for resident, fraction, label in points:
-        axes.annotate(label, (resident / 2**30, fraction), textcoords="offset points", xytext=(4, -10),
-                      fontsize=7)
+    gib = [max(p[0], 1) / 2**30 for p in points]
+    axes.plot(gib, [p[1] for p in points], marker="o")
     axes.set_xscale("log")
+    axes.margins(x=0.08)
+    low, high = math.log(min(gib)), math.log(max(gib))
+    for x, (_, fraction, label) in zip(gib, points):
+        # Labels lean towards the middle of the plot: left of points on the right half, below
+        # points near the top, so none runs past the axes.
+        right_half = high > low and (math.log(x) - low) / (high - low) > 0.5
+        near_top = fraction > 0.8
+        axes.annotate(label, (x, fraction), textcoords="offset points", fontsize=7,
+                      xytext=(-5 if right_half else 5, -6 if near_top else 6),
+                      ha="right" if right_half else "left", va="top" if near_top else "bottom")
     axes.set_xlabel("resident bytes (GiB, leading pages of the file)")
     axes.set_ylabel("held-out row reads served from RAM")
     axes.set_ylim(0, 1)
     axes.grid(True, alpha=0.3)
     axes.set_title(f"residency curve {title}".strip())
     figure.tight_layout()
-    figure.savefig(out, format="png", dpi=120)
-    pyplot.close(figure)
+    return figure
