@@ -8,7 +8,9 @@
 vLLM's `start_prefetch` and `finalize_prefetch`. As in vLLM, the row ids of real text (a part of
 the text the table's profile never saw) arrive as an int64 tensor on the device, written by a kernel
 just before `start` (here a device-to-device copy into a fixed ids buffer, as vLLM's id kernel
-writes its `_prefetch_ids`). All measurements are warm (every disk-tier page cached):
+writes its `_prefetch_ids`). With `--read-path mapped` (the default here) all measurements are
+warm: every disk-tier page is in the page cache, which only the mapped read path fills; with
+`--read-path direct` every disk-tier row is read from the drive with O_DIRECT, every time.
 
 - `pair`: `start(ids)` then `finish()` back to back, from the ids kernel to the values ready on the
   device (the device synchronised on both sides): the whole lookup when nothing hides it;
@@ -130,8 +132,9 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=16)
     parser.add_argument("--decode-tokens", type=int, default=2000)
     parser.add_argument("--other-ms", type=float, default=1.0)
+    parser.add_argument("--read-path", default="mapped", choices=["mapped", "direct"])
     args = parser.parse_args()
-    table = open_table(args.table)
+    table = open_table(args.table, read_path=args.read_path)
     spec = NgramSpec.from_json(table.manifest["ngram"])
     row_ids = real_text_row_ids(spec, args.chunks * CHUNK_TOKENS + args.decode_tokens, part=0, parts=2)
     host = [row_ids[i * CHUNK_TOKENS:(i + 1) * CHUNK_TOKENS] for i in range(args.chunks)]
@@ -141,7 +144,8 @@ def main() -> None:
     rows = PrefetchedRows(table, device=args.device, resident_bytes=resident_bytes, max_tokens=CHUNK_TOKENS,
                           heads=spec.heads)
     device = Device(rows.device, args.other_ms)
-    report = {"table": str(args.table), "rows": table.num_rows, "placed": table.order.num_placed,
+    report = {"table": str(args.table), "read_path": table.read_path, "rows": table.num_rows,
+              "placed": table.order.num_placed,
               "resident_bytes": rows.resident_bytes, "load_seconds": round(time.perf_counter() - started, 2),
               "device": torch.cuda.get_device_name() if device.cuda else "cpu", "torch": torch.__version__,
               "other_work_ms": round(device.other_ms, 3)}
@@ -150,7 +154,7 @@ def main() -> None:
     chunk_bits = [expected_bits(table, ids) for ids in host]
     decode_bits = [expected_bits(table, ids) for ids in host_decode]
     ids_buffer = torch.empty((CHUNK_TOKENS, spec.heads), dtype=torch.int64, device=rows.device)
-    run(rows, device, chunks + decode, chunk_bits + decode_bits, ids_buffer, False)  # every page warm
+    run(rows, device, chunks + decode, chunk_bits + decode_bits, ids_buffer, False)  # warm (mapped)
     report["chunk"] = run(rows, device, chunks * 2, chunk_bits * 2, ids_buffer, False)
     report["decode"] = run(rows, device, decode, decode_bits, ids_buffer, False)
     report["chunk_prefetch"] = run(rows, device, chunks * 2, chunk_bits * 2, ids_buffer, True)

@@ -19,9 +19,10 @@ def test_read_settings_from_the_environment():
 
 
 def test_additional_config_wins_key_by_key():
-    environ = {"PLE_PREP_TABLE": "/a.bin", "PLE_PREP_RESIDENT_BYTES": "1M"}
-    assert read_settings({"ple_prep": {"table": "/b.bin"}}, environ) == Settings("/b.bin", 1 << 20)
-    assert read_settings({"ple_prep": {"resident_bytes": 0}}, environ) == Settings("/a.bin", 0)
+    environ = {"PLE_PREP_TABLE": "/a.bin", "PLE_PREP_RESIDENT_BYTES": "1M", "PLE_PREP_READ_PATH": "direct"}
+    assert read_settings({"ple_prep": {"table": "/b.bin"}}, environ) == Settings("/b.bin", 1 << 20, "direct")
+    assert read_settings({"ple_prep": {"resident_bytes": 0, "read_path": "mapped"}}, environ) == \
+        Settings("/a.bin", 0, "mapped")
 
 
 @pytest.mark.parametrize("text, count", [("4GiB", 4 << 30), ("512M", 512 << 20), ("1.5g", 3 << 29),

@@ -100,6 +100,9 @@ class PrefetchedRows:
         cuda = self.device.type == "cuda"
         self._host_ids = torch.empty(max_tokens * heads, dtype=torch.int64, pin_memory=cuda)
         self._ids_copied = torch.cuda.Event() if cuda else None
+        # The worker's copy runs on a stream of its own: a thread's current stream is the legacy
+        # default stream, which would serialise the copy with the model's work on other streams.
+        self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ple-prep-vllm")
         first, stop = table.row_range
         # A rank's file holds its block only; other ids read a stand-in row that is then zeroed.
@@ -137,8 +140,8 @@ class PrefetchedRows:
         if not self._whole:
             first, stop = self.table.row_range
             ids = np.where((ids >= first) & (ids < stop), ids, first)
-        if self.device.type == "cuda":
-            with torch.cuda.device(self.device):
+        if self._copy_stream is not None:
+            with torch.cuda.stream(self._copy_stream):
                 self.source.start(ids, inline=True)
         else:
             self.source.start(ids, inline=True)

@@ -1,7 +1,7 @@
 """Where the operator points vLLM at a prepared table: vLLM's additional config or the environment.
 
-    --additional-config '{"ple_prep": {"table": "/nvme/ple.bin", "resident_bytes": "4GiB"}}'
-    PLE_PREP_TABLE=/nvme/ple.bin  PLE_PREP_RESIDENT_BYTES=4GiB
+    --additional-config '{"ple_prep": {"table": "/nvme/ple.bin", "resident_bytes": "4GiB", "read_path": "mapped"}}'
+    PLE_PREP_TABLE=/nvme/ple.bin  PLE_PREP_RESIDENT_BYTES=4GiB  PLE_PREP_READ_PATH=mapped
 
 The additional config wins over the environment, key by key. With tensor parallelism the table
 path names each rank's file through `{rank}` and `{size}` (`/nvme/ple.tp{rank}of{size}.bin`, the
@@ -19,6 +19,7 @@ from ...core.errors import BadInput
 CONFIG_KEY = "ple_prep"
 TABLE_VARIABLE = "PLE_PREP_TABLE"
 RESIDENT_VARIABLE = "PLE_PREP_RESIDENT_BYTES"
+READ_PATH_VARIABLE = "PLE_PREP_READ_PATH"
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30,
           "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
 
@@ -27,6 +28,7 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 <<
 class Settings:
     table: str                  # the path, possibly with {rank} and {size}
     resident_bytes: int | None  # None: from the table's residency hints
+    read_path: str | None = None  # the disk tier's read path (open_table's read_path); None: its default
 
     def table_path(self, rank: int, size: int) -> str:
         try:
@@ -55,7 +57,7 @@ def read_settings(additional_config: Mapping[str, Any] | None, environ: Mapping[
     section = (additional_config or {}).get(CONFIG_KEY) or {}
     if not isinstance(section, Mapping):
         raise BadInput(f"additional_config[{CONFIG_KEY!r}] must be an object with 'table'")
-    unknown = set(section) - {"table", "resident_bytes"}
+    unknown = set(section) - {"table", "resident_bytes", "read_path"}
     if unknown:
         raise BadInput(f"additional_config[{CONFIG_KEY!r}] has unknown keys: {', '.join(sorted(unknown))}")
     table = section.get("table") or environ.get(TABLE_VARIABLE)
@@ -64,4 +66,6 @@ def read_settings(additional_config: Mapping[str, Any] | None, environ: Mapping[
     resident = section.get("resident_bytes", environ.get(RESIDENT_VARIABLE))
     where = f"additional_config[{CONFIG_KEY!r}]['resident_bytes']" if "resident_bytes" in section \
         else RESIDENT_VARIABLE
-    return Settings(str(table), None if resident in (None, "") else parse_bytes(resident, where))
+    read_path = section.get("read_path", environ.get(READ_PATH_VARIABLE)) or None
+    return Settings(str(table), None if resident in (None, "") else parse_bytes(resident, where),
+                    None if read_path is None else str(read_path))
