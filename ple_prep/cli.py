@@ -20,6 +20,7 @@ import click
 from . import __version__
 from .core.constants import DEFAULT_MAP_FRACTION, DEFAULT_PAGE_SIZE, GGUF_FIXTURE_VARIANTS
 from .core.errors import BadInput, CheckFailed
+from .core.fileio import refuse_input_as_output
 
 EXIT_BUG = 70  # EX_SOFTWARE of sysexits.h: an internal software error
 DEBUG_VARIABLE = "PLE_PREP_DEBUG"
@@ -480,6 +481,7 @@ def profile_run(model: Path, prompts: tuple[Path, ...], more_prompts: tuple[Path
         raise BadInput("give prompt files with --prompts")
     if out.exists() and not force:
         raise BadInput(f"{out} exists; pass --force to replace it")
+    refuse_input_as_output(out, files)
     started = time.perf_counter()
     with progress_bar(0, "profile", quiet, unit="tok") as advance:
         result = profile_files(model, files, progress=advance)
@@ -508,6 +510,7 @@ def profile_merge(profiles: tuple[Path, ...], out: Path, force: bool, as_json: b
     """
     from .offline.profile import load_profile, merge_profiles, save_profile
 
+    refuse_input_as_output(out, profiles)
     merged = merge_profiles([load_profile(path) for path in profiles])
     save_profile(merged, out, force=force)
     summary = {"out": str(out), **merged.summary()}

@@ -77,11 +77,28 @@ def _write(name: str, data: bytes) -> Path:
 
 # --- safetensors header ---------------------------------------------------------------------------
 
+def _reference_accepts(data: bytes) -> bool | None:
+    """The `safetensors` library's verdict: True or False, or None where the two may differ by
+    design: a dtype one of them does not know (this reader places such a tensor and refuses it only
+    if the table needs it)."""
+    from safetensors import deserialize
+
+    try:
+        tensors = deserialize(data)
+    except Exception as exc:  # the binding raises its own SafetensorError and plain errors
+        return None if "unknown variant" in str(exc) else False
+    return True if all(entry["dtype"] in DTYPE_BITS for _, entry in tensors) else None
+
+
 def _read_header_bytes(data: bytes) -> None:
+    """Accepted exactly when the format's reference implementation accepts it."""
+    expected = _reference_accepts(data)
     try:
         tensors = read_header(_write("fuzz.safetensors", data))
     except BadInput:
+        assert expected is not True, "refused a file the safetensors library reads"
         return
+    assert expected is not False, "accepted a file the safetensors library refuses"
     # Accepted: every tensor lies inside the file, exactly sized.
     for info in tensors.values():
         assert 0 <= info.offset and info.offset + info.nbytes <= len(data)
@@ -250,11 +267,44 @@ VALID_HEADER = Header.for_table(page_size=4096, row_bytes=160, encoding=Encoding
                                 file_id=bytes(range(16)))
 
 
+# Bytes per block and values per block of each encoding, as docs/FORMAT.md's table lists them.
+FORMAT_BLOCKS = {1: (1, 1), 2: (1, 2), 3: (16, 9), 10: (1, 4), 11: (1, 2), 12: (1, 2), 13: (32, 34),
+                 14: (32, 18), 15: (32, 20), 16: (32, 22), 17: (32, 24), 18: (32, 18)}
+
+
+def _format_accepts(raw: bytes, file_size: int) -> bool:
+    """The header rules of docs/FORMAT.md, restated independently of format/header.py."""
+    if len(raw) < 128 or file_size < 128:
+        return False
+    (magic, version, page_size, row_bytes, rows_per_page, encoding, values_per_row, num_rows, first_row,
+     num_placed, order_offset, data_offset, _, _) = struct.unpack_from("<8sIIIIIIQQQQQ16s32s", raw)
+    if magic != b"PLEPREP\0" or version != 1 or any(raw[120:128]) or encoding not in FORMAT_BLOCKS:
+        return False
+    values_per_block, bytes_per_block = FORMAT_BLOCKS[encoding]
+    if values_per_row == 0 or values_per_row % values_per_block:
+        return False
+    if row_bytes != values_per_row // values_per_block * bytes_per_block:
+        return False
+    if page_size not in [2**k for k in range(9, 27)] or not 0 < row_bytes <= page_size:
+        return False
+    if rows_per_page != page_size // row_bytes or not 0 < num_rows <= 2**32 - 1:
+        return False
+    if not 0 <= num_placed <= num_rows or first_row + num_rows > 2**32 - 1 or order_offset != 128:
+        return False
+    if data_offset != -(-(128 + 12 * num_placed) // page_size) * page_size:
+        return False
+    return file_size == data_offset + -(-num_rows // rows_per_page) * page_size
+
+
 def _unpack(raw: bytes, file_size: int) -> None:
+    """Accepted exactly when docs/FORMAT.md's rules hold."""
+    expected = _format_accepts(raw, file_size)
     try:
         header = Header.unpack(raw, file_size)
     except BadInput:
+        assert not expected, "refused a header the format allows"
         return
+    assert expected, "accepted a header the format refuses"
     assert header.file_size == file_size and header.rows_per_page * header.row_bytes <= header.page_size
     assert header.first_row + header.num_rows <= 2**32 - 1
 
@@ -348,10 +398,20 @@ def test_validate_manifest_mutated_fields_give_bad_input(paths, values, delete):
 @given(MUTATIONS)
 def test_load_manifest_mutated_bytes_give_bad_input(ops):
     raw = json.dumps(_valid_manifest(), indent=2).encode()
+    mutated = _mutate(raw, ops)
     try:
-        load_manifest(_write("t.bin.json", _mutate(raw, ops)))
+        parsed = json.loads(mutated)
+    except ValueError:
+        parsed = None
+    try:
+        load_manifest(_write("t.bin.json", mutated))
     except BadInput:
-        pass
+        # Refused: never the valid manifest itself (a change only in its whitespace).
+        assert parsed != _valid_manifest()
+        return
+    # Accepted: it parses to an object (a mutation the reader's fast check lets through is caught
+    # at open, where the header is compared).
+    assert isinstance(parsed, dict)
 
 
 def test_load_manifest_refuses_huge_or_deep_files_before_reading():

@@ -453,3 +453,19 @@ def test_two_converts_at_once_one_wins_and_the_other_says_so(fp8_checkpoint, out
     loser = next(stderr for code, stderr in results if code == 2)
     assert "is writing" in loser or "exists; pass --force" in loser, loser
     assert sorted(p.name for p in out_dir.iterdir()) == ["t.bin", "t.bin.json"]
+
+
+def test_a_profile_never_replaces_one_of_its_inputs(fp8_checkpoint, tmp_path, runner):
+    prompt = tmp_path / "doc.txt"
+    prompt.write_text("alpha beta gamma delta")
+    result = runner.invoke(cli, ["profile", "--model", str(fp8_checkpoint), "--prompts", str(prompt),
+                                 "--out", str(prompt), "--force", "--quiet"])
+    refused(result, "an input of this command")
+    assert prompt.read_text() == "alpha beta gamma delta"
+    profile = tmp_path / "p.prof"
+    assert runner.invoke(cli, ["profile", "--model", str(fp8_checkpoint), "--prompts", str(prompt),
+                               "--out", str(profile), "--quiet"]).exit_code == 0
+    before = profile.read_bytes()
+    refused(runner.invoke(cli, ["profile", "merge", str(profile), "-o", str(profile), "--force"]),
+            "an input of this command")
+    assert profile.read_bytes() == before

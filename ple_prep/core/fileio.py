@@ -16,7 +16,7 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -208,6 +208,15 @@ def atomic_output(final: str | Path, mode: int = OUTPUT_MODE) -> Iterator[Binary
 def write_atomic(final: str | Path, data: bytes, mode: int = OUTPUT_MODE) -> None:
     with atomic_output(final, mode) as handle:
         handle.write(data)
+
+
+def refuse_input_as_output(final: Path, inputs: Iterable[Path]) -> None:
+    """BadInput when `final` is (the same file as) one of `inputs`: an output never replaces an input."""
+    if not os.path.exists(final):
+        return
+    for path in inputs:
+        if os.path.exists(path) and os.path.samefile(final, path):
+            raise BadInput(f"{final} is {path}, an input of this command: choose another output")
 
 
 # --- One writer per output -------------------------------------------------------------------------

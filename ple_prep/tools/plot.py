@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import BadInput
+from ..core.fileio import atomic_output
 
 
 def plot_residency(manifest: dict[str, Any], out: str | Path, title: str = "") -> None:
@@ -15,7 +16,8 @@ def plot_residency(manifest: dict[str, Any], out: str | Path, title: str = "") -
         raise BadInput(f"output folder {out.parent} does not exist")
     pyplot = _pyplot()
     figure = residency_figure(manifest, title)
-    figure.savefig(out, format="png", dpi=120)
+    with atomic_output(out) as handle:
+        figure.savefig(handle, format="png", dpi=120)
     pyplot.close(figure)
 
 
