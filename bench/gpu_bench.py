@@ -189,8 +189,9 @@ def main() -> None:
     reopen_cold()
     report["cold_call_decode"] = timed_calls(source, tokens[:200])
     # Warm: the disk tier's pages in the page cache, which only the mapped read path fills.
+    source.close()
     source.table.close()
-    source.table = open_table(args.table, read_path="mapped")
+    source.reopen(open_table(args.table, read_path="mapped"))
     for ids in chunks + tokens:  # every page warm
         source(ids)
     report["warm_call_chunk"] = timed_calls(source, chunks * 4)
