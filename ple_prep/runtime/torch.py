@@ -35,18 +35,19 @@ import numpy as np
 import torch
 
 from .table import Table
+from .tiers import read_leading_slots
+from .torch_dequant import decoder_for
 
 try:  # the compiled helper (core/_native.c) finds slots without holding the GIL: threads then help
     from ..core import _native as _compiled
 except ImportError:
     _compiled = None
-from .tiers import read_leading_slots
-from .torch_dequant import decoder_for
 
 # Up to this many ids, `start` does its host work inline (a hop to the worker thread costs more)
 # and copies on the caller's stream, and an eager `finish` replays a graph captured for the count
 # rounded up to a power of two (one launch instead of a handful).
 INLINE_IDS = 1024
+# The smallest such graph (a decode step's 16 ids).
 GRAPH_MIN_IDS = 16
 # Up to this many disk positions of a cold request, rows are read without deduplication: the sort
 # costs more than reading a rare duplicate row (whose page the first read has cached).
@@ -157,6 +158,8 @@ class EmbeddingSource:
         self._host_rows_tensor = torch.from_numpy(self._host_rows)
         # Tier row of each staging row (the staging area follows the resident rows).
         self._staging_rows = np.arange(rows, rows + capacity, dtype=np.int32)
+        # mincore's result: one byte per system page of a row (rows are far smaller than a page, so
+        # a row spans at most two).
         self._probe_result = (ctypes.c_ubyte * 2)()
         self._map_file(table)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -244,9 +247,9 @@ class EmbeddingSource:
 
     def close(self) -> None:
         """Release the file mapping and the worker thread (a pending start is finished first)."""
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
+        pending, self._pending = self._pending, None
+        if isinstance(pending, concurrent.futures.Future):
+            concurrent.futures.wait([pending])  # its error, if any, goes with it
         for pool in (self._worker, self._lookup_pool):
             if pool is not None:
                 pool.shutdown()
@@ -280,10 +283,13 @@ class EmbeddingSource:
         last = len(slots) - 1
         for pick in range(min(PROBE_ROWS, len(slots))):
             slot = int(slots[last * pick // max(1, PROBE_ROWS - 1)])
-            start = header.data_offset + slot // header.rows_per_page * header.page_size
+            start = (header.data_offset + slot // header.rows_per_page * header.page_size
+                     + slot % header.rows_per_page * header.row_bytes)
             aligned = start - start % mmap.PAGESIZE
-            if (_MINCORE(self._file_base + aligned, start + header.row_bytes - aligned, self._probe_result) != 0
-                    or not self._probe_result[0] & 1):
+            length = start + header.row_bytes - aligned
+            result = self._probe_result
+            if (_MINCORE(self._file_base + aligned, length, result) != 0 or not result[0] & 1
+                    or (length > mmap.PAGESIZE and not result[1] & 1)):
                 return False
         return True
 
