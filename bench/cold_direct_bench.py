@@ -46,6 +46,18 @@ def cold_gather(path: Path, ids: np.ndarray, expected: np.ndarray, **options) ->
             "cached_after": round(cached_fraction(path), 6)}
 
 
+def cold_decode(path: Path, requests: list[np.ndarray], **options) -> list[float]:
+    """Seconds of each decode-sized request, one after another, from a file evicted once."""
+    evict(path)
+    seconds = []
+    with open_table(path, **options) as table:
+        for ids in requests:
+            started = time.perf_counter()
+            table.gather(ids)
+            seconds.append(time.perf_counter() - started)
+    return seconds
+
+
 def summary(runs: list[dict], fio: list[int]) -> dict:
     rates = [run["rows_per_s"] for run in runs]
     ratios = [run["rows_per_s"] / iops for run, iops in zip(runs, fio)]
@@ -62,6 +74,8 @@ def main() -> None:
     parser.add_argument("table", type=Path)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--fio-seconds", type=float, default=4)
+    parser.add_argument("--decode-requests", type=int, default=0,
+                        help="Also time this many cold one-token requests (16 rows) per path and round.")
     parser.add_argument("--queue-depths", default="64",
                         help="Comma-separated queue depths of the direct path, each its own variant.")
     args = parser.parse_args()
@@ -69,7 +83,8 @@ def main() -> None:
     with open_table(path) as table:
         spec = NgramSpec.from_json(table.manifest["ngram"])
         rows = table.num_rows
-    ids = distinct_request(real_text_row_ids(spec, 40_000), DISTINCT_ROWS, 0)
+    row_ids = real_text_row_ids(spec, 40_000)
+    ids = distinct_request(row_ids, DISTINCT_ROWS, 0)
     expected = expected_rows(ids)
     variants = {"mapped": {"read_path": "mapped"}}
     for depth in [int(d) for d in args.queue_depths.split(",")]:
@@ -87,12 +102,26 @@ def main() -> None:
         names = list(variants)
         for name in names if round_index % 2 == 0 else names[::-1]:
             runs[name].append(cold_gather(path, ids, expected, **variants[name]))
+    decode: dict[str, list[float]] = {}
+    if args.decode_requests:
+        # Tokens after the ones the 18,000-row request used, so their rows are not cached.
+        tokens = row_ids[20_000:20_000 + args.decode_requests * args.rounds]
+        for round_index in range(args.rounds):
+            requests = [tokens[round_index * args.decode_requests + i].reshape(-1)
+                        for i in range(args.decode_requests)]
+            names = ["mapped", "direct"]
+            for name in names if round_index % 2 == 0 else names[::-1]:
+                decode.setdefault(name, []).extend(cold_decode(path, requests, read_path=name))
     evict(path)
     report = {"table": str(path), "file_bytes": path.stat().st_size, "rows": rows,
               "distinct_rows": DISTINCT_ROWS, "default_read_path": DEFAULT_READ_PATH,
               "fio_command": command, "fio_iops": fio, "fio_median_iops": round(float(np.median(fio))),
               "rounds": args.rounds}
     report |= {name: summary(samples, fio) for name, samples in runs.items()}
+    for name, seconds in decode.items():
+        report[f"cold_decode_16_{name}"] = {
+            "requests": len(seconds), "p50_us": round(float(np.percentile(seconds, 50)) * 1e6, 1),
+            "p99_us": round(float(np.percentile(seconds, 99)) * 1e6, 1)}
     print(json.dumps(report, indent=1))
 
 
