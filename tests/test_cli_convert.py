@@ -13,25 +13,16 @@ import sys
 import numpy as np
 import pytest
 from handmade import INDEX, Tensor, find, load_tensors, pack_safetensors, save_tensors
+from refusal import assert_refused
 
 from ple_prep.cli import cli
 from ple_prep.runtime import open_table
-from ple_prep.tools.fixtures import make_checkpoint
+from ple_prep.tools.fixtures import FIXTURE_ROWS, make_checkpoint
 
 
 def convert_args(model, out, *extra):
     return ["convert", "--model", str(model), "--out", str(out), "--quiet", *extra]
 
-
-def assert_refused(result, out_dir, message, left=()):
-    assert result.exit_code == 2, result.output
-    assert isinstance(result.exception, SystemExit)
-    assert result.stdout == ""
-    assert "Traceback" not in result.output
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert message in lines[0], lines[0]
-    assert sorted(p.name for p in out_dir.iterdir()) == sorted(left)
 
 
 # --- Breakers: each turns a good fixture checkpoint into one bad input ----------------------------
@@ -237,7 +228,7 @@ def test_convert_force_replaces(fp8_checkpoint, runner, tmp_path):
     result = runner.invoke(cli, convert_args(fp8_checkpoint, out, "--force", "--json"))
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
-    assert summary["rows"] == 16896 and summary["encoding"] == "fp8_e4m3"
+    assert summary["rows"] == FIXTURE_ROWS and summary["encoding"] == "fp8_e4m3"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.bin", "t.bin.json"]
     with open_table(out) as table:
         assert table.manifest["file_id"] != first
@@ -247,7 +238,7 @@ def test_convert_prints_summary(bf16_checkpoint, runner, tmp_path):
     out = tmp_path / "t.bin"
     result = runner.invoke(cli, ["convert", "--model", str(bf16_checkpoint), "--out", str(out)])
     assert result.exit_code == 0 and result.stderr == ""
-    assert result.stdout.startswith(f"wrote {tmp_path / 't.bin'}: 16,896 bf16 rows, ")
+    assert result.stdout.startswith(f"wrote {tmp_path / 't.bin'}: {FIXTURE_ROWS:,} bf16 rows, ")
 
 
 def test_convert_bad_input_real_process(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 
 from ple_prep.cli import cli
 from ple_prep.converters.safetensors import open_checkpoint
-from ple_prep.tools.fixtures import make_checkpoint
+from ple_prep.tools.fixtures import FIXTURE_ROWS, make_checkpoint
 
 
 def folder_digest(folder):
@@ -30,7 +30,7 @@ def test_make_fixture_writes_real_layout(variant, encoding, runner, tmp_path):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert any(name.endswith("mlp.up_proj.weight") for name in index["weight_map"])
     with open_checkpoint(out) as source:
-        assert source.encoding.label == encoding and source.num_rows == 16896
+        assert source.encoding.label == encoding and source.num_rows == FIXTURE_ROWS
         assert source.extra["shards"] == 128
 
 
@@ -53,10 +53,10 @@ def test_make_fixture_matches_library(runner, tmp_path):
 
 
 def test_make_fixture_unsplittable_shards_refused(runner, tmp_path):
-    # 16,896 rows in 16,000 shards would leave the last shards empty.
+    # FIXTURE_ROWS rows in 16,000 shards would leave the last shards empty.
     result = runner.invoke(cli, ["make-fixture", str(tmp_path / "x"), "--shards", "16000"])
     assert result.exit_code == 2
-    assert result.stderr.startswith("error: 16896 rows cannot be split into 16000 shards")
+    assert result.stderr.startswith(f"error: {FIXTURE_ROWS} rows cannot be split into 16000 shards")
 
 
 @pytest.mark.parametrize("variant", ["fp8", "bf16", "nvfp4"])
@@ -64,7 +64,7 @@ def test_demo_converts_and_verifies(variant, runner, tmp_path):
     result = runner.invoke(cli, ["demo", "--dir", str(tmp_path), "--variant", variant, "--json", "-q"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
-    assert summary["verified"] is True and summary["rows_verified"] == 16896 == summary["rows"]
+    assert summary["verified"] is True and summary["rows_verified"] == FIXTURE_ROWS == summary["rows"]
     assert len(summary["token_0_rows"]) == 16
     assert (tmp_path / f"ple-{variant}.bin").exists() and (tmp_path / f"ple-{variant}.bin.json").exists()
 

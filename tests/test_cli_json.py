@@ -9,6 +9,7 @@ import pytest
 
 from ple_prep.cli import cli
 from ple_prep.format.manifest import manifest_path
+from ple_prep.tools.fixtures import FIXTURE_ROWS
 
 
 def test_convert_json_is_the_only_stdout(runner, fp8_checkpoint, tmp_path):
@@ -17,7 +18,7 @@ def test_convert_json_is_the_only_stdout(runner, fp8_checkpoint, tmp_path):
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["out"] == str(out)
-    assert summary["rows"] == 16896 and summary["encoding"] == "fp8_e4m3"
+    assert summary["rows"] == FIXTURE_ROWS and summary["encoding"] == "fp8_e4m3"
     assert summary["file_size"] == out.stat().st_size
     assert isinstance(summary["seconds"], float)
     # stderr is no terminal here, so tqdm stays silent.
@@ -29,7 +30,7 @@ def test_inspect_json_is_the_manifest(runner, fp8_table):
     assert result.exit_code == 0, result.output
     manifest = json.loads(result.stdout)
     assert manifest == json.loads(manifest_path(fp8_table).read_text())
-    assert manifest["num_rows"] == 16896 and manifest["row_bytes"] == 160
+    assert manifest["num_rows"] == FIXTURE_ROWS and manifest["row_bytes"] == 160
     assert manifest["file_size"] == fp8_table.stat().st_size
 
 
@@ -38,7 +39,7 @@ def test_verify_json_ok(runner, fp8_table, fp8_checkpoint):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["ok"] is True
-    assert report["rows_compared"] == 16896 and report["mismatched_rows"] == 0
+    assert report["rows_compared"] == FIXTURE_ROWS and report["mismatched_rows"] == 0
     assert report["bad_blocks"] == [] and report["header_ok"] is True
     assert report["checksum_blocks"] == len(json.loads(manifest_path(fp8_table).read_text())["checksums"]["blocks"])
 
@@ -63,7 +64,7 @@ def test_demo_json(runner, tmp_path):
     result = runner.invoke(cli, ["demo", "--dir", str(tmp_path), "--json"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
-    assert summary["verified"] is True and summary["rows_verified"] == summary["rows"] == 16896
+    assert summary["verified"] is True and summary["rows_verified"] == summary["rows"] == FIXTURE_ROWS
     assert len(summary["token_0_rows"]) == 16
 
 

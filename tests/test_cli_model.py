@@ -9,6 +9,7 @@ from hubcache import add_checkpoint, commit_hash
 
 from ple_prep.cli import cli
 from ple_prep.runtime import open_table
+from ple_prep.tools.fixtures import FIXTURE_ROWS
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def test_verify_model_name_through_hf_home(runner, hub, fp8_checkpoint, tmp_path
                            env={"HF_HOME": str(hub.parent), "HF_HUB_CACHE": None})
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert report["ok"] is True and report["rows_compared"] == 16896
+    assert report["ok"] is True and report["rows_compared"] == FIXTURE_ROWS
 
 
 def test_convert_model_name_matching_two_repos_exits_2(runner, hub, tmp_path):
@@ -91,4 +92,4 @@ def test_convert_gguf_quant_from_hf_cache(runner, tmp_path):
         result = runner.invoke(cli, ["verify", str(out), "--model", f"Qwen3.8-Flash-Next:{quant}", "--json"],
                                env={"HF_HUB_CACHE": str(cache)})
         assert result.exit_code == 0, result.output
-        assert json.loads(result.stdout)["rows_compared"] == 16896
+        assert json.loads(result.stdout)["rows_compared"] == FIXTURE_ROWS

@@ -9,6 +9,7 @@ from handmade import find, load_tensors
 
 from ple_prep.cli import cli
 from ple_prep.converters.safetensors import read_header
+from ple_prep.tools.fixtures import FIXTURE_ROWS
 
 
 @pytest.fixture
@@ -40,7 +41,7 @@ def test_verify_match_exits_zero(converted, runner):
     result = runner.invoke(cli, ["verify", str(out), "--model", str(model)])
     assert result.exit_code == 0, result.output
     assert result.stdout == ("checksums: 1 block, 0 bad, header ok\n"
-                             "rows: 16,896 compared, 0 differ\n")
+                             f"rows: {FIXTURE_ROWS:,} compared, 0 differ\n")
 
 
 def test_verify_json_report(converted, runner):
@@ -48,7 +49,7 @@ def test_verify_json_report(converted, runner):
     result = runner.invoke(cli, ["verify", str(out), "--model", str(model), "--json", "-q"])
     assert result.exit_code == 0
     report = json.loads(result.stdout)
-    assert report["ok"] is True and report["rows_compared"] == 16896
+    assert report["ok"] is True and report["rows_compared"] == FIXTURE_ROWS
     assert report["checksum_blocks"] == 1 and report["bad_blocks"] == []
 
 
@@ -64,7 +65,7 @@ def test_verify_source_difference_names_first_rows(converted, runner):
     changed = flip_source_rows(model, 7, [3, 90, 131]) + flip_source_rows(model, 100, [0])
     result = runner.invoke(cli, ["verify", str(out), "--model", str(model)])
     assert result.exit_code == 1
-    assert f"rows: 16,896 compared, 4 differ, first {changed}" in result.stdout
+    assert f"rows: {FIXTURE_ROWS:,} compared, 4 differ, first {changed}" in result.stdout
     assert result.stderr == f"error: {out} does not match: rows {changed} differ\n"
     report = json.loads(runner.invoke(cli, ["verify", str(out), "--model", str(model), "--json",
                                             "-q"]).stdout)
@@ -143,7 +144,7 @@ def test_inspect_human(converted, runner):
     lines = result.stdout.splitlines()
     assert lines[0] == f"table:      {out} ({4096 + 676 * 4096:,} bytes, format v1)"
     assert lines[1] == "encoding:   fp8_e4m3, 160 values in 160 bytes a row, 25 rows a 4096-byte page"
-    assert lines[2] == "rows:       16,896 (global 0 to 16,896 of 16,896)"
+    assert lines[2] == f"rows:       {FIXTURE_ROWS:,} (global 0 to {FIXTURE_ROWS:,} of {FIXTURE_ROWS:,})"
     assert lines[3].startswith("scale:      0.0002012252807617") and lines[3].endswith("(BF16 0x5339)")
     assert lines[5] == "layout:     source-order, 0 rows placed first"
 
@@ -154,7 +155,7 @@ def test_inspect_json(converted, runner):
     assert result.exit_code == 0
     manifest = json.loads(result.stdout)
     assert manifest == json.loads(out.with_name("t.bin.json").read_text())
-    assert manifest["num_rows"] == 16896 and manifest["encoding"] == "fp8_e4m3"
+    assert manifest["num_rows"] == FIXTURE_ROWS and manifest["encoding"] == "fp8_e4m3"
 
 
 def test_inspect_not_a_table(runner, tmp_path):

@@ -26,7 +26,7 @@ from ple_prep.core.errors import BadInput
 from ple_prep.format.header import Header
 from ple_prep.format.manifest import load_manifest, validate_manifest, validate_with_schema
 from ple_prep.ngram import NgramSpec
-from ple_prep.tools.fixtures import add_gguf_metadata, fixture_config, write_safetensors
+from ple_prep.tools.fixtures import FIXTURE_ROWS, add_gguf_metadata, fixture_config, write_safetensors
 
 # PLE_FUZZ_SCALE multiplies every count for a longer stress run (docs/RELIABILITY.md).
 SCALE = int(os.environ.get("PLE_FUZZ_SCALE", "1"))
@@ -263,7 +263,7 @@ def test_open_gguf_refuses_hostile_counts_before_allocating(data, message):
 # --- prepared-file header -------------------------------------------------------------------------
 
 VALID_HEADER = Header.for_table(page_size=4096, row_bytes=160, encoding=Encoding.FP8_E4M3,
-                                values_per_row=160, num_rows=16896, first_row=0, num_placed=300,
+                                values_per_row=160, num_rows=FIXTURE_ROWS, first_row=0, num_placed=300,
                                 file_id=bytes(range(16)))
 
 
@@ -316,7 +316,7 @@ def test_header_unpack_random_bytes_give_bad_input(raw, file_size):
 
 
 FIELD_INTS = st.one_of(st.sampled_from([0, 1, 160, 4096, 2**31, 2**32 - 1]), st.integers(0, 2**32 - 1))
-FIELD_U64 = st.one_of(st.sampled_from([0, 1, 4096, 16896, 2**32, 2**63, 2**64 - 1]), U64)
+FIELD_U64 = st.one_of(st.sampled_from([0, 1, 4096, FIXTURE_ROWS, 2**32, 2**63, 2**64 - 1]), U64)
 
 
 @settings(max_examples=EXAMPLES["header_fields"], **FAST)
@@ -339,8 +339,8 @@ def _valid_manifest() -> dict:
         "format": "ple-prep-table", "format_version": 1, "file_id": "00" * 16, "tool_version": "0.1.0",
         "data_file": "t.bin", "ggml_type": None, "file_size": VALID_HEADER.file_size, "page_size": 4096,
         "rows_per_page": 25, "data_offset": VALID_HEADER.data_offset, "encoding": "fp8_e4m3",
-        "row_bytes": 160, "values_per_row": 160, "num_rows": 16896, "first_row": 0,
-        "total_rows": 16896, "scale": {"dtype": "BF16", "hex": "5339", "value": 0.00020122528076171875},
+        "row_bytes": 160, "values_per_row": 160, "num_rows": FIXTURE_ROWS, "first_row": 0,
+        "total_rows": FIXTURE_ROWS, "scale": {"dtype": "BF16", "hex": "5339", "value": 0.00020122528076171875},
         "ngram": SPEC.to_json(),
         "source": {"format": "safetensors", "model": "m", "files": [{"name": "model.safetensors", "size": 1}],
                    "table_sha256": "0" * 64, "sample_rows": 256, "sample_sha256": "1" * 64},

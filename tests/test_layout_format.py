@@ -22,6 +22,7 @@ from ple_prep.format.manifest import manifest_path
 from ple_prep.format.order import RowOrder
 from ple_prep.offline.writer import WriteOptions, convert
 from ple_prep.runtime import open_table
+from ple_prep.tools.fixtures import FIXTURE_ROWS
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def test_convert_header_fields(converted):
     num_rows, first_row, num_placed, order_offset, data_offset, file_id, digest = fields[7:]
     assert (magic, version, page_size, row_bytes, rows_per_page) == (b"PLEPREP\0", 1, 4096, 160, 25)
     assert (encoding, values_per_row) == (Encoding.FP8_E4M3.value, 160) == (1, 160)
-    assert (num_rows, first_row, num_placed, order_offset, data_offset) == (16896, 0, 0, 128, 4096)
+    assert (num_rows, first_row, num_placed, order_offset, data_offset) == (FIXTURE_ROWS, 0, 0, 128, 4096)
     assert file_id.hex() == manifest["file_id"] and uuid.UUID(bytes=file_id).version == 4
     # The spec digest: SHA-256 of the canonical JSON of the scale's dtype and bytes and the hash spec.
     covered = {"scale": {"dtype": manifest["scale"]["dtype"], "hex": manifest["scale"]["hex"]},
@@ -57,7 +58,7 @@ def test_convert_rows_never_straddle_pages(converted):
     out, manifest, rows = converted
     raw = np.fromfile(out, dtype=np.uint8)
     data = raw[4096:]
-    pages = -(-16896 // 25)
+    pages = -(-FIXTURE_ROWS // 25)
     assert len(raw) == manifest["file_size"] == 4096 + pages * 4096
     assert len(data) % 4096 == 0
     for slot in (0, 1, 24, 25, 26, 16895):
@@ -68,7 +69,7 @@ def test_convert_rows_never_straddle_pages(converted):
     # Every page's tail after its 25 rows is zero padding, the last page's after its 21 rows.
     by_page = data.reshape(pages, 4096)
     assert not by_page[:, 25 * 160:].any()
-    assert not by_page[-1, (16896 - (pages - 1) * 25) * 160:].any()
+    assert not by_page[-1, (FIXTURE_ROWS - (pages - 1) * 25) * 160:].any()
 
 
 def test_convert_page_size_changes_geometry(fp8_checkpoint, tmp_path):
@@ -77,7 +78,7 @@ def test_convert_page_size_changes_geometry(fp8_checkpoint, tmp_path):
         rows = source.read_rows(0, source.num_rows)
     with open_table(tmp_path / "t.bin") as table:
         assert (table.page_size, table.rows_per_page, table.header.data_offset) == (8192, 51, 8192)
-        assert np.array_equal(table.gather(np.arange(16896)), rows)
+        assert np.array_equal(table.gather(np.arange(FIXTURE_ROWS)), rows)
 
 
 @pytest.mark.parametrize("page_size", [100, 1000, 256, 1 << 27])
@@ -91,7 +92,7 @@ def test_convert_identity_order_map(converted):
     out, manifest, _ = converted
     assert manifest["layout"] == {"kind": "source-order", "num_placed": 0}
     with open_table(out) as table:
-        ids = np.arange(16896)
+        ids = np.arange(FIXTURE_ROWS)
         assert np.array_equal(table.slot_of(ids), ids)
         assert np.array_equal(table.page_of(ids), ids // 25)
         assert table.order.is_identity
@@ -123,7 +124,7 @@ def test_convert_checksum_blocks_span_chunks(fp8_checkpoint, tmp_path, monkeypat
     pages = np.frombuffer(data, dtype=np.uint8).reshape(-1, 4096)
     assert not pages[:, 4000:].any() and not pages[-1, 21 * 160:].any()
     with open_table(tmp_path / "t.bin") as table:
-        assert np.array_equal(table.gather(np.arange(16896)), rows)
+        assert np.array_equal(table.gather(np.arange(FIXTURE_ROWS)), rows)
 
 
 def test_convert_falls_back_when_direct_io_refused(fp8_checkpoint, tmp_path, monkeypatch):
@@ -146,7 +147,7 @@ def test_convert_falls_back_when_direct_io_refused(fp8_checkpoint, tmp_path, mon
     data = (tmp_path / "t.bin").read_bytes()
     assert manifest["checksums"]["header_crc32"] == zlib.crc32(data[:4096])
     with open_table(tmp_path / "t.bin") as table:
-        assert np.array_equal(table.gather(np.arange(16896)), rows)
+        assert np.array_equal(table.gather(np.arange(FIXTURE_ROWS)), rows)
 
 
 def test_convert_manifest_fields(converted, fp8_checkpoint):
@@ -157,7 +158,7 @@ def test_convert_manifest_fields(converted, fp8_checkpoint):
     assert manifest["encoding"] == "fp8_e4m3" and manifest["row_bytes"] == 160
     assert manifest["scale"] == {"dtype": "BF16", "hex": "5339", "value": manifest["scale"]["value"]}
     assert manifest["ngram"]["multipliers"] == [23703573157769, 20109073645365, 8052911324071]
-    assert manifest["ngram"]["rows_stored"] == 16896
+    assert manifest["ngram"]["rows_stored"] == FIXTURE_ROWS
     files = manifest["source"]["files"]
     assert files[0]["name"] == "config.json"
     assert {f["name"]: f["size"] for f in files[1:]} == {

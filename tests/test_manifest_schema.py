@@ -13,7 +13,7 @@ import pytest
 from ple_prep.cli import cli
 from ple_prep.core.errors import BadInput
 from ple_prep.format.manifest import SCHEMA_PATH, manifest_path, validate_manifest, validate_with_schema
-from ple_prep.tools.fixtures import make_gguf
+from ple_prep.tools.fixtures import FIXTURE_ROWS, make_gguf
 
 SCHEMA = json.loads(SCHEMA_PATH.read_text())
 VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
@@ -82,7 +82,7 @@ BROKEN = [
     ("short file id", _set("file_id", "abc")),
     ("upper-case file id", _set("file_id", "9D85791934434A03B9E57A1F9E54965A")),
     ("unknown encoding", _set("encoding", "fp4")),
-    ("rows as text", _set("num_rows", "16896")),
+    ("rows as text", _set("num_rows", f"{FIXTURE_ROWS}")),
     ("no rows", _set("num_rows", 0)),
     ("negative first row", _set("first_row", -1)),
     ("page size not a power of two", _set("page_size", 4000)),

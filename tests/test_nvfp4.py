@@ -13,7 +13,7 @@ from ple_prep.core.constants import Encoding
 from ple_prep.offline.writer import convert
 from ple_prep.runtime import open_table
 from ple_prep.runtime.dequant import decode
-from ple_prep.tools.fixtures import make_checkpoint, write_safetensors
+from ple_prep.tools.fixtures import FIXTURE_ROWS, make_checkpoint, write_safetensors
 
 # safetensors dtype: (name for write_safetensors, numpy dtype holding the stored bytes)
 SAFETENSORS_DTYPES = {"U8": ("uint8", "u1"), "F8_E4M3": ("float8_e4m3fn", "u1"), "F32": ("float32", "<f4"),
@@ -93,7 +93,7 @@ def test_nvfp4_decoder_nan_block_scale_gives_nan():
 def test_convert_nvfp4_interleaves_codes_and_block_scales(nvfp4_checkpoint, tmp_path):
     codes, block_scales = shard_arrays(nvfp4_checkpoint, "weight"), shard_arrays(nvfp4_checkpoint,
                                                                                  "weight_scale")
-    assert codes.shape == (16896, 80) and block_scales.shape == (16896, 10)
+    assert codes.shape == (FIXTURE_ROWS, 80) and block_scales.shape == (FIXTURE_ROWS, 10)
     expected = np.concatenate([codes, block_scales], axis=1)
     with open_source(nvfp4_checkpoint) as source:
         assert source.row_bytes == 90 and source.part_bytes == [80, 10]

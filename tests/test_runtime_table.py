@@ -22,6 +22,7 @@ from ple_prep.format.manifest import manifest_path
 from ple_prep.format.order import RowOrder
 from ple_prep.offline.writer import convert
 from ple_prep.runtime import open_table
+from ple_prep.tools.fixtures import FIXTURE_ROWS
 
 
 @pytest.fixture(scope="module")
@@ -121,14 +122,14 @@ def test_open_table_fp8_values_match_torch(tables):
 def test_open_table_fields(tables):
     path, rows, scale_raw = tables["fp8"]
     with open_table(path) as table:
-        assert (table.num_rows, table.row_bytes, table.values_per_row) == (16896, 160, 160)
-        assert table.encoding == "fp8_e4m3" and table.row_range == (0, 16896)
+        assert (table.num_rows, table.row_bytes, table.values_per_row) == (FIXTURE_ROWS, 160, 160)
+        assert table.encoding == "fp8_e4m3" and table.row_range == (0, FIXTURE_ROWS)
         assert table.scale == bf16_value(int.from_bytes(scale_raw, "little"))
     with open_table(tables["bf16"][0]) as table:
         assert table.encoding == "bf16" and table.scale is None and table.row_bytes == 320
 
 
-@pytest.mark.parametrize("ids", [[16896], [-1], [0, 5, 20000], [2**40], [-2**63], [2**63 - 1]])
+@pytest.mark.parametrize("ids", [[FIXTURE_ROWS], [-1], [0, 5, 20000], [2**40], [-2**63], [2**63 - 1]])
 def test_open_table_gather_out_of_range_raises(ids, tables):
     with open_table(tables["fp8"][0]) as table:
         with pytest.raises(IndexError, match="outside"):

@@ -37,7 +37,7 @@ def test_open_checkpoint_reads_each_variant(variant, encoding, row_bytes, reques
     folder = request.getfixturevalue(f"{variant}_checkpoint")
     with open_checkpoint(folder) as source:
         assert (source.encoding, source.row_bytes, source.values_per_row) == (encoding, row_bytes, 160)
-        assert source.num_rows == 16896 == source.spec.rows_stored
+        assert source.num_rows == FIXTURE_ROWS == source.spec.rows_stored
         assert source.extra["shards"] == 128 and source.extra["shard_rows"] == 132
         rows = source.read_rows(0, source.num_rows)
     if variant == "nvfp4":
@@ -58,7 +58,7 @@ def test_open_checkpoint_without_index_reads_every_header(tmp_path):
     folder = make_checkpoint(tmp_path / "c", "fp8", with_index=False, num_files=4)
     assert not (folder / INDEX).exists()
     with open_checkpoint(folder) as source:
-        assert source.num_rows == 16896
+        assert source.num_rows == FIXTURE_ROWS
         assert np.array_equal(source.read_rows(0, source.num_rows), stored_table(folder))
         assert [f.name for f in source.files][1:] == sorted(p.name for p in folder.glob("*.safetensors"))
 
@@ -71,7 +71,7 @@ def test_open_checkpoint_index_limits_files_read(tmp_path):
     index["weight_map"]["lm_head.weight"] = "unrelated.safetensors"
     (folder / INDEX).write_text(json.dumps(index))
     with open_checkpoint(folder) as source:
-        assert source.num_rows == 16896
+        assert source.num_rows == FIXTURE_ROWS
 
 
 def test_open_checkpoint_reexport_prefix(tmp_path):
@@ -112,7 +112,7 @@ def test_open_checkpoint_last_shard_shorter(num_shards, tmp_path):
     rows = [files[f][t].shape[0] for f, t in (find(files, f".{SHARD.format(i)}") for i in range(num_shards))]
     assert rows[-1] < rows[0] and set(rows[:-1]) == {rows[0]}
     with open_checkpoint(folder) as source:
-        assert source.num_rows == 16896
+        assert source.num_rows == FIXTURE_ROWS
         assert np.array_equal(source.read_rows(0, source.num_rows), stored_table(folder))
 
 
