@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 pytest.importorskip("vllm.models.qwen4_exp")
 
 import torch
+from vllm.config import set_current_vllm_config
 from vllm_layer import (
     build_layer,
     checkpoint_weights,
@@ -24,6 +26,7 @@ from vllm_layer import (
 )
 
 from ple_prep.converters import open_source
+from ple_prep.integrations.vllm import storage
 from ple_prep.integrations.vllm.backend import TableMismatch
 from ple_prep.offline.ranks import convert_ranks
 from ple_prep.offline.writer import convert
@@ -184,3 +187,20 @@ def test_serves_under_breakable_piecewise_graphs(tables, monkeypatch):
     monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
     layer = build_layer(vllm_config(tables["fp8"], cudagraph_mode="PIECEWISE"), text_config("fp8"), None)
     assert type(layer.ngram_embedding).__name__ == "PreparedTableEmbedding"
+
+
+class _Stored:
+    def __init__(self, *args, **kwargs):
+        self.args = args
+
+
+def test_rocm_copy_builds_vllms_class_when_off_and_refuses_a_configured_table(tables):
+    module = types.ModuleType("rocm_ple_layer")
+    module.Qwen4ExpPLEPinnedHostEmbedding = module.Qwen4ExpPLEDeviceEmbedding = _Stored
+    storage.install(module, storage.refuse_storage)
+    storage.install(module, storage.refuse_storage)  # once only
+    assert module.Qwen4ExpPLEDeviceEmbedding.original is _Stored
+    with set_current_vllm_config(vllm_config()):
+        assert isinstance(module.Qwen4ExpPLEDeviceEmbedding(1, 2), _Stored)
+    with set_current_vllm_config(vllm_config(tables["fp8"])), pytest.raises(ValueError, match="NVIDIA .* only"):
+        module.Qwen4ExpPLEPinnedHostEmbedding(1, 2)

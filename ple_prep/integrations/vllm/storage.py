@@ -133,7 +133,6 @@ class PreparedTableEmbedding(Qwen4ExpPLEEmbedding):
             raise
         self.table = table
         self.quant_method = _CheckedAfterLoading(embedding_method)
-        self._num_ngram_heads = num_ngram_heads
         self._output_dim = num_ngram_heads * embedding_dim
         self._shard_rows_dropped = 0
         self._owner: weakref.ref[nn.Module] | None = None
