@@ -1,12 +1,14 @@
 """The runtime reader: exact bytes and values back, and refusal of any file that does not belong."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import shutil
 import struct
 import subprocess
 import sys
+import threading
 import time
 import tracemalloc
 
@@ -311,3 +313,22 @@ def test_table_lookups_do_not_convert_the_order_map(fp8_checkpoint, tmp_path):
                      lambda: table.slot_of(ids)):
             assert _allocated_peak(call) < 32 << 10
         assert np.array_equal(table.gather(ids), rows[ids]) and np.array_equal(out, rows[ids])
+
+
+def test_row_order_threads_looking_up_at_once_build_the_rank_index_once(monkeypatch):
+    order = RowOrder.from_placed(np.random.default_rng(4).permutation(200_000)[:90_000], 200_000)
+    builds = []
+    build = order.build_rank_index
+    monkeypatch.setattr(order, "build_rank_index", lambda: builds.append(1) or build())
+    rows = np.random.default_rng(5).integers(0, 200_000, 5000)
+    start = threading.Barrier(8)
+
+    def look_up(_):
+        start.wait()
+        return order.slot_of(rows)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(look_up, range(8)))
+    assert len(builds) == 1
+    expected = _searched_slots(order, rows)
+    assert all(np.array_equal(result, expected) for result in results)

@@ -14,6 +14,7 @@ compiled helper (core/_native.c) walks it in one loop; numpy does the same in a 
 from __future__ import annotations
 
 import functools
+import threading
 
 import numpy as np
 
@@ -36,6 +37,9 @@ class RowOrder:
         self.slot_rows = slot_rows
         self.sorted_rows = sorted_rows
         self.sorted_slots = sorted_slots
+        self._rank_index: tuple[np.ndarray, np.ndarray] | None = None
+        # Lookups run on several threads at once (runtime/torch.py): one of them builds the index.
+        self._rank_lock = threading.Lock()
 
     @property
     def num_placed(self) -> int:
@@ -101,9 +105,18 @@ class RowOrder:
         placed_slots = self.sorted_slots[np.minimum(below_row, self.num_placed - 1)]
         return np.where(placed.view(np.int64) != 0, placed_slots, slots)
 
-    @functools.cached_property
+    @property
     def rank_index(self) -> tuple[np.ndarray, np.ndarray]:
-        """A bit per row (uint64 words), and the placed rows before each word (uint32)."""
+        """A bit per row (uint64 words), and the placed rows before each word (uint32); built on
+        first use."""
+        if self._rank_index is None:
+            with self._rank_lock:
+                if self._rank_index is None:
+                    self._rank_index = self.build_rank_index()
+        return self._rank_index
+
+    def build_rank_index(self) -> tuple[np.ndarray, np.ndarray]:
+        """`rank_index`, computed from `sorted_rows`."""
         bits = np.zeros(-(-self.num_rows // 64), dtype=np.uint64)
         for start in range(0, self.num_placed, RANK_BUILD_ROWS):
             rows = self.sorted_rows[start:start + RANK_BUILD_ROWS].astype(np.int64)
