@@ -59,7 +59,7 @@ def test_direct_gather_writes_every_position_with_its_source_row(ordered_table, 
     with open_table(ordered_table, read_path="direct", queue_depth=queue_depth) as table:
         assert table.read_path == "direct"
         out = np.full((3000, table.row_bytes), POISON, dtype=np.uint8)
-        for seed, count in ((0, 3000), (1, 3000), (2, 1)):
+        for seed, count in ((0, 3000), (1, 3000), (2, 1), (3, 64), (4, 20)):
             ids = request_ids(table.num_rows, count, seed)
             got = table.gather(ids, out=out[:count])
             assert got is out[:count].base or np.shares_memory(got, out)
