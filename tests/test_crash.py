@@ -18,57 +18,31 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from killing import file_size_at_least, kill, reap, start_cli, wait_until
 
 from ple_prep.cli import cli
 from ple_prep.core.errors import BadInput
 from ple_prep.format.manifest import manifest_path
 from ple_prep.offline.verify import verify
 from ple_prep.runtime import open_table
-from ple_prep.tools.fixtures import make_checkpoint
+from ple_prep.tools.fixtures import FIXTURE_ROWS, make_checkpoint
 
-REPO = Path(__file__).resolve().parent.parent
 DELAY_KILLS = int(os.environ.get("PLE_KILL_POINTS", "6"))
-# The child kills itself when the audit event of its N-th os.replace fires (before the rename),
-# which lands exactly before the data rename (1) or between the data and manifest renames (2).
-CHILD = """
-import os, signal, sys
-kill_at_rename = int(sys.argv[1])
-renames = 0
-def hook(event, args):
-    global renames
-    if event == "os.rename":
-        renames += 1
-        if renames == kill_at_rename:
-            os.kill(os.getpid(), signal.SIGKILL)
-if kill_at_rename:
-    sys.addaudithook(hook)
-from ple_prep.cli import cli
-cli(sys.argv[2:], prog_name="ple-prep")
-"""
 
 
 def _start(args: list[str], kill_at_rename: int = 0) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", CHILD, str(kill_at_rename), "convert", *args,
-                             "-q"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # Rename 1 lands exactly before the data rename, 2 between the data and manifest renames.
+    return start_cli(["convert", *args, "-q"], kill_at_rename=kill_at_rename)
 
 
 def _kill_after(process: subprocess.Popen, seconds: float) -> None:
     time.sleep(seconds)
-    process.kill()
-    process.wait()
+    kill(process)
 
 
 def _kill_at_partial_size(process: subprocess.Popen, folder: Path, size: int) -> None:
-    deadline = time.monotonic() + 10
-    while process.poll() is None and time.monotonic() < deadline:
-        partials = [p for p in folder.glob(".t.bin.*.partial")]
-        try:
-            if partials and partials[0].stat().st_size >= size:
-                break
-        except FileNotFoundError:
-            pass
-    process.kill()
-    process.wait()
+    wait_until(file_size_at_least(folder, ".t.bin.*.partial", size), timeout=30, process=process)
+    kill(process)
 
 
 def _state(out: Path) -> str:
@@ -91,7 +65,7 @@ def _state(out: Path) -> str:
 def _assert_exact(out: Path, model: Path) -> None:
     report = verify(out, model)
     assert report.ok, report.to_json()
-    assert report.rows_compared == 16_896
+    assert report.rows_compared == FIXTURE_ROWS
     assert report.mismatched_rows == 0
 
 
@@ -104,7 +78,7 @@ def _rerun_succeeds(runner, args: list[str], out: Path, model: Path) -> None:
 
 def _kill_points(folder: Path, args: list[str], run_seconds: float):
     """(description, start-and-kill function) for every kill point of one scenario."""
-    points = [(f"at rename {n}", lambda n=n: _start(args, n).wait()) for n in (1, 2)]
+    points = [(f"at rename {n}", lambda n=n: reap(_start(args, n))) for n in (1, 2)]
     points += [(f"partial >= {size} bytes",
                 lambda size=size: _kill_at_partial_size(_start(args), folder, size))
                for size in (0, 4096, 1 << 20)]
@@ -116,7 +90,8 @@ def _kill_points(folder: Path, args: list[str], run_seconds: float):
 def _timed_run(args: list[str]) -> float:
     started = time.perf_counter()
     process = _start(args)
-    assert process.wait() == 0, process.stderr.read()
+    errors = process.stderr.read()
+    assert reap(process) == 0, errors
     return time.perf_counter() - started
 
 

@@ -7,28 +7,19 @@ the same file) and the result must equal the source byte for byte.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from killing import kill, start_cli, wait_until
 
 from ple_prep.cli import cli
 from ple_prep.format.manifest import load_manifest, manifest_path
 from ple_prep.offline import writer
 from ple_prep.offline.verify import verify
-from ple_prep.tools.fixtures import make_checkpoint
+from ple_prep.tools.fixtures import FIXTURE_ROWS, make_checkpoint
 
-REPO = Path(__file__).resolve().parent.parent
 BLOCK_BYTES = 64 << 10
-CHILD = f"""
-import sys
-from ple_prep.offline import writer
-writer.CHECKSUM_BLOCK_BYTES = {BLOCK_BYTES}
-from ple_prep.cli import cli
-cli(sys.argv[1:], prog_name="ple-prep")
-"""
+SMALL_BLOCKS = f"from ple_prep.offline import writer\nwriter.CHECKSUM_BLOCK_BYTES = {BLOCK_BYTES}"
 
 
 @pytest.fixture(autouse=True)
@@ -47,18 +38,15 @@ def kept_blocks(monkeypatch) -> list[int]:
     return kept
 
 
-def _kill_after_blocks(model: Path, out: Path, blocks: int) -> tuple[Path, Path, str]:
+def _kill_after_blocks(model: Path, out: Path, blocks: int, *extra: str) -> tuple[Path, Path, str]:
     """Start a convert, SIGKILL it once its journal lists `blocks` blocks; its partial, journal, file id."""
-    process = subprocess.Popen([sys.executable, "-c", CHILD, "convert", "--model", str(model),
-                                "--out", str(out), "-q"], cwd=REPO)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and process.poll() is None:
-        if _journal_lines(_journal_of(out, process.pid)) >= blocks + 1:
-            break
-    process.kill()
-    assert process.wait() == -9, "the convert finished before it could be killed"
-    journal = _journal_of(out, process.pid)
-    data = out.with_name(journal.name.replace(".progress.", ".", 1))
+    process = start_cli(["convert", "--model", str(model), "--out", str(out), "-q", *extra], setup=SMALL_BLOCKS)
+    journal_out = out if not extra else out.with_name(f"{out.stem}.tp{extra[3]}of{extra[1]}{out.suffix}")
+    wait_until(lambda: _journal_lines(_journal_of(journal_out, process.pid)) >= blocks + 1,
+               timeout=60, process=process)
+    assert kill(process) == -9, "the convert finished before it could be killed"
+    journal = _journal_of(journal_out, process.pid)
+    data = journal_out.with_name(journal.name.replace(".progress.", ".", 1))
     file_id = json.loads(journal.read_bytes().split(b"\n")[0])["file_id"]
     return data, journal, file_id
 
@@ -150,20 +138,11 @@ def test_convert_without_resume_removes_killed_run(fp8_checkpoint, tmp_path, run
 def test_convert_resume_tp_rank(fp8_checkpoint, tmp_path, runner):
     out = tmp_path / "t.bin"
     rank_file = tmp_path / "t.tp1of2.bin"
-    process = subprocess.Popen([sys.executable, "-c", CHILD, "convert", "--model",
-                                str(fp8_checkpoint), "--out", str(out), "--tp-size", "2",
-                                "--tp-rank", "1", "-q"], cwd=REPO)
-    while process.poll() is None:
-        if _journal_lines(_journal_of(rank_file, process.pid)) >= 6:
-            break
-    process.kill()
-    assert process.wait() == -9
-    journal = _journal_of(rank_file, process.pid)
-    file_id = json.loads(journal.read_bytes().split(b"\n")[0])["file_id"]
+    _, _, file_id = _kill_after_blocks(fp8_checkpoint, out, 5, "--tp-size", "2", "--tp-rank", "1")
     result = runner.invoke(cli, ["convert", "--model", str(fp8_checkpoint), "--out", str(out),
                                  "--tp-size", "2", "--tp-rank", "1", "--resume", "-q"])
     assert result.exit_code == 0, result.output
     assert load_manifest(manifest_path(rank_file))["file_id"] == file_id
     report = verify(rank_file, fp8_checkpoint)
-    assert report.ok and report.rows_compared == 8448
+    assert report.ok and report.rows_compared == FIXTURE_ROWS // 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.tp1of2.bin", "t.tp1of2.bin.json"]
