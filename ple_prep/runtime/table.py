@@ -207,12 +207,13 @@ def check_spec_digest(header: Header, meta: dict[str, Any], name: str, manifest_
 
 
 class FileWatch:
-    """Notices a table file replaced or rewritten under its reader (docs/RELIABILITY.md).
+    """Notices the open table file rewritten in place under its reader (docs/RELIABILITY.md).
 
     A mapped file's pages change when someone rewrites the file in place, MAP_PRIVATE or not.
-    `check` costs one clock read; at most once every CHECK_SECONDS it compares the path's and the
-    open descriptor's inode, size and change times with those at open and re-reads the header's
-    file id, and from then on every gather fails naming the change.
+    `check` costs one clock read; at most once every CHECK_SECONDS it compares the open file's
+    size and modification time with those at open and re-reads the header's file id, and from
+    then on every gather fails naming the change. A new file renamed over the path is no change:
+    this reader keeps its own file, whole, and a reopen picks up the new one.
     """
 
     CHECK_SECONDS = 1.0
@@ -224,8 +225,9 @@ class FileWatch:
         self.change: str | None = None
 
     @staticmethod
-    def _identity(status: os.stat_result) -> tuple[int, ...]:
-        return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns
+    def _identity(status: os.stat_result) -> tuple[int, int]:
+        # Not the change time: a rename over the path unlinks this file, which updates it.
+        return status.st_size, status.st_mtime_ns
 
     def check(self) -> None:
         if self.change is None and time.monotonic() >= self.next_check:
@@ -235,19 +237,13 @@ class FileWatch:
             raise BadInput(f"{self.path} changed under this reader ({self.change}): reopen the table")
 
     def changed(self) -> str | None:
-        """What changed since open, or None."""
-        try:
-            current = os.stat(self.path)
-        except OSError:
-            return "the file was removed or renamed"
-        if self._identity(current)[:2] != self.opened[:2]:
-            return "another file was put at its path"
-        now = self._identity(os.fstat(self.descriptor))
-        if now[2] != self.opened[2]:
-            return f"its size went from {self.opened[2]} to {now[2]} bytes"
+        """What changed in the open file since open, or None."""
+        size, modified = self._identity(os.fstat(self.descriptor))
+        if size != self.opened[0]:
+            return f"its size went from {self.opened[0]} to {size} bytes"
         if os.pread(self.descriptor, 16, _FILE_ID_OFFSET) != self.file_id:
             return "its header's file id changed (another table was written over it)"
-        if now[3:] != self.opened[3:]:
+        if modified != self.opened[1]:
             return "it was rewritten in place (modification time changed)"
         return None
 
