@@ -38,8 +38,8 @@ def test_start_finish_equals_the_tables_values_across_tiers(fp8_table):
     with open_table(fp8_table) as table:
         rows = PrefetchedRows(table, device="cpu", resident_bytes=4000 * 160, max_tokens=64, heads=16)
         ids = np.random.default_rng(1).integers(0, ROWS, (40, 16))
-        for request in (ids, ids[:1], ids[5:]):
-            rows.start(torch.from_numpy(request))
+        for request, wait in ((ids, False), (ids[:1], True), (ids[5:], False)):
+            rows.start(torch.from_numpy(request), wait=wait)
             values = rows.finish()
             assert values.shape == (len(request), 2560)
             want = bits(table.values(request.reshape(-1))).reshape(len(request), -1)
@@ -64,10 +64,11 @@ def test_a_rank_serves_its_rows_and_zeros_for_the_others(fp8_table, rank_tables)
     np.testing.assert_array_equal(total, want)
 
 
-def test_errors_of_the_started_lookup_surface_at_finish(fp8_table):
+@pytest.mark.parametrize("wait", [False, True])
+def test_errors_of_the_started_lookup_surface_at_finish(fp8_table, wait):
     with open_table(fp8_table) as table:
         rows = PrefetchedRows(table, device="cpu", resident_bytes=0, max_tokens=4, heads=16)
-        rows.start(torch.full((1, 16), ROWS))
+        rows.start(torch.full((1, 16), ROWS), wait=wait)
         with pytest.raises(IndexError, match=f"row id {ROWS} is outside"):
             rows.finish()
         with pytest.raises(RuntimeError, match="finished without a start"):

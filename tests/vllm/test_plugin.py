@@ -204,3 +204,16 @@ def test_rocm_copy_builds_vllms_class_when_off_and_refuses_a_configured_table(ta
         assert isinstance(module.Qwen4ExpPLEDeviceEmbedding(1, 2), _Stored)
     with set_current_vllm_config(vllm_config(tables["fp8"])), pytest.raises(ValueError, match="NVIDIA .* only"):
         module.Qwen4ExpPLEPinnedHostEmbedding(1, 2)
+
+
+def test_start_prefetch_does_its_host_work_in_place_while_vllm_captures_graphs(tables, monkeypatch):
+    """No CUDA call from the worker thread may overlap vLLM's capture of the next graph segment."""
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+
+    layer = build_layer(vllm_config(tables["fp8"]), text_config("fp8"), None)
+    tokens, query_start_loc, ngram_context = next(schedule())
+    monkeypatch.setattr(BreakableCUDAGraphCapture, "is_active", classmethod(lambda cls: True))
+    with set_current_vllm_config(vllm_config()):
+        layer.start_prefetch(tokens, query_start_loc, ngram_context)
+    assert layer.ngram_embedding.rows._pending.done()
+    assert layer.ngram_embedding.finalize_prefetch(len(tokens)).shape == (len(tokens), 2560)

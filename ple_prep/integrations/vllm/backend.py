@@ -114,8 +114,12 @@ class PrefetchedRows:
     def resident_bytes(self) -> int:
         return self.source.num_resident * self.table.row_bytes
 
-    def start(self, ids: torch.Tensor) -> None:
-        """Begin the lookup of `ids` (int64 (tokens, heads), on the device); returns at once."""
+    def start(self, ids: torch.Tensor, *, wait: bool = False) -> None:
+        """Begin the lookup of `ids` (int64 (tokens, heads), on the device); returns at once.
+
+        With `wait`, the host half runs in the calling thread before `start` returns: while another
+        part of the program captures a CUDA graph, a CUDA call from the worker could break it.
+        """
         if self._pending is not None:
             # A forward pass abandoned between its start and its finish (an exception): drop that lookup.
             self._drop_pending()
@@ -130,7 +134,14 @@ class PrefetchedRows:
         if not self._whole:
             first, stop = self.table.row_range
             self._owned = ((flat >= first) & (flat < stop)).view(-1, self.heads, 1)
-        self._pending = self._worker.submit(self._begin, count)
+        if not wait:
+            self._pending = self._worker.submit(self._begin, count)
+            return
+        self._pending = concurrent.futures.Future()
+        try:
+            self._pending.set_result(self._begin(count))
+        except Exception as error:  # raised at finish(), as from the worker
+            self._pending.set_exception(error)
 
     def _begin(self, count: int) -> int:
         """On the worker: the ids on the host, then the runtime's host half."""
