@@ -1,14 +1,20 @@
 """Shared fixtures: real checkpoints written with the safetensors library, built once per session."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any, Callable
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from hypothesis import settings
 
 from ple_prep.converters import open_source
-from ple_prep.offline.writer import convert
+from ple_prep.format.layout import TableLayout
+from ple_prep.format.order import RowOrder
+from ple_prep.ngram import NgramSpec
+from ple_prep.offline.writer import WriteOptions, convert
 from ple_prep.tools.fixtures import make_checkpoint
 
 # Every run replays the same fuzz examples, so a red build always reproduces and CI never flakes.
@@ -31,13 +37,40 @@ def nvfp4_checkpoint(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("nvfp4") / "ckpt", "nvfp4")
 
 
+@dataclasses.dataclass
+class ConvertedTable:
+    path: Path
+    manifest: dict[str, Any]
+    spec: NgramSpec
+    rows: np.ndarray | None  # the source's rows in source order, when asked for
+    scale_raw: bytes | None  # the source's scale bytes (None without a scale)
+
+
+def convert_checkpoint(checkpoint: Path, out: Path, *, placed: Any = None, options: WriteOptions | None = None,
+                       with_rows: bool = False) -> ConvertedTable:
+    """The one way tests make a prepared table: `checkpoint` converted to `out`, in source order or
+    with the rows `placed` first (an array, or a function of (num_rows, spec) giving one)."""
+    with open_source(checkpoint) as source:
+        layout = None
+        if placed is not None:
+            chosen = placed(source.num_rows, source.spec) if callable(placed) else placed
+            layout = TableLayout(RowOrder.from_placed(np.asarray(chosen), source.num_rows))
+        manifest = convert(source, out, options, layout=layout)
+        rows = source.read_rows(0, source.num_rows) if with_rows else None
+        return ConvertedTable(Path(out), manifest, source.spec, rows,
+                              source.scale.raw if source.scale is not None else None)
+
+
+@pytest.fixture(scope="session")
+def converted_table() -> Callable[..., ConvertedTable]:
+    """`convert_checkpoint`, for tests and fixtures of any scope."""
+    return convert_checkpoint
+
+
 @pytest.fixture(scope="session")
 def fp8_table(fp8_checkpoint, tmp_path_factory) -> Path:
     """The FP8 fixture converted in source order; tests only read it (copy it to change it)."""
-    path = tmp_path_factory.mktemp("fp8-table") / "t.bin"
-    with open_source(fp8_checkpoint) as source:
-        convert(source, path)
-    return path
+    return convert_checkpoint(fp8_checkpoint, tmp_path_factory.mktemp("fp8-table") / "t.bin").path
 
 
 @pytest.fixture

@@ -9,10 +9,6 @@ import threading
 import numpy as np
 import pytest
 
-from ple_prep.converters import open_source
-from ple_prep.format.layout import TableLayout
-from ple_prep.format.order import RowOrder
-from ple_prep.offline.writer import convert
 from ple_prep.runtime import open_table
 from ple_prep.tools.benchmark import evict
 
@@ -23,13 +19,11 @@ BATCH = 4096
 
 
 @pytest.fixture(scope="module")
-def shared_table(fp8_checkpoint, tmp_path_factory):
+def shared_table(fp8_checkpoint, tmp_path_factory, converted_table):
     """A table with placed rows (so lookups go through the order map) and its source rows."""
-    out = tmp_path_factory.mktemp("concurrent") / "t.bin"
-    with open_source(fp8_checkpoint) as source:
-        placed = np.random.default_rng(6).choice(source.num_rows, 2000, replace=False)
-        convert(source, out, layout=TableLayout(RowOrder.from_placed(placed, source.num_rows)))
-        return out, source.read_rows(0, source.num_rows)
+    made = converted_table(fp8_checkpoint, tmp_path_factory.mktemp("concurrent") / "t.bin", with_rows=True,
+                           placed=lambda rows, _: np.random.default_rng(6).choice(rows, 2000, replace=False))
+    return made.path, made.rows
 
 
 def _ids(worker: int, round_number: int, num_rows: int) -> np.ndarray:

@@ -12,10 +12,7 @@ import numpy as np
 import pytest
 
 from ple_prep.cli import cli
-from ple_prep.converters import open_source
 from ple_prep.core.constants import HEADER_SIZE, HEADER_STRUCT
-from ple_prep.format.layout import TableLayout
-from ple_prep.format.order import RowOrder
 from ple_prep.offline import writer
 from ple_prep.offline.verify import verify
 from ple_prep.runtime import open_table
@@ -25,15 +22,14 @@ RANDOM_FLIPS = 600
 
 
 @pytest.fixture(scope="module")
-def placed_table(fp8_checkpoint, tmp_path_factory):
+def placed_table(fp8_checkpoint, tmp_path_factory, converted_table):
     """A table with 300 placed rows (so the order map is 3600 bytes) and 64 KiB checksum blocks."""
     out = tmp_path_factory.mktemp("corrupt") / "t.bin"
     patch = pytest.MonkeyPatch()
     patch.setattr(writer, "CHECKSUM_BLOCK_BYTES", BLOCK_BYTES)
     try:
-        with open_source(fp8_checkpoint) as source:
-            placed = np.random.default_rng(4).choice(source.num_rows, 300, replace=False)
-            writer.convert(source, out, layout=TableLayout(RowOrder.from_placed(placed, source.num_rows)))
+        converted_table(fp8_checkpoint, out,
+                        placed=lambda rows, _: np.random.default_rng(4).choice(rows, 300, replace=False))
     finally:
         patch.undo()
     return out

@@ -6,8 +6,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ple_prep.converters import open_source
-from ple_prep.offline.writer import convert
 from ple_prep.runtime import open_table
 from ple_prep.runtime.footprint import FAULT_AROUND_BYTES, MIN_SLACK_BYTES, rss_file_bytes
 from ple_prep.tools.fixtures import make_checkpoint
@@ -17,12 +15,11 @@ REQUEST_ROWS = 8
 
 
 @pytest.fixture(scope="module")
-def cached_table(tmp_path_factory):
+def cached_table(tmp_path_factory, converted_table):
     """A 10 MiB table, all in the page cache, and its rows."""
     folder = tmp_path_factory.mktemp("footprint")
-    with open_source(make_checkpoint(folder / "ckpt", base=4000, with_tokenizer=False)) as source:
-        convert(source, folder / "t.bin")
-        rows = source.read_rows(0, source.num_rows)
+    rows = converted_table(make_checkpoint(folder / "ckpt", base=4000, with_tokenizer=False), folder / "t.bin",
+                           with_rows=True).rows
     (folder / "t.bin").read_bytes()
     return folder / "t.bin", rows
 

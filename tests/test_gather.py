@@ -31,16 +31,11 @@ def source_rows(fp8_checkpoint):
 
 
 @pytest.fixture(scope="module", params=["source-order", "access-order"])
-def table_path(request, fp8_checkpoint, tmp_path_factory):
-    path = tmp_path_factory.mktemp("gather") / "t.bin"
-    with open_source(fp8_checkpoint) as source:
-        order = None
-        if request.param == "access-order":
-            # A scattered hot set placed first, so slot order differs from row order.
-            placed = np.random.default_rng(5).permutation(source.num_rows)[:3000]
-            order = RowOrder.from_placed(placed, source.num_rows)
-        convert(source, path, layout=None if order is None else TableLayout(order))
-    return path
+def table_path(request, fp8_checkpoint, tmp_path_factory, converted_table):
+    # Access order: a scattered hot set placed first, so slot order differs from row order.
+    placed = (lambda rows, _: np.random.default_rng(5).permutation(rows)[:3000]) \
+        if request.param == "access-order" else None
+    return converted_table(fp8_checkpoint, tmp_path_factory.mktemp("gather") / "t.bin", placed=placed).path
 
 
 @pytest.fixture(params=["mapped", "direct"])

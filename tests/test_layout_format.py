@@ -26,13 +26,10 @@ from ple_prep.tools.fixtures import FIXTURE_ROWS
 
 
 @pytest.fixture(scope="module")
-def converted(fp8_checkpoint, tmp_path_factory):
+def converted(fp8_checkpoint, tmp_path_factory, converted_table):
     """(table path, manifest, source rows) of the FP8 fixture in its default layout."""
-    out = tmp_path_factory.mktemp("layout") / "t.bin"
-    with open_source(fp8_checkpoint) as source:
-        manifest = convert(source, out)
-        rows = source.read_rows(0, source.num_rows)
-    return out, manifest, rows
+    made = converted_table(fp8_checkpoint, tmp_path_factory.mktemp("layout") / "t.bin", with_rows=True)
+    return made.path, made.manifest, made.rows
 
 
 def test_convert_header_fields(converted):

@@ -4,8 +4,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ple_prep.converters import open_source
-from ple_prep.offline.writer import convert
 from ple_prep.runtime import open_table
 from ple_prep.tools.fixtures import make_checkpoint
 from ple_prep.tools.memcap import cgroups_unavailable, measure
@@ -18,11 +16,10 @@ HEADROOM = 12 << 20
 
 
 @pytest.fixture(scope="module")
-def table_and_ids(tmp_path_factory):
+def table_and_ids(tmp_path_factory, converted_table):
     """A 60 MiB table (about 15,000 pages) and a request touching most of its pages once."""
     folder = tmp_path_factory.mktemp("pressure")
-    with open_source(make_checkpoint(folder / "ckpt", base=24000, with_tokenizer=False)) as source:
-        convert(source, folder / "t.bin")
+    converted_table(make_checkpoint(folder / "ckpt", base=24000, with_tokenizer=False), folder / "t.bin")
     with open_table(folder / "t.bin") as table:
         ids = np.random.default_rng(0).permutation(table.num_rows)[:12000]
     return folder / "t.bin", ids

@@ -39,9 +39,8 @@ def test_open_table_placed_rows_read_back_exact(fp8_checkpoint, tmp_path):
 
 
 @pytest.fixture
-def table_path(fp8_checkpoint, tmp_path):
-    with open_source(fp8_checkpoint) as source:
-        convert(source, tmp_path / "t.bin")
+def table_path(fp8_checkpoint, tmp_path, converted_table):
+    converted_table(fp8_checkpoint, tmp_path / "t.bin")
     return tmp_path / "t.bin"
 
 

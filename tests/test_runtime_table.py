@@ -28,16 +28,14 @@ from ple_prep.tools.fixtures import FIXTURE_ROWS
 
 
 @pytest.fixture(scope="module")
-def tables(fp8_checkpoint, bf16_checkpoint, nvfp4_checkpoint, tmp_path_factory):
+def tables(fp8_checkpoint, bf16_checkpoint, nvfp4_checkpoint, tmp_path_factory, converted_table):
     """{variant: (table path, source rows, source scale bytes)} converted once for this module."""
     folder = tmp_path_factory.mktemp("runtime")
     made = {}
     for variant, checkpoint in (("fp8", fp8_checkpoint), ("bf16", bf16_checkpoint),
                                 ("nvfp4", nvfp4_checkpoint)):
-        with open_source(checkpoint) as source:
-            convert(source, folder / f"{variant}.bin")
-            made[variant] = (folder / f"{variant}.bin", source.read_rows(0, source.num_rows),
-                             source.scale.raw if source.scale else None)
+        table = converted_table(checkpoint, folder / f"{variant}.bin", with_rows=True)
+        made[variant] = (table.path, table.rows, table.scale_raw)
     return made
 
 

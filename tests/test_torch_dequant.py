@@ -6,9 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ple_prep.converters import open_source  # noqa: E402
 from ple_prep.core.constants import Encoding  # noqa: E402
-from ple_prep.offline.writer import convert  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
 from ple_prep.runtime.dequant import round_to_bf16  # noqa: E402
 from ple_prep.runtime.torch_dequant import TorchDecoder, decode, decoder_for  # noqa: E402
@@ -22,12 +20,9 @@ def bf16_bits_of_reference(values: np.ndarray) -> np.ndarray:
 
 
 @pytest.fixture(scope="module", params=["fp8_checkpoint", "bf16_checkpoint", "nvfp4_checkpoint"])
-def table(request, tmp_path_factory):
+def table(request, tmp_path_factory, converted_table):
     checkpoint = request.getfixturevalue(request.param)
-    path = tmp_path_factory.mktemp("tdq") / "t.bin"
-    with open_source(checkpoint) as source:
-        convert(source, path)
-    with open_table(path) as opened:
+    with open_table(converted_table(checkpoint, tmp_path_factory.mktemp("tdq") / "t.bin").path) as opened:
         yield opened
 
 

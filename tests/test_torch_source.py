@@ -7,11 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ple_prep.converters import open_source  # noqa: E402
-from ple_prep.format.layout import TableLayout  # noqa: E402
-from ple_prep.format.order import RowOrder  # noqa: E402
 from ple_prep.ngram import row_ids  # noqa: E402
-from ple_prep.offline.writer import convert  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
 from ple_prep.runtime import torch as runtime_torch  # noqa: E402
 from ple_prep.runtime.dequant import round_to_bf16  # noqa: E402
@@ -22,16 +18,13 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 @pytest.fixture(scope="module", params=["fp8_checkpoint", "bf16_checkpoint", "nvfp4_checkpoint"])
-def table(request, tmp_path_factory):
+def table(request, tmp_path_factory, converted_table):
     checkpoint = request.getfixturevalue(request.param)
-    path = tmp_path_factory.mktemp("source") / "t.bin"
-    with open_source(checkpoint) as source:
-        spec = source.spec
-        # Hot rows of one text placed first, so the resident tier is not simply the first rows.
-        hot = np.unique(row_ids(np.random.default_rng(9).integers(0, 5000, 400), spec))
-        convert(source, path, layout=TableLayout(RowOrder.from_placed(hot[::-1], source.num_rows)))
-    with open_table(path) as opened:
-        opened.spec = spec
+    # Hot rows of one text placed first, so the resident tier is not simply the first rows.
+    made = converted_table(checkpoint, tmp_path_factory.mktemp("source") / "t.bin", placed=lambda _, spec: np.unique(
+        row_ids(np.random.default_rng(9).integers(0, 5000, 400), spec))[::-1])
+    with open_table(made.path) as opened:
+        opened.spec = made.spec
         yield opened
 
 
