@@ -6,7 +6,7 @@
 An FP8 fixture checkpoint (`--base` sets its size: 100000 gives 1.6M rows, 256 MB of table) and its
 prepared table are written once under `--work`. Each round runs, alternating, one child per side
 with the checkpoint evicted from the page cache first: the child builds vLLM 0.33.0's real
-Qwen4ExpNGramEmbedding (tests/vllm/vllm_layer.py) and loads the checkpoint through vLLM's own
+Qwen4ExpNGramEmbedding (tests/vllm_plugin/vllm_layer.py) and loads the checkpoint through vLLM's own
 safetensors iterator, either into vLLM's device table (no plugin setting) or with the plugin
 serving the prepared table. Per side: bytes read from storage (/proc/self/io read_bytes), the
 checkpoint's bytes in the page cache afterwards, peak RSS and seconds. Prints JSON.
@@ -26,7 +26,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "vllm"))
+sys.path.insert(0, str(ROOT / "tests" / "vllm_plugin"))
 
 from ple_prep.converters import open_source  # noqa: E402
 from ple_prep.offline.writer import convert  # noqa: E402

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds a CPU-only Python environment holding vLLM 0.33.0 for tests/vllm/ (no CUDA, ~2.2 GB).
+# Builds a CPU-only Python environment holding vLLM 0.33.0 for tests/vllm_plugin/ (no CUDA, ~2.2 GB).
 #   bash scripts/vllm-test-env.sh [VENV]          (default VENV: .venv-vllm in the repository)
 # vLLM's wheel goes in with --no-deps and its pure-Python imports are listed here: letting pip resolve
 # vLLM's own requirements pulls a CUDA torch build and ~9 GB.

@@ -24,7 +24,7 @@ from ple_prep.offline.staleness import open_checked
 from ple_prep.offline.writer import convert
 from ple_prep.runtime import open_table
 from ple_prep.tools.benchmark import evict
-from ple_prep.tools.fixtures import make_checkpoint
+from ple_prep.tools.fixtures import FIXTURE_ROWS, make_checkpoint
 
 
 def test_open_table_placed_rows_read_back_exact(fp8_checkpoint, tmp_path):
@@ -73,7 +73,7 @@ def test_open_table_refuses_missing_manifest_and_missing_file(table_path):
 
 def test_open_table_with_unchanged_source_opens(fp8_checkpoint, table_path):
     with open_checked(table_path, fp8_checkpoint) as table:
-        assert table.num_rows == 16_896
+        assert table.num_rows == FIXTURE_ROWS
 
 
 def _copy_checkpoint(checkpoint, destination):
@@ -117,7 +117,7 @@ def test_verify_reports_changed_source(runner, table_path, tmp_path):
     report = json.loads(result.output[:result.output.rindex("}") + 1])
     assert report["source_problems"] == [
         "changed since conversion: the 256 sampled rows differ (same sizes, other values)"]
-    assert report["rows_compared"] == 16_896 and report["mismatched_rows"] > 16_000
+    assert report["rows_compared"] == FIXTURE_ROWS and report["mismatched_rows"] > 16_000
 
 
 def test_open_table_keeps_old_rows_after_convert_force_replaced_it(tmp_path, runner):

@@ -9,18 +9,19 @@ from ple_prep.core.errors import BadInput
 from ple_prep.format.manifest import load_manifest, manifest_path, validate_manifest
 from ple_prep.offline.ranks import convert_ranks, rank_path, rank_rows
 from ple_prep.runtime import open_table
+from ple_prep.tools.fixtures import FIXTURE_ROWS
 
 
 def test_rank_rows_match_spec_section_6():
     assert rank_rows(320_001_536, 2, 0) == (0, 160_000_768)
     assert rank_rows(320_001_536, 2, 1) == (160_000_768, 160_000_768)
-    assert rank_rows(16_896, 8, 7) == (7 * 2112, 2112)
+    assert rank_rows(FIXTURE_ROWS, 8, 7) == (7 * 2112, 2112)
 
 
 @pytest.mark.parametrize("size, rank", [(5, 0), (7, 3), (0, 0), (2, 2), (2, -1)])
 def test_rank_rows_refuses_sizes_that_do_not_divide_and_bad_ranks(size, rank):
     with pytest.raises(BadInput):
-        rank_rows(16_896, size, rank)
+        rank_rows(FIXTURE_ROWS, size, rank)
 
 
 def test_rank_path_puts_rank_before_suffix(tmp_path):

@@ -71,7 +71,7 @@ def _resume(runner, model: Path, out: Path, *extra: str) -> dict:
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in out.parent.iterdir()) == [out.name, manifest_path(out).name]
     report = verify(out, model)
-    assert report.ok and report.rows_compared == 16_896 and report.mismatched_rows == 0
+    assert report.ok and report.rows_compared == FIXTURE_ROWS and report.mismatched_rows == 0
     return load_manifest(manifest_path(out))
 
 

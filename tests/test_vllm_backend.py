@@ -18,8 +18,7 @@ from ple_prep.integrations.vllm.backend import (  # noqa: E402
 from ple_prep.offline.ranks import convert_ranks  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
 from ple_prep.runtime.dequant import round_to_bf16  # noqa: E402
-
-ROWS = 16_896
+from ple_prep.tools.fixtures import FIXTURE_ROWS  # noqa: E402
 
 
 def bits(values: np.ndarray) -> np.ndarray:
@@ -37,7 +36,7 @@ def rank_tables(fp8_checkpoint, tmp_path_factory):
 def test_start_finish_equals_the_tables_values_across_tiers(fp8_table):
     with open_table(fp8_table) as table:
         rows = PrefetchedRows(table, device="cpu", resident_bytes=4000 * 160, max_tokens=64, heads=16)
-        ids = np.random.default_rng(1).integers(0, ROWS, (40, 16))
+        ids = np.random.default_rng(1).integers(0, FIXTURE_ROWS, (40, 16))
         for request, wait in ((ids, False), (ids[:1], True), (ids[5:], False)):
             rows.start(torch.from_numpy(request), wait=wait)
             values = rows.finish()
@@ -47,7 +46,7 @@ def test_start_finish_equals_the_tables_values_across_tiers(fp8_table):
 
 
 def test_a_rank_serves_its_rows_and_zeros_for_the_others(fp8_table, rank_tables):
-    ids = np.random.default_rng(2).integers(0, ROWS, (30, 16))
+    ids = np.random.default_rng(2).integers(0, FIXTURE_ROWS, (30, 16))
     with open_table(fp8_table) as whole:
         want = bits(whole.values(ids.reshape(-1))).reshape(30, 16, 160)
     total = np.zeros((30, 16, 160), dtype=np.int64)
@@ -68,8 +67,8 @@ def test_a_rank_serves_its_rows_and_zeros_for_the_others(fp8_table, rank_tables)
 def test_errors_of_the_started_lookup_surface_at_finish(fp8_table, wait):
     with open_table(fp8_table) as table:
         rows = PrefetchedRows(table, device="cpu", resident_bytes=0, max_tokens=4, heads=16)
-        rows.start(torch.full((1, 16), ROWS), wait=wait)
-        with pytest.raises(IndexError, match=f"row id {ROWS} is outside"):
+        rows.start(torch.full((1, 16), FIXTURE_ROWS), wait=wait)
+        with pytest.raises(IndexError, match=f"row id {FIXTURE_ROWS} is outside"):
             rows.finish()
         with pytest.raises(RuntimeError, match="finished without a start"):
             rows.finish()
@@ -80,7 +79,7 @@ def test_errors_of_the_started_lookup_surface_at_finish(fp8_table, wait):
 def test_an_abandoned_start_is_dropped_by_the_next(fp8_table):
     with open_table(fp8_table) as table:
         rows = PrefetchedRows(table, device="cpu", resident_bytes=0, max_tokens=4, heads=16)
-        rows.start(torch.full((1, 16), ROWS))  # its forward pass failed before the PLE layer
+        rows.start(torch.full((1, 16), FIXTURE_ROWS))  # its forward pass failed before the PLE layer
         ids = np.arange(32).reshape(2, 16)
         rows.start(torch.from_numpy(ids))
         np.testing.assert_array_equal(rows.finish().view(torch.int16).numpy().view(np.uint16),
@@ -88,20 +87,22 @@ def test_an_abandoned_start_is_dropped_by_the_next(fp8_table):
 
 
 def test_check_layer_refuses_encoding_geometry_and_rank(fp8_table, rank_tables):
-    layer = {"method": "fp8", "total_rows": ROWS, "values_per_row": 160, "owned": (0, ROWS), "rank": 0, "size": 1}
+    layer = {"method": "fp8", "total_rows": FIXTURE_ROWS, "values_per_row": 160, "owned": (0, FIXTURE_ROWS),
+             "rank": 0, "size": 1}
     with open_table(fp8_table) as table:
         check_layer(table, **layer)
         with pytest.raises(TableMismatch, match="holds fp8_e4m3 rows, but the checkpoint's PLE table is nvfp4"):
             check_layer(table, **layer | {"method": "nvfp4"})
-        with pytest.raises(TableMismatch, match="16896 rows of 160 values; the model's has 17024 rows of 160"):
+        with pytest.raises(TableMismatch, match=f"{FIXTURE_ROWS} rows of 160 values; the model's has 17024 rows"):
             check_layer(table, **layer | {"total_rows": 17024})
-        with pytest.raises(TableMismatch, match=r"holds the whole table \[0, 16896\]; tensor-parallel rank 1 "
-                                                r"of 2 serves rows \[8448, 16896\]: convert with --tp-size 2"):
-            check_layer(table, **layer | {"owned": (8448, ROWS), "rank": 1, "size": 2})
+        whole, half = FIXTURE_ROWS, FIXTURE_ROWS // 2
+        with pytest.raises(TableMismatch, match=rf"holds the whole table \[0, {whole}\]; tensor-parallel rank 1 "
+                                                rf"of 2 serves rows \[{half}, {whole}\]: convert with --tp-size 2"):
+            check_layer(table, **layer | {"owned": (half, whole), "rank": 1, "size": 2})
     with open_table(rank_tables / "ple.tp0of2.bin") as table:
         check_layer(table, **layer | {"owned": (0, 8448), "rank": 0, "size": 2})
         with pytest.raises(TableMismatch, match="holds rank 0 of 2's rows"):
-            check_layer(table, **layer | {"owned": (8448, ROWS), "rank": 1, "size": 2})
+            check_layer(table, **layer | {"owned": (half, whole), "rank": 1, "size": 2})
 
 
 def test_check_hash_and_scale(fp8_table):

@@ -1,6 +1,6 @@
-"""One tensor-parallel rank of tests/vllm/test_plugin.py's TP test, run as its own process.
+"""One tensor-parallel rank of tests/vllm_plugin/test_plugin.py's TP test, run as its own process.
 
-    python tests/vllm/tp_rank.py RANK SIZE PORT TABLE_TEMPLATE CHECKPOINT VARIANT OUT.npz
+    python tests/vllm_plugin/tp_rank.py RANK SIZE PORT TABLE_TEMPLATE CHECKPOINT VARIANT OUT.npz
 
 Builds the layer with the plugin serving this rank's file, runs the test schedule, and saves each
 step's PLE input (after the ranks' all-reduce) as int16 bits.
