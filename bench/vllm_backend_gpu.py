@@ -34,19 +34,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from gpu_bench import CHUNK_TOKENS, summary  # noqa: E402  (bench/, beside this file)
+
 from ple_prep.integrations.vllm.backend import PrefetchedRows  # noqa: E402
 from ple_prep.ngram import NgramSpec  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
 from ple_prep.runtime.dequant import round_to_bf16  # noqa: E402
 from ple_prep.tools.realtext import real_text_row_ids  # noqa: E402
-
-CHUNK_TOKENS = 4096
-
-
-def summary(seconds: list[float]) -> dict:
-    ms = np.array(seconds) * 1e3
-    return {"n": len(ms), "p50_ms": round(float(np.percentile(ms, 50)), 4),
-            "p90_ms": round(float(np.percentile(ms, 90)), 4), "p99_ms": round(float(np.percentile(ms, 99)), 4)}
 
 
 class Device:

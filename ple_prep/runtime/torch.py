@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
-import ctypes.util
 import mmap
 import time
 import warnings
@@ -34,6 +33,7 @@ import warnings
 import numpy as np
 import torch
 
+from .gather import _MINCORE
 from .table import Table
 from .tiers import read_leading_slots
 from .torch_dequant import decoder_for
@@ -61,19 +61,6 @@ LOOKUP_THREADS = 8
 LOOKUP_PART_IDS = 8192
 # Disk rows checked with mincore (spread over the request) to tell a cached request from a cold one.
 PROBE_ROWS = 4
-
-
-def _load_mincore():
-    try:
-        mincore = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).mincore
-    except (OSError, AttributeError):
-        return None
-    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    mincore.restype = ctypes.c_int
-    return mincore
-
-
-_MINCORE = _load_mincore()
 
 
 def _distinct(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
