@@ -25,6 +25,7 @@ from ple_prep.offline.profile import MAGIC as PROFILE_MAGIC
 from ple_prep.offline.verify import verify
 from ple_prep.runtime import open_table
 from ple_prep.runtime.table import FileWatch
+from ple_prep.tools.fixtures import FIXTURE_ROWS
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
@@ -386,11 +387,26 @@ def test_a_table_copied_over_in_place_fails_the_next_gather(watched, fp8_checkpo
 
 def test_a_table_renamed_over_keeps_serving_its_own_rows(watched, fp8_table, tmp_path):
     path, table = watched
-    expected = table.gather(np.arange(16_896))
+    expected = table.gather(np.arange(FIXTURE_ROWS))
     shutil.copy(fp8_table, tmp_path / "copy.bin")
     os.replace(tmp_path / "copy.bin", path)  # what convert --force and `cp + mv` do
-    assert np.array_equal(table.gather(np.arange(16_896)), expected)
+    assert np.array_equal(table.gather(np.arange(FIXTURE_ROWS)), expected)
     assert np.array_equal(table.lookup(np.arange(10)).disk_rows, expected[:10])
+
+
+def test_a_table_renamed_over_never_lends_its_rows_to_a_later_resident_tier(watched, tmp_path):
+    path, table = watched
+    expected = table.gather(np.arange(FIXTURE_ROWS))
+    other = bytearray(path.read_bytes())
+    data = table.header.data_offset
+    other[data:] = bytes(255 - byte for byte in other[data:])  # every row's bytes differ
+    (tmp_path / "other.bin").write_bytes(other)
+    os.replace(tmp_path / "other.bin", path)
+    resident = table.resident(64 * table.page_size)
+    assert np.array_equal(resident.rows, expected[:resident.num_slots])
+    out = np.full((FIXTURE_ROWS, table.row_bytes), 0xA5, dtype=np.uint8)
+    table.lookup(np.arange(FIXTURE_ROWS), out=out)
+    assert np.array_equal(out, expected)
 
 
 def test_a_table_rewritten_in_place_with_its_own_bytes_is_still_seen(watched):

@@ -36,11 +36,14 @@ class Table:
     """A prepared PLE table mapped copy-on-write; ids are the model's global row ids."""
 
     def __init__(self, path: Path, manifest: dict[str, Any], header: Header, mapping: mmap.mmap,
-                 window_pages: int = DEFAULT_WINDOW_PAGES, window_bytes: int = DEFAULT_WINDOW_BYTES,
-                 watch: "FileWatch | None" = None, direct: DirectReader | None = None,
+                 watch: FileWatch, window_pages: int = DEFAULT_WINDOW_PAGES,
+                 window_bytes: int = DEFAULT_WINDOW_BYTES, direct: DirectReader | None = None,
                  read_path_note: str | None = None):
         self.path = path
         self._watch = watch
+        # The file validated at open: later reads (resident tier, another mapping) go through it,
+        # so a table renamed over `path` meanwhile never mixes its rows with this one's.
+        self.descriptor = watch.descriptor
         self.manifest = manifest
         self.header = header
         self._mapping = mapping
@@ -71,8 +74,7 @@ class Table:
         self.close()
 
     def close(self) -> None:
-        if self._watch is not None:
-            self._watch.close()
+        self._watch.close()
         self._gatherer.close()
         self._resident = None
         self.order = None
@@ -154,14 +156,12 @@ class Table:
 
     def gather(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """uint8 `(len(ids), row_bytes)`: the source bytes of each row, in request order."""
-        if self._watch is not None:
-            self._watch.check()
+        self._watch.check()
         return self._gatherer.gather_slots(self.slot_of(ids), out)
 
     def gather_slots(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Like `gather`, by file slot (`slot_of`) instead of row id; slots are not checked."""
-        if self._watch is not None:
-            self._watch.check()
+        self._watch.check()
         return self._gatherer.gather_slots(slots, out)
 
     def resident(self, budget_bytes: int, device: str = "cpu") -> Resident:
@@ -171,7 +171,7 @@ class Table:
         any earlier resident tier; `lookup` then serves those rows from it.
         """
         self._resident = None
-        self._resident = load_resident(self.path, self.header, budget_bytes, device)
+        self._resident = load_resident(self.descriptor, self.path.name, self.header, budget_bytes, device)
         return self._resident
 
     def lookup(self, ids: np.ndarray, out: Any = None) -> Lookup:
@@ -180,8 +180,7 @@ class Table:
         tensor on the resident tier's device) the merged rows are written there, each position
         once, from its tier.
         """
-        if self._watch is not None:
-            self._watch.check()
+        self._watch.check()
         found = split(self.slot_of(ids), self._resident, self._gatherer)
         if out is not None:
             count = len(found.resident_positions) + len(found.disk_positions)
@@ -299,7 +298,8 @@ def open_table(path: str | Path, manifest: str | Path | None = None, *,
     direct, note = None, None
     if (read_path or DEFAULT_READ_PATH) == "direct":
         try:
-            direct = DirectReader(path, header, queue_depth)
+            # Reopened through the validated descriptor: the same file, whatever `path` names now.
+            direct = DirectReader(f"/proc/self/fd/{descriptor}", header, queue_depth)
         except DirectUnavailable as exc:
             if read_path == "direct":
                 mapping.close()
@@ -307,7 +307,7 @@ def open_table(path: str | Path, manifest: str | Path | None = None, *,
                 raise BadInput(f"cannot read {path.name} with O_DIRECT: {exc.strerror}; "
                                f"open it with read_path='mapped'") from None
             note = f"O_DIRECT unavailable ({exc.strerror}): rows are read through the mapping"
-    table = Table(path, meta, header, mapping, window_pages, window_bytes, watch, direct, note)
+    table = Table(path, meta, header, mapping, watch, window_pages, window_bytes, direct, note)
     if mapped_budget_bytes is not None:
         try:
             table._gatherer.budget = MappedBudget(mapping, header, mapped_budget_bytes, budget_advice)

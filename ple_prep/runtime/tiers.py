@@ -8,8 +8,6 @@ exactly once, from the tier that holds its row, so no position can keep an earli
 from __future__ import annotations
 
 import dataclasses
-import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,9 +40,9 @@ class Lookup:
     disk_rows: np.ndarray           # uint8 (len(disk_positions), row_bytes), request order
 
 
-def load_resident(path: Path, header: Header, budget_bytes: int, device: str = "cpu") -> Resident:
-    """Copy the leading slots of the table at `path` that fit in `budget_bytes` to `device`
-    ('cpu', 'cuda', 'cuda:N')."""
+def load_resident(descriptor: int, name: str, header: Header, budget_bytes: int, device: str = "cpu") -> Resident:
+    """Copy the leading slots of the table open at `descriptor` (`name` in messages) that fit in
+    `budget_bytes` to `device` ('cpu', 'cuda', 'cuda:N')."""
     if budget_bytes < 0:
         raise ValueError("budget_bytes must be >= 0")
     num_slots = int(min(header.num_rows, budget_bytes // header.row_bytes))
@@ -54,7 +52,7 @@ def load_resident(path: Path, header: Header, budget_bytes: int, device: str = "
         def put_in_memory(start: int, chunk: np.ndarray) -> None:
             rows[start:start + len(chunk)] = chunk
 
-        read_leading_slots(path, header, num_slots, put_in_memory)
+        read_leading_slots(descriptor, name, header, num_slots, put_in_memory)
         return Resident(num_slots, rows, device)
     import torch
 
@@ -63,27 +61,23 @@ def load_resident(path: Path, header: Header, budget_bytes: int, device: str = "
     def put(start: int, chunk: np.ndarray) -> None:
         rows[start:start + len(chunk)].copy_(torch.from_numpy(chunk))
 
-    read_leading_slots(path, header, num_slots, put)
+    read_leading_slots(descriptor, name, header, num_slots, put)
     return Resident(num_slots, rows, str(rows.device))
 
 
-def read_leading_slots(path: Path, header: Header, num_slots: int, put) -> None:
-    """Read slots [0, num_slots) of the table at `path` page-chunk by chunk, dropping page padding,
-    and `put(first_slot, rows)` them."""
+def read_leading_slots(descriptor: int, name: str, header: Header, num_slots: int, put) -> None:
+    """Read slots [0, num_slots) of the table open at `descriptor` page-chunk by chunk, dropping page
+    padding, and `put(first_slot, rows)` them."""
     pages_per_chunk = max(1, LOAD_CHUNK_BYTES // header.page_size)
     rows_per_chunk = pages_per_chunk * header.rows_per_page
     buffer = np.empty((pages_per_chunk, header.page_size), dtype=np.uint8)
     used = header.rows_per_page * header.row_bytes
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        for start in range(0, num_slots, rows_per_chunk):
-            count = min(rows_per_chunk, num_slots - start)
-            pages = -(-count // header.rows_per_page)
-            offset = header.data_offset + start // header.rows_per_page * header.page_size
-            read_exactly(descriptor, memoryview(buffer[:pages]).cast("B"), offset, Path(path).name)
-            put(start, np.ascontiguousarray(buffer[:pages, :used]).reshape(-1, header.row_bytes)[:count])
-    finally:
-        os.close(descriptor)
+    for start in range(0, num_slots, rows_per_chunk):
+        count = min(rows_per_chunk, num_slots - start)
+        pages = -(-count // header.rows_per_page)
+        offset = header.data_offset + start // header.rows_per_page * header.page_size
+        read_exactly(descriptor, memoryview(buffer[:pages]).cast("B"), offset, name)
+        put(start, np.ascontiguousarray(buffer[:pages, :used]).reshape(-1, header.row_bytes)[:count])
 
 
 def split(slots: np.ndarray, resident: Resident | None, gatherer: Gatherer) -> Lookup:

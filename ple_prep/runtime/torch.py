@@ -126,7 +126,7 @@ class EmbeddingSource:
         def put(start: int, chunk: np.ndarray) -> None:
             self._tiers[start:start + len(chunk)].copy_(torch.from_numpy(chunk))
 
-        read_leading_slots(table.path, table.header, rows, put)
+        read_leading_slots(table.descriptor, table.path.name, table.header, rows, put)
         self._cuda = self.device.type == "cuda"
         if self._cuda:
             self._host_span = torch.zeros(span_bytes, dtype=torch.uint8, pin_memory=True)
@@ -220,9 +220,7 @@ class EmbeddingSource:
         """The table's file mapped once more, read through torch: warm rows are copied by torch's
         CPU index kernel, which splits a large request over threads (numpy's row copy runs on one)."""
         self.table = table
-        descriptor = open(table.path, "rb")
-        with descriptor:
-            self._file_map = mmap.mmap(descriptor.fileno(), 0, prot=mmap.PROT_READ)
+        self._file_map = mmap.mmap(table.descriptor, 0, prot=mmap.PROT_READ)
         self._file_map.madvise(mmap.MADV_RANDOM)
         with warnings.catch_warnings():
             # A read-only buffer: torch warns that writes would fail; nothing here writes.
