@@ -42,21 +42,11 @@ def io_counters() -> dict[str, int]:
 def child(side: str, checkpoint: Path, table: Path, base: int) -> dict:
     """One boot of the layer; runs in a fresh process."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    import socket
+    from worker import start_worker
 
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.plugins import load_general_plugins
+    start_worker()
     from vllm_layer import build_layer, checkpoint_weights, text_config, vllm_config
 
-    load_general_plugins()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                     local_rank=0, backend="gloo")
-        initialize_model_parallel(1, 1)
     files = sorted(checkpoint.glob("*.safetensors"))
     before = io_counters()
     began = time.perf_counter()

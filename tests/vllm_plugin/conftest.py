@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 
@@ -13,15 +12,6 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 @pytest.fixture(scope="session", autouse=True)
 def vllm_groups():
     """vLLM's process groups for one rank (gloo), and its general plugins loaded, as in a worker."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.plugins import load_general_plugins
+    from worker import start_worker
 
-    load_general_plugins()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                     local_rank=0, backend="gloo")
-        initialize_model_parallel(1, 1)
+    start_worker()

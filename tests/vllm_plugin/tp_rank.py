@@ -7,28 +7,19 @@ step's PLE input (after the ranks' all-reduce) as int16 bits.
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-
 import numpy as np
 import torch
-from vllm.config import VllmConfig, set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
-from vllm.plugins import load_general_plugins
-
-# As in a vLLM worker: the plugins load before the model's modules are imported.
-load_general_plugins()
-from vllm_layer import build_layer, checkpoint_weights, ple_input, schedule, text_config, vllm_config  # noqa: E402
+from worker import start_worker
 
 rank, size, port = (int(arg) for arg in sys.argv[1:4])
 template, checkpoint, variant, out = sys.argv[4], Path(sys.argv[5]), sys.argv[6], sys.argv[7]
-with set_current_vllm_config(VllmConfig()):
-    init_distributed_environment(world_size=size, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                 local_rank=rank, backend="gloo")
-    initialize_model_parallel(size, 1)
+# As in a vLLM worker: the plugins load before the model's modules are imported.
+start_worker(rank, size, port)
+from vllm_layer import build_layer, checkpoint_weights, ple_input, schedule, text_config, vllm_config  # noqa: E402
+
 layer = build_layer(vllm_config(template), text_config(variant), checkpoint_weights(checkpoint))
 assert layer.ngram_embedding.table.tensor_parallel == {"rank": rank, "size": size}
 steps = [ple_input(layer, *step).view(torch.int16).numpy() for step in schedule()]
