@@ -1,4 +1,5 @@
-"""docs/SERVING.md's code runs against the real API: its blocks, executed on a small profiled table."""
+"""docs/SERVING.md's code runs against the real API: its blocks, executed on a small profiled table,
+and its prefetch section's split call and CUDA-graph recipe, each giving the values `Table.values` gives."""
 from __future__ import annotations
 
 import json
@@ -111,3 +112,34 @@ def test_serving_doc_pick_budget_follows_the_hints(served):
     if choice is not None:
         assert choice["disk_rows_per_s_needed"] <= 0.5 * disk_rows_per_s
         assert choice["resident_bytes"] == choice["rows"] * manifest["row_bytes"] <= 8 << 30
+
+
+# --- The prefetch section: the split call in a model, and its CUDA-graph recipe (on a GPU) --------
+
+def _prefetch_blocks() -> list[str]:
+    text = SERVING.read_text()
+    section = text[text.index("## Prefetch:"):]
+    section = section[:section.index("\n## ", 1)]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+
+
+def test_prefetch_doc_model_starts_before_layer_zero_and_finishes_at_the_ple_layer(fp8_table):
+    namespace = _run(_prefetch_blocks()[0], fp8_table.parent, {}, fp8_table.name)
+    ple, batch = namespace["ple"], namespace["batch"]
+    ple.start(batch)
+    assert torch.equal(ple.finish(), _expected(fp8_table, batch))
+    other = [(list(range(300, 340)), None)]
+    ple.start(other)
+    torch.ones(64, 64, device=DEVICE).sum()  # other work between the halves
+    assert torch.equal(ple.finish(), _expected(fp8_table, other))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_prefetch_doc_graph_recipe_replays_the_step(fp8_table):
+    blocks = _prefetch_blocks()
+    namespace = _run(blocks[1], fp8_table.parent, _run(blocks[0], fp8_table.parent, {}, fp8_table.name),
+                     fp8_table.name)
+    torch.cuda.synchronize()
+    ids = namespace["step_ids"]
+    values = namespace["static_values"][:ids.size].reshape(len(ids), -1)
+    assert torch.equal(values, _expected(fp8_table, namespace["batch"]))
