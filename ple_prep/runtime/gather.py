@@ -129,17 +129,18 @@ class Gatherer:
         if not count:
             return np.empty((0, self._row_bytes), dtype=np.uint8) if out is None else out
         window = self.window
-        if (self.direct is not None or window) and not self._cached(slots):
-            if out is None:
-                out = np.empty((count, self._row_bytes), dtype=np.uint8)
-            if self.direct is not None:
-                return self.direct.gather_slots(slots, out)
-            if self.budget is not None:
-                self.budget.charge(count)
-            self._gather_cold(self._units_of(slots), out, window)
-            return out
+        cold = (self.direct is not None or window) and not self._cached(slots)
+        if cold and self.direct is not None:
+            # Read past the mapping: nothing is left mapped, so nothing counts against the budget.
+            return self.direct.gather_slots(slots, out if out is not None else
+                                            np.empty((count, self._row_bytes), dtype=np.uint8))
         if self.budget is not None:
             self.budget.charge(count)
+        if cold:
+            if out is None:
+                out = np.empty((count, self._row_bytes), dtype=np.uint8)
+            self._gather_cold(self._units_of(slots), out, window)
+            return out
         parts = min(self.threads, count // THREAD_MIN_ROWS)
         if _native is None and out is None and parts <= 1:
             # One copy, straight into the array returned.
