@@ -66,7 +66,7 @@ class Gatherer:
     """Copies rows out of one mapped data region; the Table owns one."""
 
     def __init__(self, mapping: mmap.mmap, header, window_pages: int = DEFAULT_WINDOW_PAGES,
-                 window_bytes: int = DEFAULT_WINDOW_BYTES):
+                 window_bytes: int = DEFAULT_WINDOW_BYTES, direct=None, budget=None):
         self._mapping = mapping
         self._data_offset = header.data_offset
         self._page_size = header.page_size
@@ -92,9 +92,9 @@ class Gatherer:
         self.window_bytes = window_bytes
         self.threads = 1
         # The O_DIRECT reader of runtime/direct.py, when the table reads its disk tier that way.
-        self.direct = None
+        self.direct = direct
         # The footprint bound of runtime/footprint.py, when the table has one.
-        self.budget = None
+        self.budget = budget
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_threads = 0
 

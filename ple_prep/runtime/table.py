@@ -38,7 +38,7 @@ class Table:
     def __init__(self, path: Path, manifest: dict[str, Any], header: Header, mapping: mmap.mmap,
                  watch: FileWatch, window_pages: int = DEFAULT_WINDOW_PAGES,
                  window_bytes: int = DEFAULT_WINDOW_BYTES, direct: DirectReader | None = None,
-                 read_path_note: str | None = None):
+                 read_path_note: str | None = None, budget: MappedBudget | None = None):
         self.path = path
         self._watch = watch
         # The file validated at open: later reads (resident tier, another mapping) go through it,
@@ -61,8 +61,7 @@ class Table:
         self.order = RowOrder.from_buffer(memoryview(mapping)[header.order_offset:header.data_offset],
                                           header.num_placed, header.num_rows, path.name) \
             if header.num_placed else RowOrder.identity(header.num_rows)
-        self._gatherer = Gatherer(mapping, header, window_pages, window_bytes)
-        self._gatherer.direct = direct
+        self._gatherer = Gatherer(mapping, header, window_pages, window_bytes, direct, budget)
         # Why the default read path fell back to "mapped" (None when it did not).
         self.read_path_note = read_path_note
         self._resident: Resident | None = None
@@ -295,6 +294,14 @@ def open_table(path: str | Path, manifest: str | Path | None = None, *,
         os.close(descriptor)
         raise
     mapping.madvise(mmap.MADV_RANDOM)
+    budget = None
+    if mapped_budget_bytes is not None:
+        try:
+            budget = MappedBudget(mapping, header, mapped_budget_bytes, budget_advice)
+        except ValueError:
+            mapping.close()
+            watch.close()
+            raise
     direct, note = None, None
     if (read_path or DEFAULT_READ_PATH) == "direct":
         try:
@@ -307,11 +314,4 @@ def open_table(path: str | Path, manifest: str | Path | None = None, *,
                 raise BadInput(f"cannot read {path.name} with O_DIRECT: {exc.strerror}; "
                                f"open it with read_path='mapped'") from None
             note = f"O_DIRECT unavailable ({exc.strerror}): rows are read through the mapping"
-    table = Table(path, meta, header, mapping, watch, window_pages, window_bytes, direct, note)
-    if mapped_budget_bytes is not None:
-        try:
-            table._gatherer.budget = MappedBudget(mapping, header, mapped_budget_bytes, budget_advice)
-        except ValueError:
-            table.close()
-            raise
-    return table
+    return Table(path, meta, header, mapping, watch, window_pages, window_bytes, direct, note, budget)
