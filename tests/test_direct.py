@@ -55,7 +55,7 @@ def request_ids(num_rows: int, count: int, seed: int) -> np.ndarray:
 @pytest.mark.parametrize("queue_depth", [1, 3, 64])
 def test_direct_gather_writes_every_position_with_its_source_row(ordered_table, source_rows, queue_depth,
                                                                  monkeypatch):
-    monkeypatch.setattr(Gatherer, "_cached", lambda self, slots: False)
+    monkeypatch.setattr(Gatherer, "cached", lambda self, slots: False)
     with open_table(ordered_table, read_path="direct", queue_depth=queue_depth) as table:
         assert table.read_path == "direct"
         out = np.full((3000, table.row_bytes), POISON, dtype=np.uint8)
@@ -79,7 +79,7 @@ def test_direct_values_equal_the_mapped_paths(ordered_table):
 @pytest.mark.parametrize("page_size", [512, 1024, 16384])
 def test_direct_gather_with_other_page_sizes(fp8_checkpoint, source_rows, tmp_path, page_size, monkeypatch):
     """Pages smaller than the 4 KiB O_DIRECT block share a block; larger ones are one block each."""
-    monkeypatch.setattr(Gatherer, "_cached", lambda self, slots: False)
+    monkeypatch.setattr(Gatherer, "cached", lambda self, slots: False)
     with open_source(fp8_checkpoint) as source:
         convert(source, tmp_path / "t.bin", WriteOptions(page_size=page_size))
     try:
@@ -100,7 +100,7 @@ def test_direct_gather_leaves_nothing_in_the_page_cache(ordered_table, source_ro
         ids = np.arange(table.num_rows)
         assert np.array_equal(table.gather(ids), source_rows[ids])
         assert cached_fraction(ordered_table) == before
-        assert not table._gatherer._cached(table.slot_of(ids))
+        assert not table._gatherer.cached(table.slot_of(ids))
 
 
 def test_direct_gather_serves_a_cached_request_from_the_mapping(ordered_table, source_rows, monkeypatch):
@@ -114,7 +114,7 @@ def test_direct_gather_serves_a_cached_request_from_the_mapping(ordered_table, s
 
 
 def test_direct_read_of_a_file_that_shrank_raises(ordered_table, tmp_path, monkeypatch):
-    monkeypatch.setattr(Gatherer, "_cached", lambda self, slots: False)
+    monkeypatch.setattr(Gatherer, "cached", lambda self, slots: False)
     path = tmp_path / "t.bin"
     shutil.copyfile(ordered_table, path)
     shutil.copyfile(manifest_path(ordered_table), manifest_path(path))
@@ -153,7 +153,7 @@ def test_refused_o_direct_falls_back_by_default_and_fails_clearly_when_asked_for
 def test_direct_tables_share_one_aio_context_and_a_forked_child_makes_its_own(ordered_table, source_rows,
                                                                               monkeypatch):
     """Contexts count against the host-wide fs.aio-max-nr, so tables share the process's one."""
-    monkeypatch.setattr(Gatherer, "_cached", lambda self, slots: False)
+    monkeypatch.setattr(Gatherer, "cached", lambda self, slots: False)
     try:
         first, second = (open_table(ordered_table, read_path="direct") for _ in range(2))
     except BadInput as exc:  # fs.aio-max-nr used up by other processes on this host

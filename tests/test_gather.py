@@ -48,8 +48,8 @@ def loops(request, monkeypatch):
     """The compiled helper's loops (core/_native.c), or the numpy fallback of a machine built
     without a compiler: both must give the same bytes."""
     if request.param == "numpy":
-        monkeypatch.setattr(gather_module, "_native", None)
-        monkeypatch.setattr(order_module, "_native", None)
+        for module in (gather_module, order_module):
+            monkeypatch.setattr(module, "_native", None)
     elif gather_module._native is None:
         pytest.skip("the compiled helper is not built here (no compiler at install)")
     return request.param
@@ -58,7 +58,7 @@ def loops(request, monkeypatch):
 @pytest.fixture(params=["cold", "cached"])
 def table(request, table_path, read_path, monkeypatch, loops):
     """The table with the page-cache probe forced, so every copy path runs whatever the cache holds."""
-    monkeypatch.setattr(Gatherer, "_cached", lambda self, slots: request.param == "cached")
+    monkeypatch.setattr(Gatherer, "cached", lambda self, slots: request.param == "cached")
     with open_table(table_path, read_path=read_path) as opened:
         yield opened
 
@@ -134,7 +134,7 @@ class _Recorder:
 @pytest.mark.parametrize("window_pages", [1, 4, 16])
 def test_gather_advice_stays_within_the_window_ahead_of_the_copy(table_path, source_rows,
                                                                  window_pages, monkeypatch):
-    monkeypatch.setattr(Gatherer, "_cached", lambda self, slots: False)
+    monkeypatch.setattr(Gatherer, "cached", lambda self, slots: False)
     with open_table(table_path, window_pages=window_pages, read_path="mapped") as table:
         gatherer = table._gatherer
         recorder = _Recorder(gatherer._units, gatherer._units_per_page, table.page_size,
@@ -213,7 +213,7 @@ def test_lookup_refuses_a_numpy_out_with_the_tier_elsewhere(table):
 @pytest.mark.parametrize("cached", [False, True])
 def test_gather_other_page_sizes(fp8_checkpoint, source_rows, tmp_path, monkeypatch, page_size,
                                  cached, read_path):
-    monkeypatch.setattr(Gatherer, "_cached", lambda self, slots: cached)
+    monkeypatch.setattr(Gatherer, "cached", lambda self, slots: cached)
     with open_source(fp8_checkpoint) as source:
         convert(source, tmp_path / "t.bin", WriteOptions(page_size=page_size))
     with open_table(tmp_path / "t.bin", window_pages=2, read_path=read_path) as table:
@@ -223,7 +223,7 @@ def test_gather_other_page_sizes(fp8_checkpoint, source_rows, tmp_path, monkeypa
 
 @pytest.mark.parametrize("threads", [2, 3])
 def test_gather_cached_rows_on_threads(table_path, source_rows, monkeypatch, threads, loops):
-    monkeypatch.setattr(Gatherer, "_cached", lambda self, slots: True)
+    monkeypatch.setattr(Gatherer, "cached", lambda self, slots: True)
     monkeypatch.setattr("ple_prep.runtime.gather.THREAD_MIN_ROWS", 100)
     with open_table(table_path) as table:
         table.threads = threads
@@ -242,15 +242,15 @@ def test_gather_probe_sees_an_evicted_file_cold_and_a_gathered_request_cached(ta
     with open_table(table_path, read_path="mapped") as table:
         slots = table.slot_of(real_like_ids(table.num_rows, 2000, 11))
         gatherer = table._gatherer
-        assert not gatherer._cached(slots)
+        assert not gatherer.cached(slots)
         table.gather_slots(slots)
-        assert gatherer._cached(slots)
+        assert gatherer.cached(slots)
 
 
 def test_compiled_copy_refuses_slots_outside_the_table(table_path, monkeypatch):
     if gather_module._native is None:
         pytest.skip("the compiled helper is not built here (no compiler at install)")
-    monkeypatch.setattr(Gatherer, "_cached", lambda self, slots: True)
+    monkeypatch.setattr(Gatherer, "cached", lambda self, slots: True)
     with open_table(table_path) as table:
         for slot in (table.num_rows, -1, 2**62):
             with pytest.raises(IndexError, match=f"slot {slot} is outside"):
@@ -297,7 +297,7 @@ def test_gather_probe_on_other_page_sizes(fp8_checkpoint, source_rows, tmp_path,
     with open_table(tmp_path / "t.bin", read_path="mapped") as table:
         ids = real_like_ids(table.num_rows, 2000, 12)
         slots = table.slot_of(ids)
-        assert not table._gatherer._cached(slots)
+        assert not table._gatherer.cached(slots)
         assert np.array_equal(table.gather(ids), source_rows[ids])
-        assert table._gatherer._cached(slots)
+        assert table._gatherer.cached(slots)
         assert np.array_equal(table.gather(ids), source_rows[ids])

@@ -2,16 +2,22 @@
 split call (start/finish), with every buffer it reuses poisoned between calls."""
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from ple_prep.format import order as order_module  # noqa: E402
+from ple_prep.format.manifest import manifest_path  # noqa: E402
 from ple_prep.ngram import row_ids  # noqa: E402
+from ple_prep.runtime import gather as gather_module  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
 from ple_prep.runtime import torch as runtime_torch  # noqa: E402
 from ple_prep.runtime.dequant import round_to_bf16  # noqa: E402
 from ple_prep.runtime.torch import EmbeddingSource  # noqa: E402
+from ple_prep.tools.benchmark import cached_fraction, evict  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -25,6 +31,37 @@ def table(request, tmp_path_factory, converted_table):
         row_ids(np.random.default_rng(9).integers(0, 5000, 400), spec))[::-1])
     with open_table(made.path) as opened:
         opened.spec = made.spec
+        yield opened
+
+
+@pytest.fixture(params=["compiled", "numpy"])
+def loops(request, monkeypatch):
+    """The compiled helper's loops (core/_native.c), or the numpy fallback of a machine built
+    without a compiler: both must give the same values."""
+    if request.param == "numpy":
+        for module in (gather_module, order_module):
+            monkeypatch.setattr(module, "_native", None)
+    elif gather_module._native is None:
+        pytest.skip("the compiled helper is not built here (no compiler at install)")
+    return request.param
+
+
+@pytest.fixture(params=["cached", "cold"])
+def page_cache(request, table, tmp_path):
+    """`table` with its pages in the page cache, or a copy of it whose pages are not (so the real
+    mincore probe picks the copy from the page cache, or the table's read path)."""
+    if request.param == "cached":
+        table.path.read_bytes()
+        yield table
+        return
+    copy = tmp_path / table.path.name
+    shutil.copy(table.path, copy)
+    shutil.copy(manifest_path(table.path), manifest_path(copy))
+    evict(copy)
+    if (cached_fraction(copy) or 0) > 0.5:
+        pytest.skip("the page cache does not let this file's pages go (tmpfs?)")
+    with open_table(copy) as opened:
+        opened.spec = table.spec
         yield opened
 
 
@@ -59,12 +96,12 @@ def disk_rows(table, source, ids: np.ndarray, *, distinct: bool) -> int:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("cached", [True, False])
-def test_host_ids_give_values_per_position_across_poisoned_buffers(table, device, cached, monkeypatch):
+def test_host_ids_give_values_per_position_across_poisoned_buffers(page_cache, device, loops):
+    table = page_cache
     source = EmbeddingSource(table, device=device, resident_bytes=3000 * table.row_bytes, max_ids=300 * 16)
-    # Cached: torch copies every disk position from the file; not cached: the table's read path
-    # reads each distinct row (whatever the page cache holds, both must give the same values).
-    monkeypatch.setattr(source, "_cached", lambda slots: cached)
+    # Cached: every disk position is copied from the mapping; cold: the table's read path reads
+    # each distinct row (O_DIRECT: the pages stay out of the page cache, so every call is cold).
+    cached = table.read_path == "mapped" or cached_fraction(table.path) > 0.5
     # Both sides of INLINE_IDS (worker thread and inline), shrinking and growing between calls.
     for tokens, seed in ((300, 1), (120, 2), (300, 3), (1, 4), (64, 5)):
         ids = token_ids(table, tokens, seed)
@@ -76,7 +113,7 @@ def test_host_ids_give_values_per_position_across_poisoned_buffers(table, device
         assert np.array_equal(bits(values), expected_bits(table, ids))
         # Cold: each distinct disk row read once (past DEDUP_MIN_ROWS disk positions); cached: each
         # disk position copied.
-        if tokens > 4:
+        if tokens > 4 and (cached or table.read_path == "direct"):
             assert source.last_disk_rows == disk_rows(table, source, ids, distinct=not cached) > 0
 
 
@@ -175,26 +212,21 @@ def test_the_start_copies_the_callers_ids(table, monkeypatch):
     assert np.array_equal(bits(source.finish()), expected_bits(table, ids))
 
 
-def test_a_large_lookup_split_over_threads_equals_the_tables(table, monkeypatch):
-    monkeypatch.setattr(runtime_torch, "_compiled", object())  # as where the compiled helper is built
+def test_a_large_request_split_over_threads_equals_the_tables(page_cache, loops, monkeypatch):
+    # Parts of 100 ids: 8 of them, the last ones with few or no disk positions.
+    table = page_cache
     monkeypatch.setattr(runtime_torch, "LOOKUP_PART_IDS", 100)
     source = EmbeddingSource(table, device="cpu", resident_bytes=500 * table.row_bytes, max_ids=1600)
     ids = token_ids(table, 100, 21)
-    assert np.array_equal(source._slot_of(ids.reshape(-1)), table.slot_of(ids.reshape(-1)))
+    ids[60:] = ids[0]  # the first row again: resident or not, every part past the fourth repeats it
     poison(source)
     assert np.array_equal(bits(source(ids)), expected_bits(table, ids))
+    assert np.array_equal(source._slots[:ids.size], table.slot_of(ids.reshape(-1)))
     bad = ids.reshape(-1).copy()
     bad[777] = table.num_rows
     source.start(bad)
     with pytest.raises(IndexError, match=f"row id {table.num_rows} is outside"):
         source.finish()
-
-
-def test_a_request_read_through_the_page_cache_counts_as_cached(table):
-    source = EmbeddingSource(table, device="cpu", resident_bytes=0, max_ids=64)
-    slots = np.arange(0, table.num_rows, max(1, table.num_rows // 50))
-    table.gather_slots(slots)  # the pages are in the page cache now
-    assert source._cached(slots)
 
 
 def test_close_and_reopen_serve_a_new_opening_of_the_file(table):

@@ -6,6 +6,14 @@
  *     out[i] = the row at file slot slots[i]: one memcpy per row, straight into `out`.
  * slot_of(rows, bits, below, sorted_slots, out)
  *     out[i] = the file slot of local row rows[i], from format/order.py's rank index.
+ * stage(ids, first_row, num_rows, bits, below, sorted_slots, num_resident, slots, index, mapping, out,
+ *       data_offset, page_size, rows_per_page, row_bytes, num_slots, probes, threads) -> (disk, staged)
+ *     The host half of a tiered lookup (runtime/gather.py's Gatherer.stage): slots[i] = the file
+ *     slot of row id ids[i] (the identity where sorted_slots is empty), index[i] = that slot where
+ *     it is below num_resident (the resident tier's rows); `disk` counts the other positions. If
+ *     `probes` rows spread over those are in the page cache, the k-th of them (in position order)
+ *     is copied to row len(out) - disk + k of `out` and index[i] = num_resident + that row, and
+ *     `staged` is true. Split over `threads` threads (a pool kept by this module).
  * cached(mapping, slots, data_offset, page_size, rows_per_page, row_bytes, num_slots, probes)
  *     Whether the memory page holding the first byte of each of `probes` rows spread over the
  *     request (first and last included) is in the page cache (mincore); slots outside the table are
@@ -15,7 +23,10 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 /* Ids looked at ahead of the one being resolved: enough misses in flight to cover memory latency. */
@@ -104,60 +115,40 @@ static PyObject *copy_rows(PyObject *self, PyObject *args)
     return result;
 }
 
-static PyObject *slot_of(PyObject *self, PyObject *args)
+/* Rows at or past `limit` are refused (*bad = their position): the rank index's end for slot_of,
+ * the table's row count for split_slots. Placed rows get their slot from sorted_slots, the others
+ * follow the placed ones in row order; without placed rows a slot is the row. */
+static inline __attribute__((always_inline)) void find_slots_body(
+    const int64_t *row, Py_ssize_t count, int64_t first_row, int64_t limit, const uint64_t *word,
+    const uint32_t *before, const uint32_t *slot, int64_t num_placed, int64_t *target, Py_ssize_t *bad)
 {
-    PyObject *rows_object, *bits_object, *below_object, *sorted_slots_object, *out_object;
-    if (!PyArg_ParseTuple(args, "OOOOO", &rows_object, &bits_object, &below_object, &sorted_slots_object,
-                          &out_object))
-        return NULL;
-    Py_buffer rows, bits, below, sorted_slots, out;
-    Py_buffer *held[5];
-    int num_held = 0;
-    PyObject *result = NULL;
-    if (get_buffer(rows_object, &rows, 0, sizeof(int64_t), "rows") != 0)
-        goto done;
-    held[num_held++] = &rows;
-    if (get_buffer(bits_object, &bits, 0, sizeof(uint64_t), "bits") != 0)
-        goto done;
-    held[num_held++] = &bits;
-    if (get_buffer(below_object, &below, 0, sizeof(uint32_t), "below") != 0)
-        goto done;
-    held[num_held++] = &below;
-    if (get_buffer(sorted_slots_object, &sorted_slots, 0, sizeof(uint32_t), "sorted_slots") != 0)
-        goto done;
-    held[num_held++] = &sorted_slots;
-    if (get_buffer(out_object, &out, 1, sizeof(int64_t), "out") != 0)
-        goto done;
-    held[num_held++] = &out;
-    Py_ssize_t count = rows.len / (Py_ssize_t)sizeof(int64_t);
-    Py_ssize_t num_words = bits.len / (Py_ssize_t)sizeof(uint64_t);
-    int64_t num_placed = sorted_slots.len / (Py_ssize_t)sizeof(uint32_t);
-    if (out.len != rows.len || below.len / (Py_ssize_t)sizeof(uint32_t) != num_words) {
-        PyErr_SetString(PyExc_ValueError, "slot_of: mismatched array sizes");
-        goto done;
+    *bad = -1;
+    if (num_placed == 0) {
+        for (Py_ssize_t i = 0; i < count; i++) {
+            int64_t r = row[i] - first_row;
+            if (r < 0 || r >= limit) {
+                *bad = i;
+                return;
+            }
+            target[i] = r;
+        }
+        return;
     }
-    const int64_t *row = (const int64_t *)rows.buf;
-    const uint64_t *word = (const uint64_t *)bits.buf;
-    const uint32_t *before = (const uint32_t *)below.buf;
-    const uint32_t *slot = (const uint32_t *)sorted_slots.buf;
-    int64_t *target = (int64_t *)out.buf;
-    Py_ssize_t bad = -1;
-    Py_BEGIN_ALLOW_THREADS
     /* Two passes, each prefetching PREFETCH_AHEAD ids ahead, so the cache misses of many ids
      * overlap: first each row's rank (placed rows below it, negated for a placed row), then the
      * placed rows' slots. */
     for (Py_ssize_t i = 0; i < count; i++) {
         if (i + PREFETCH_AHEAD < count) {
-            uint64_t ahead = (uint64_t)row[i + PREFETCH_AHEAD] >> 6;
-            if (ahead < (uint64_t)num_words) {
+            uint64_t ahead = (uint64_t)(row[i + PREFETCH_AHEAD] - first_row) >> 6;
+            if (ahead < (uint64_t)limit >> 6) {
                 __builtin_prefetch(&word[ahead]);
                 __builtin_prefetch(&before[ahead]);
             }
         }
-        int64_t r = row[i];
-        if (r < 0 || (r >> 6) >= num_words) {
-            bad = i;
-            break;
+        int64_t r = row[i] - first_row;
+        if (r < 0 || r >= limit) {
+            *bad = i;
+            return;
         }
         /* The row's bit moved to the top: it says whether the row is placed, and the bits at and
          * below it count the placed rows up to it. */
@@ -165,32 +156,401 @@ static PyObject *slot_of(PyObject *self, PyObject *args)
         int64_t placed = (int64_t)(bits_to_row >> 63);
         int64_t position = (int64_t)before[r >> 6] + __builtin_popcountll(bits_to_row) - placed;
         if (placed && position >= num_placed) {
-            bad = i;
-            break;
+            *bad = i;
+            return;
         }
         target[i] = placed ? -1 - position : num_placed + r - position;
     }
-    if (bad < 0) {
-        for (Py_ssize_t i = 0; i < count; i++) {
-            if (i + PREFETCH_AHEAD < count && target[i + PREFETCH_AHEAD] < 0)
-                __builtin_prefetch(&slot[-1 - target[i + PREFETCH_AHEAD]]);
-            if (target[i] < 0)
-                target[i] = slot[-1 - target[i]];
-        }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (i + PREFETCH_AHEAD < count && target[i + PREFETCH_AHEAD] < 0)
+            __builtin_prefetch(&slot[-1 - target[i + PREFETCH_AHEAD]]);
+        if (target[i] < 0)
+            target[i] = slot[-1 - target[i]];
     }
+}
+
+typedef void find_slots_fn(const int64_t *, Py_ssize_t, int64_t, int64_t, const uint64_t *, const uint32_t *,
+                           const uint32_t *, int64_t, int64_t *, Py_ssize_t *);
+
+static void find_slots_portable(const int64_t *row, Py_ssize_t count, int64_t first_row, int64_t limit,
+                                const uint64_t *word, const uint32_t *before, const uint32_t *slot,
+                                int64_t num_placed, int64_t *target, Py_ssize_t *bad)
+{
+    find_slots_body(row, count, first_row, limit, word, before, slot, num_placed, target, bad);
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+/* The same loop with the popcnt instruction, which x86-64's baseline lacks (the portable build
+ * counts bits in a library call that doubles the rank pass); chosen at import where the CPU has it. */
+__attribute__((target("popcnt"))) static void find_slots_popcnt(
+    const int64_t *row, Py_ssize_t count, int64_t first_row, int64_t limit, const uint64_t *word,
+    const uint32_t *before, const uint32_t *slot, int64_t num_placed, int64_t *target, Py_ssize_t *bad)
+{
+    find_slots_body(row, count, first_row, limit, word, before, slot, num_placed, target, bad);
+}
+#endif
+
+static find_slots_fn *find_slots = find_slots_portable;
+
+/* The buffers of a lookup: ids (int64), the rank index (uint64 words, uint32 counts) and the
+ * placed rows' slots (uint32), checked against each other. */
+typedef struct {
+    Py_buffer views[8];
+    int held;
+} held_buffers;
+
+static void release(held_buffers *held)
+{
+    while (held->held)
+        PyBuffer_Release(&held->views[--held->held]);
+}
+
+static Py_buffer *hold(held_buffers *held, PyObject *object, int writable, Py_ssize_t item, const char *name)
+{
+    Py_buffer *view = &held->views[held->held];
+    if (get_buffer(object, view, writable, item, name) != 0)
+        return NULL;
+    held->held++;
+    return view;
+}
+
+static PyObject *slot_of(PyObject *self, PyObject *args)
+{
+    PyObject *rows_object, *bits_object, *below_object, *sorted_slots_object, *out_object;
+    if (!PyArg_ParseTuple(args, "OOOOO", &rows_object, &bits_object, &below_object, &sorted_slots_object,
+                          &out_object))
+        return NULL;
+    held_buffers held = {.held = 0};
+    PyObject *result = NULL;
+    Py_buffer *rows, *bits, *below, *sorted_slots, *out;
+    if (!(rows = hold(&held, rows_object, 0, sizeof(int64_t), "rows"))
+        || !(bits = hold(&held, bits_object, 0, sizeof(uint64_t), "bits"))
+        || !(below = hold(&held, below_object, 0, sizeof(uint32_t), "below"))
+        || !(sorted_slots = hold(&held, sorted_slots_object, 0, sizeof(uint32_t), "sorted_slots"))
+        || !(out = hold(&held, out_object, 1, sizeof(int64_t), "out")))
+        goto done;
+    Py_ssize_t num_words = bits->len / (Py_ssize_t)sizeof(uint64_t);
+    if (out->len != rows->len || below->len / (Py_ssize_t)sizeof(uint32_t) != num_words || sorted_slots->len == 0) {
+        PyErr_SetString(PyExc_ValueError, "slot_of: mismatched array sizes");
+        goto done;
+    }
+    Py_ssize_t bad;
+    Py_BEGIN_ALLOW_THREADS
+    find_slots((const int64_t *)rows->buf, rows->len / (Py_ssize_t)sizeof(int64_t), 0, (int64_t)num_words * 64,
+               (const uint64_t *)bits->buf, (const uint32_t *)below->buf, (const uint32_t *)sorted_slots->buf,
+               sorted_slots->len / (Py_ssize_t)sizeof(uint32_t), (int64_t *)out->buf, &bad);
     Py_END_ALLOW_THREADS
     if (bad >= 0) {
-        PyErr_Format(PyExc_IndexError, "row %lld is outside the rank index", (long long)row[bad]);
+        PyErr_Format(PyExc_IndexError, "row %lld is outside the rank index", (long long)((int64_t *)rows->buf)[bad]);
         goto done;
     }
     result = Py_None;
     Py_INCREF(result);
 done:
-    while (num_held)
-        PyBuffer_Release(held[--num_held]);
+    release(&held);
     return result;
 }
 
+/* --- A small thread pool for `stage`: Python's threads pay a GIL handoff and a queue per part,
+ * which on a virtual machine's slow wakeups cost more than the part itself. Workers take parts of
+ * the current job by claiming them from one atomic ticket (generation, parts, next part), poll
+ * for the next job for SPIN_NS after finishing one (a request's second phase then starts at
+ * once) and sleep on a condition variable after that. One job runs at a time (caller_lock). */
+
+#define MAX_THREADS 64
+#define SPIN_NS 200000
+
+typedef void part_fn(void *context, int part);
+
+typedef struct {
+    part_fn *run;
+    void *context;
+} pool_job;
+
+static struct {
+    pthread_mutex_t caller_lock, lock;
+    pthread_cond_t wake;
+    int workers;
+    _Atomic uint64_t ticket; /* generation << 32 | parts << 16 | next part */
+    _Atomic int done_parts;
+    pool_job jobs[2];        /* by generation parity: a late worker never sees the next job's */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield");
+#endif
+}
+
+static uint64_t monotonic_ns(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
+}
+
+/* Run parts of generation `generation` while there are unclaimed ones. */
+static void take_parts(uint64_t generation)
+{
+    uint64_t ticket = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+    while ((ticket >> 32) == generation && (ticket & 0xffff) < ((ticket >> 16) & 0xffff)) {
+        if (!atomic_compare_exchange_weak_explicit(&pool.ticket, &ticket, ticket + 1, memory_order_acq_rel,
+                                                   memory_order_acquire))
+            continue;
+        /* The job cannot finish, nor its slot be reused, before this claimed part is done. */
+        pool_job *job = &pool.jobs[generation & 1];
+        job->run(job->context, (int)(ticket & 0xffff));
+        atomic_fetch_add_explicit(&pool.done_parts, 1, memory_order_release);
+        ticket = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+    }
+}
+
+static void *pool_worker(void *unused)
+{
+    (void)unused;
+    uint64_t seen = atomic_load_explicit(&pool.ticket, memory_order_acquire) >> 32;
+    for (;;) {
+        uint64_t began = monotonic_ns(), generation;
+        unsigned spins = 0;
+        while ((generation = atomic_load_explicit(&pool.ticket, memory_order_acquire) >> 32) == seen) {
+            cpu_relax();
+            if (++spins % 64 == 0 && monotonic_ns() - began > SPIN_NS) {
+                pthread_mutex_lock(&pool.lock);
+                while ((generation = atomic_load_explicit(&pool.ticket, memory_order_acquire) >> 32) == seen)
+                    pthread_cond_wait(&pool.wake, &pool.lock);
+                pthread_mutex_unlock(&pool.lock);
+                break;
+            }
+        }
+        seen = generation;
+        take_parts(generation);
+    }
+    return NULL;
+}
+
+/* After fork only the forking thread exists: the child starts its own workers when it needs them. */
+static void pool_after_fork(void)
+{
+    pthread_mutex_init(&pool.caller_lock, NULL);
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pool.workers = 0;
+}
+
+/* Run run(context, part) for parts 0..parts-1 on this thread and up to parts - 1 workers; returns
+ * when all are done. Called without the GIL. */
+static void run_parts(part_fn *run, void *context, int parts)
+{
+    if (parts <= 1) {
+        run(context, 0);
+        return;
+    }
+    pthread_mutex_lock(&pool.caller_lock);
+    while (pool.workers < parts - 1) {
+        pthread_t thread;
+        pthread_attr_t attributes;
+        pthread_attr_init(&attributes);
+        pthread_attr_setdetachstate(&attributes, PTHREAD_CREATE_DETACHED);
+        int failed = pthread_create(&thread, &attributes, pool_worker, NULL);
+        pthread_attr_destroy(&attributes);
+        if (failed)
+            break; /* fewer workers: this thread takes the parts left */
+        pool.workers++;
+    }
+    uint64_t generation = (atomic_load_explicit(&pool.ticket, memory_order_relaxed) >> 32) + 1;
+    pool.jobs[generation & 1] = (pool_job){run, context};
+    atomic_store_explicit(&pool.done_parts, 0, memory_order_relaxed);
+    pthread_mutex_lock(&pool.lock);
+    atomic_store_explicit(&pool.ticket, (generation << 32) | ((uint64_t)parts << 16), memory_order_release);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    take_parts(generation);
+    while (atomic_load_explicit(&pool.done_parts, memory_order_acquire) < parts)
+        cpu_relax();
+    pthread_mutex_unlock(&pool.caller_lock);
+}
+
+typedef struct {
+    const int64_t *id;
+    Py_ssize_t count;
+    int64_t first_row, num_rows, num_placed, num_resident;
+    const uint64_t *word;
+    const uint32_t *before, *slot_by_rank;
+    const char *data;
+    Py_ssize_t page_size, rows_per_page, row_bytes;
+    char *out;
+    int64_t *slots;
+    int32_t *index;
+    int parts;
+    Py_ssize_t disk[MAX_THREADS], first[MAX_THREADS], bad[MAX_THREADS];
+} stage_request;
+
+static void part_bounds(const stage_request *request, int part, Py_ssize_t *low, Py_ssize_t *high)
+{
+    *low = request->count * part / request->parts;
+    *high = request->count * (part + 1) / request->parts;
+}
+
+static void split_part(void *context, int part)
+{
+    stage_request *request = context;
+    Py_ssize_t low, high, bad, disk = 0;
+    part_bounds(request, part, &low, &high);
+    find_slots(request->id + low, high - low, request->first_row, request->num_rows, request->word,
+               request->before, request->slot_by_rank, request->num_placed, request->slots + low, &bad);
+    request->bad[part] = bad < 0 ? -1 : low + bad;
+    if (bad >= 0)
+        return;
+    const int64_t *slot = request->slots;
+    int64_t resident = request->num_resident;
+    for (Py_ssize_t i = low; i < high; i++) {
+        if (slot[i] < resident)
+            request->index[i] = (int32_t)slot[i];
+        else
+            disk++;
+    }
+    request->disk[part] = disk;
+}
+
+static inline const char *row_at(const stage_request *request, int64_t slot)
+{
+    return request->data + (slot / request->rows_per_page) * request->page_size
+        + (slot % request->rows_per_page) * request->row_bytes;
+}
+
+static void copy_part(void *context, int part)
+{
+    stage_request *request = context;
+    Py_ssize_t low, high, next = request->first[part], row_bytes = request->row_bytes;
+    part_bounds(request, part, &low, &high);
+    const int64_t *slot = request->slots;
+    int64_t resident = request->num_resident;
+    for (Py_ssize_t i = low; i < high; i++) {
+        if (i + PREFETCH_AHEAD < high && slot[i + PREFETCH_AHEAD] >= resident) {
+            const char *row = row_at(request, slot[i + PREFETCH_AHEAD]);
+            for (Py_ssize_t line = 0; line < row_bytes; line += 64)
+                __builtin_prefetch(row + line);
+            __builtin_prefetch(row + row_bytes - 1);
+        }
+        if (slot[i] < resident)
+            continue;
+        memcpy(request->out + next * row_bytes, row_at(request, slot[i]), (size_t)row_bytes);
+        request->index[i] = (int32_t)(resident + next);
+        next++;
+    }
+}
+
+/* Whether the memory pages holding the first byte of `probes` disk rows spread over the request
+ * are in the page cache (mincore). */
+static int disk_rows_cached(const stage_request *request, Py_ssize_t probes)
+{
+    uintptr_t system_page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    Py_ssize_t count = request->count;
+    for (Py_ssize_t k = 0; k < probes; k++) {
+        Py_ssize_t i = probes > 1 ? (count - 1) * k / (probes - 1) : 0;
+        while (i < count && request->slots[i] < request->num_resident)
+            i++;
+        if (i == count)
+            continue;
+        uintptr_t address = (uintptr_t)row_at(request, request->slots[i]);
+        unsigned char state = 0;
+        if (mincore((void *)(address - address % system_page), 1, &state) != 0 || !(state & 1))
+            return 0;
+    }
+    return 1;
+}
+
+static PyObject *stage(PyObject *self, PyObject *args)
+{
+    PyObject *ids_object, *bits_object, *below_object, *sorted_slots_object, *slots_object, *index_object,
+        *mapping_object, *out_object;
+    long long first_row, num_rows, num_resident;
+    Py_ssize_t data_offset, page_size, rows_per_page, row_bytes, num_slots, probes, threads;
+    if (!PyArg_ParseTuple(args, "OLLOOOLOOOOnnnnnnn", &ids_object, &first_row, &num_rows, &bits_object,
+                          &below_object, &sorted_slots_object, &num_resident, &slots_object, &index_object,
+                          &mapping_object, &out_object, &data_offset, &page_size, &rows_per_page, &row_bytes,
+                          &num_slots, &probes, &threads))
+        return NULL;
+    if (row_bytes <= 0 || rows_per_page <= 0 || rows_per_page * row_bytes > page_size || data_offset < 0
+        || num_rows < 0 || num_rows > num_slots || num_resident < 0 || probes < 1) {
+        PyErr_SetString(PyExc_ValueError, "bad table geometry");
+        return NULL;
+    }
+    held_buffers held = {.held = 0};
+    PyObject *result = NULL;
+    Py_buffer *ids, *bits, *below, *sorted_slots, *slots, *index, *mapping, *out;
+    if (!(ids = hold(&held, ids_object, 0, sizeof(int64_t), "ids"))
+        || !(bits = hold(&held, bits_object, 0, sizeof(uint64_t), "bits"))
+        || !(below = hold(&held, below_object, 0, sizeof(uint32_t), "below"))
+        || !(sorted_slots = hold(&held, sorted_slots_object, 0, sizeof(uint32_t), "sorted_slots"))
+        || !(slots = hold(&held, slots_object, 1, sizeof(int64_t), "slots"))
+        || !(index = hold(&held, index_object, 1, sizeof(int32_t), "index"))
+        || !(mapping = hold(&held, mapping_object, 0, 1, "mapping"))
+        || !(out = hold(&held, out_object, 1, row_bytes, "out")))
+        goto done;
+    stage_request *request = PyMem_Calloc(1, sizeof(stage_request));
+    if (!request) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t count = ids->len / (Py_ssize_t)sizeof(int64_t);
+    Py_ssize_t num_words = bits->len / (Py_ssize_t)sizeof(uint64_t);
+    Py_ssize_t num_pages = (num_slots + rows_per_page - 1) / rows_per_page;
+    *request = (stage_request){
+        .id = ids->buf, .count = count, .first_row = first_row, .num_rows = num_rows,
+        .num_placed = sorted_slots->len / (Py_ssize_t)sizeof(uint32_t), .num_resident = num_resident,
+        .word = bits->buf, .before = below->buf, .slot_by_rank = sorted_slots->buf,
+        .data = (const char *)mapping->buf + data_offset, .page_size = page_size,
+        .rows_per_page = rows_per_page, .row_bytes = row_bytes, .out = out->buf, .slots = slots->buf,
+        .index = index->buf};
+    Py_ssize_t out_rows = out->len / row_bytes;
+    if (slots->len != ids->len || index->len / (Py_ssize_t)sizeof(int32_t) != count
+        || below->len / (Py_ssize_t)sizeof(uint32_t) != num_words
+        || (request->num_placed && num_words * 64 < num_rows) || num_resident + out_rows > INT32_MAX
+        || data_offset + num_pages * page_size > mapping->len) {
+        PyErr_SetString(PyExc_ValueError, "stage: mismatched array sizes");
+        PyMem_Free(request);
+        goto done;
+    }
+    /* Parts of at least PREFETCH_AHEAD ids, so the prefetch of each runs ahead of its copies. */
+    Py_ssize_t parts = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    if (parts > count / PREFETCH_AHEAD)
+        parts = count / PREFETCH_AHEAD > 0 ? count / PREFETCH_AHEAD : 1;
+    request->parts = (int)parts;
+    Py_ssize_t bad = -1, disk = 0;
+    int staged = 0;
+    Py_BEGIN_ALLOW_THREADS
+    run_parts(split_part, request, request->parts);
+    for (int part = 0; part < request->parts && bad < 0; part++) {
+        bad = request->bad[part];
+        disk += request->disk[part];
+    }
+    if (bad < 0 && disk <= out_rows && (disk == 0 || disk_rows_cached(request, probes))) {
+        Py_ssize_t next = out_rows - disk;
+        for (int part = 0; part < request->parts; part++) {
+            request->first[part] = next;
+            next += request->disk[part];
+        }
+        if (disk)
+            run_parts(copy_part, request, request->parts);
+        staged = 1;
+    }
+    Py_END_ALLOW_THREADS
+    if (bad >= 0)
+        PyErr_Format(PyExc_IndexError, "row id %lld is outside this table's rows [%lld, %lld)",
+                     (long long)request->id[bad], first_row, first_row + num_rows);
+    else if (disk > out_rows)
+        PyErr_Format(PyExc_ValueError, "out holds %zd rows, fewer than the %zd disk positions", out_rows, disk);
+    else
+        result = Py_BuildValue("nO", disk, staged ? Py_True : Py_False);
+    PyMem_Free(request);
+done:
+    release(&held);
+    return result;
+}
 static PyObject *cached(PyObject *self, PyObject *args)
 {
     PyObject *mapping_object, *slots_object;
@@ -231,6 +591,7 @@ static PyObject *cached(PyObject *self, PyObject *args)
 static PyMethodDef methods[] = {
     {"copy_rows", copy_rows, METH_VARARGS, "Rows at file slots into out (see the module's comment)."},
     {"slot_of", slot_of, METH_VARARGS, "File slots of local rows from the rank index."},
+    {"stage", stage, METH_VARARGS, "A request's slots and tier rows, and its cached disk rows staged."},
     {"cached", cached, METH_VARARGS, "Whether a few rows spread over a request are in the page cache."},
     {NULL, NULL, 0, NULL},
 };
@@ -239,5 +600,11 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", NULL, -1, 
 
 PyMODINIT_FUNC PyInit__native(void)
 {
+    pthread_atfork(NULL, NULL, pool_after_fork);
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("popcnt"))
+        find_slots = find_slots_popcnt;
+#endif
     return PyModule_Create(&module);
 }

@@ -30,6 +30,8 @@ try:
 except ImportError:  # built only where a C compiler was there at install (setup.py)
     _native = None
 
+# The rank index of a source-order table, which has none: a slot is the row.
+_NO_ORDER = (np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint32), np.zeros(0, dtype=np.uint32))
 # Tuned on this project's benchmark host (BENCHMARKS.md, "runtime gather"): the window that reached the
 # disk's random-read ceiling, and a byte cap that keeps advice from flooding a small page cache.
 DEFAULT_WINDOW_PAGES = 128
@@ -129,7 +131,7 @@ class Gatherer:
         if not count:
             return np.empty((0, self._row_bytes), dtype=np.uint8) if out is None else out
         window = self.window
-        cold = (self.direct is not None or window) and not self._cached(slots)
+        cold = (self.direct is not None or window) and not self.cached(slots)
         if cold and self.direct is not None:
             # Read past the mapping: nothing is left mapped, so nothing counts against the budget.
             return self.direct.gather_slots(slots, out if out is not None else
@@ -163,6 +165,31 @@ class Gatherer:
         for start in range(0, len(slots), COPY_STEP_ROWS):
             step = slice(start, start + COPY_STEP_ROWS)
             target[step] = self._units[self._units_of(slots[step])]
+
+    def stage(self, ids: np.ndarray, rows: tuple, num_resident: int, slots: np.ndarray, index: np.ndarray,
+              out: np.ndarray, threads: int, slot_of) -> tuple[int, bool]:
+        """Table.stage: `rows` is the table's (first_row, num_rows, rank index or None), `slot_of`
+        its lookup (for the numpy fallback)."""
+        if _native is not None:
+            first_row, num_rows, order = rows
+            bits, below, sorted_slots = order if order is not None else _NO_ORDER
+            disk, staged = _native.stage(ids, first_row, num_rows, bits, below, sorted_slots, num_resident, slots,
+                                         index, self._mapping, out, self._data_offset, self._page_size,
+                                         self._rows_per_page, self._row_bytes, self._num_slots, PROBE_PAGES, threads)
+        else:
+            slots[:] = slot_of(ids)
+            resident = slots < num_resident
+            index[resident] = slots[resident]
+            positions = np.flatnonzero(~resident)
+            disk = len(positions)
+            staged = disk == 0 or self.cached(slots[positions])
+            if disk and staged:
+                first = len(out) - disk
+                self._copy(slots[positions], out[first:])
+                index[positions] = num_resident + first + np.arange(disk)
+        if disk and staged and self.budget is not None:
+            self.budget.charge(disk)
+        return disk, staged
 
     def _copy_in_parts(self, slots: np.ndarray, out: np.ndarray, parts: int) -> None:
         """Copy cached rows on `parts` threads (the helper and numpy's copy release the GIL)."""
@@ -220,7 +247,7 @@ class Gatherer:
             begin, end = distinct_starts[low], distinct_starts[high]
             target[requests[begin:end]] = rows[ranks[begin:end] - low]
 
-    def _cached(self, slots: np.ndarray) -> bool:
+    def cached(self, slots: np.ndarray) -> bool:
         """Whether the memory pages of a few rows spread over the request are all in the page cache."""
         if _native is not None:
             return _native.cached(self._mapping, slots, self._data_offset, self._page_size, self._rows_per_page,

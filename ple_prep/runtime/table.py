@@ -112,6 +112,23 @@ class Table:
         # In source order a slot is the local id, and `local` is already a fresh array.
         return self.order.slot_of(local) if self.order.num_placed else local
 
+    def stage(self, ids: np.ndarray, num_resident: int, slots: np.ndarray, index: np.ndarray,
+              out: np.ndarray, threads: int = 1) -> tuple[int, bool]:
+        """The host half of a lookup split between a resident tier (the first `num_resident` slots)
+        and this file, into caller buffers, for a serving stack's every step (runtime/torch.py).
+
+        `slots` (int64) gets each id's slot and `index` (int32) the slot of each resident position.
+        If the other positions' rows are in the page cache (a few probed), they are copied into
+        the last rows of `out` (uint8 rows) in position order and their `index` set to
+        num_resident + their row of `out`. Returns (number of other positions, whether their rows
+        were staged); if not, the caller reads them (`gather_slots`). `threads` splits a large
+        request where the compiled helper runs it.
+        """
+        self._watch.check()
+        order = self.order.rank_index if self.order.num_placed else None
+        return self._gatherer.stage(ids, (self.first_row, self.num_rows, order), num_resident, slots, index, out,
+                                    threads, self.slot_of)
+
     def page_of(self, ids: np.ndarray) -> np.ndarray:
         """Index of the file page (counted from the data region) holding each row."""
         return self.slot_of(ids) // self.rows_per_page

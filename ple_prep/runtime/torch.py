@@ -12,9 +12,10 @@
 
 Resident rows (the file's leading slots, the hottest with an access-ordered layout) live on the
 device. `start` runs on the host (inline for a few ids, else on a worker thread): the table's host
-lookup finds each id's slot, the positions whose rows are not resident are deduplicated and those
-rows gathered once each into a pinned buffer, and a per-position tier index is written next to
-them; one non-blocking copy on a side stream carries both to the device. `finish` makes the
+lookup finds each id's slot and writes the resident positions' tier index; the rows of the other
+positions are copied into a pinned buffer (from the page cache: every position, in parts on
+threads; cold: each distinct row once, through the table's read path) with their tier index next
+to them; one non-blocking copy on a side stream carries both to the device. `finish` makes the
 current stream wait for that copy (an event: no host synchronisation when the copy was launched in
 time), then one index picks every position's row from its tier and the decoder writes bf16 into an
 output buffer allocated once. The device half launches kernels only, on fixed buffers, so it can
@@ -25,20 +26,17 @@ Imported only when asked: needs torch (`pip install 'ple-prep[torch]'`).
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
-import mmap
+import os
 import time
-import warnings
 
 import numpy as np
 import torch
 
-from .gather import _MINCORE
 from .table import Table
 from .tiers import read_leading_slots
 from .torch_dequant import decoder_for
 
-try:  # the compiled helper (core/_native.c) finds slots without holding the GIL: threads then help
+try:  # the compiled helper (core/_native.c) finds and copies without holding the GIL: threads then help
     from ..core import _native as _compiled
 except ImportError:
     _compiled = None
@@ -52,15 +50,12 @@ GRAPH_MIN_IDS = 16
 # Up to this many disk positions of a cold request, rows are read without deduplication: the sort
 # costs more than reading a rare duplicate row (whose page the first read has cached).
 DEDUP_MIN_ROWS = 64
-# Up to this many ids, the resident/disk split runs in plain Python.
-SMALL_IDS = 64
-# A large request's slot lookup is split over up to LOOKUP_THREADS threads, parts of at least
-# LOOKUP_PART_IDS ids, where the compiled helper does it (numpy's passes hold the GIL too often
-# to gain from threads: measured slower with 2 and more on the H200's host).
-LOOKUP_THREADS = 8
-LOOKUP_PART_IDS = 8192
-# Disk rows checked with mincore (spread over the request) to tell a cached request from a cold one.
-PROBE_ROWS = 4
+# A large request's slot lookup and cached row copy are split over up to LOOKUP_THREADS threads
+# (the compiled helper's own pool), parts of at least LOOKUP_PART_IDS ids. On the H200's 16-core
+# host a 4,096-token chunk's host half took 1.63 ms on one thread, 0.30 on 8 and 0.18 on 16
+# (BENCHMARKS.md).
+LOOKUP_THREADS = min(16, os.cpu_count() or 1)
+LOOKUP_PART_IDS = 4096
 
 
 def _distinct(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -142,15 +137,8 @@ class EmbeddingSource:
         self._rows = torch.empty((capacity, row_bytes), dtype=torch.uint8, device=self.device)
         self.output = torch.empty((capacity, table.values_per_row), dtype=torch.bfloat16, device=self.device)
         self._decoder = decoder_for(table.encoding, table.values_per_row, table.scale, self.device)
-        self._host_rows_tensor = torch.from_numpy(self._host_rows)
-        # Tier row of each staging row (the staging area follows the resident rows).
-        self._staging_rows = np.arange(rows, rows + capacity, dtype=np.int32)
-        # mincore's result: one byte per system page of a row (rows are far smaller than a page, so
-        # a row spans at most two).
-        self._probe_result = (ctypes.c_ubyte * 2)()
-        self._map_file(table)
+        self._slots = np.empty(capacity, dtype=np.int64)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._lookup_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future | _Done | None = None
         self._joined: int | None = None
@@ -216,110 +204,48 @@ class EmbeddingSource:
         # A copy: the caller may reuse its array while the worker reads this one.
         return ids.reshape(-1).astype(np.int64)
 
-    def _map_file(self, table: Table) -> None:
-        """The table's file mapped once more, read through torch: warm rows are copied by torch's
-        CPU index kernel, which splits a large request over threads (numpy's row copy runs on one)."""
-        self.table = table
-        self._file_map = mmap.mmap(table.descriptor, 0, prot=mmap.PROT_READ)
-        self._file_map.madvise(mmap.MADV_RANDOM)
-        with warnings.catch_warnings():
-            # A read-only buffer: torch warns that writes would fail; nothing here writes.
-            warnings.simplefilter("ignore", UserWarning)
-            file_bytes = torch.frombuffer(self._file_map, dtype=torch.uint8)
-        self._file_base = file_bytes.data_ptr()
-        # Row bytes at every byte offset: index_select's rows are byte offsets, each a memcpy.
-        self._file_rows = file_bytes.as_strided((len(file_bytes) - table.row_bytes + 1, table.row_bytes), (1, 1))
-
     def close(self) -> None:
-        """Release the file mapping and the worker thread (a pending start is finished first)."""
+        """Release the worker thread (a pending start is finished first); the table stays open."""
         pending, self._pending = self._pending, None
         if isinstance(pending, concurrent.futures.Future):
             concurrent.futures.wait([pending])  # its error, if any, goes with it
-        for pool in (self._worker, self._lookup_pool):
-            if pool is not None:
-                pool.shutdown()
-        self._worker = self._lookup_pool = None
-        self._file_rows = None
-        self._file_map.close()
+        if self._worker is not None:
+            self._worker.shutdown()
+        self._worker = None
 
     def reopen(self, table: Table) -> None:
-        """Serve from `table`, a new opening of the same file (after `close`)."""
+        """Serve from `table`, a new opening of the same file (after `close`, when the old opening
+        was closed: say, to evict its pages)."""
         if (table.num_rows, table.row_bytes, table.header.file_id) != \
                 (self.table.num_rows, self.table.row_bytes, self.table.header.file_id):
             raise ValueError(f"{table.path} is not the table this source was built from")
-        self._map_file(table)
-
-    def _slot_of(self, ids: np.ndarray) -> np.ndarray:
-        """The table's host lookup, in parallel parts for a large request."""
-        parts = min(LOOKUP_THREADS, len(ids) // LOOKUP_PART_IDS) if _compiled is not None else 1
-        if parts <= 1:
-            return self.table.slot_of(ids)
-        if self._lookup_pool is None:
-            self._lookup_pool = concurrent.futures.ThreadPoolExecutor(LOOKUP_THREADS, "ple-prep-lookup")
-        bounds = [len(ids) * part // parts for part in range(parts + 1)]
-        return np.concatenate(list(self._lookup_pool.map(
-            lambda part: self.table.slot_of(ids[bounds[part]:bounds[part + 1]]), range(parts))))
-
-    def _cached(self, slots: np.ndarray) -> bool:
-        """Whether the pages of a few rows spread over `slots` are in the page cache."""
-        if _MINCORE is None:
-            return False
-        header = self.table.header
-        last = len(slots) - 1
-        for pick in range(min(PROBE_ROWS, len(slots))):
-            slot = int(slots[last * pick // max(1, PROBE_ROWS - 1)])
-            start = (header.data_offset + slot // header.rows_per_page * header.page_size
-                     + slot % header.rows_per_page * header.row_bytes)
-            aligned = start - start % mmap.PAGESIZE
-            length = start + header.row_bytes - aligned
-            result = self._probe_result
-            if (_MINCORE(self._file_base + aligned, length, result) != 0 or not result[0] & 1
-                    or (length > mmap.PAGESIZE and not result[1] & 1)):
-                return False
-        return True
+        self.table = table
 
     def _prepare(self, ids: np.ndarray, stream) -> int:
         """Slots, the resident/disk split, the disk rows and the tier index into the span; the copy
         on `stream` (the caller's for inline work, where it is queued ahead of what comes next)."""
-        count = len(ids)
+        count, resident, table = len(ids), self.num_resident, self.table
         began = time.perf_counter()
         if self._cuda:
             # The previous copy has left the pinned span before this call rewrites it.
             self._copied.synchronize()
-        slots = self._slot_of(ids)
-        looked_up = time.perf_counter()
-        index = self._host_index[:count]
-        np.copyto(index, slots, casting="unsafe")
-        if count <= SMALL_IDS:
-            # A decode step's few ids: Python lists cost less than a dozen numpy calls.
-            disk_positions = [p for p, slot in enumerate(slots.tolist()) if slot >= self.num_resident]
-        else:
-            disk_positions = np.flatnonzero(slots >= self.num_resident)
-        disk = len(disk_positions)
-        split = gathered = looked_up
-        if disk:
+        slots, index = self._slots[:count], self._host_index[:count]
+        threads = max(1, min(LOOKUP_THREADS, count // LOOKUP_PART_IDS)) if _compiled is not None else 1
+        disk, staged = table.stage(ids, resident, slots, index, self._host_rows, threads)
+        looked_up = split = gathered = time.perf_counter()
+        if not staged:
+            # Cold: each distinct row read once, through the table's read path.
+            disk_positions = np.flatnonzero(slots >= resident)
             disk_slots = slots[disk_positions]
-            header = self.table.header
-            if self._cached(disk_slots):
-                # From the page cache: every disk position copied, in parallel, no sort.
-                first = self.capacity - disk
-                pages, places = np.divmod(disk_slots, header.rows_per_page)
-                pages *= header.page_size
-                pages += places * header.row_bytes + header.data_offset
-                index[disk_positions] = self._staging_rows[first:]
-                split = time.perf_counter()
-                torch.index_select(self._file_rows, 0, torch.from_numpy(pages), out=self._host_rows_tensor[first:])
+            if disk > DEDUP_MIN_ROWS:
+                disk_slots, inverse = _distinct(disk_slots)
+                disk = len(disk_slots)
             else:
-                # Cold: each distinct row read once, through the table's read path.
-                if disk > DEDUP_MIN_ROWS:
-                    disk_slots, inverse = _distinct(disk_slots)
-                    disk = len(disk_slots)
-                else:
-                    inverse = np.arange(disk)
-                first = self.capacity - disk
-                index[disk_positions] = self._staging_rows[first:][inverse]
-                split = time.perf_counter()
-                self.table.gather_slots(disk_slots, out=self._host_rows[first:])
+                inverse = np.arange(disk)
+            first = self.capacity - disk
+            index[disk_positions] = resident + first + inverse
+            split = time.perf_counter()
+            table.gather_slots(disk_slots, out=self._host_rows[first:])
             gathered = time.perf_counter()
         self.last_disk_rows = disk
         if self._cuda:
