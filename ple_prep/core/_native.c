@@ -254,11 +254,11 @@ done:
 /* --- A small thread pool for `stage`: Python's threads pay a GIL handoff and a queue per part,
  * which on a virtual machine's slow wakeups cost more than the part itself. Workers take parts of
  * the current job by claiming them from one atomic ticket (generation, parts, next part), poll
- * for the next job for SPIN_NS after finishing one (a request's second phase then starts at
- * once) and sleep on a condition variable after that. One job runs at a time (caller_lock). */
+ * for the next job for SPIN_NS after finishing one (a request's copy phase, which follows its
+ * lookup within microseconds, then starts at once) and sleep on a condition variable after that. One job runs at a time (caller_lock). */
 
 #define MAX_THREADS 64
-#define SPIN_NS 200000
+#define SPIN_NS 50000
 
 typedef void part_fn(void *context, int part);
 
