@@ -65,6 +65,14 @@ def page_cache(request, table, tmp_path):
         yield opened
 
 
+@pytest.fixture(params=["fused", "torch"])
+def kernels(request, monkeypatch):
+    """FP8 on a GPU with Triton: the one-kernel row index and decode, or torch's index and decoder."""
+    if request.param == "torch":
+        monkeypatch.setattr(runtime_torch, "fp8_gather_for", lambda *args: None)
+    return request.param
+
+
 def token_ids(table, tokens: int, seed: int) -> np.ndarray:
     """(tokens, 16) row ids of token text through the real hash, with repeated tokens."""
     rng = np.random.default_rng(seed)
@@ -96,7 +104,7 @@ def disk_rows(table, source, ids: np.ndarray, *, distinct: bool) -> int:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_host_ids_give_values_per_position_across_poisoned_buffers(page_cache, device, loops):
+def test_host_ids_give_values_per_position_across_poisoned_buffers(page_cache, device, loops, kernels):
     table = page_cache
     source = EmbeddingSource(table, device=device, resident_bytes=3000 * table.row_bytes, max_ids=300 * 16)
     # Cached: every disk position is copied from the mapping; cold: the table's read path reads
@@ -229,40 +237,6 @@ def test_a_large_request_split_over_threads_equals_the_tables(page_cache, loops,
         source.finish()
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_a_request_in_pieces_with_a_cold_piece_after_a_cached_one(table, device, tmp_path, monkeypatch):
-    """Pieces of 400 ids: the first one's rows in the page cache (copied from the mapping), the
-    rest cold (read once each through the table's read path), all in one request."""
-    monkeypatch.setattr(runtime_torch, "PIECE_IDS", 400)
-    copy = tmp_path / table.path.name
-    shutil.copy(table.path, copy)
-    shutil.copy(manifest_path(table.path), manifest_path(copy))
-    evict(copy)
-    if (cached_fraction(copy) or 0) > 0.5:
-        pytest.skip("the page cache does not let this file's pages go (tmpfs?)")
-    with open_table(copy) as cold:
-        source = EmbeddingSource(cold, device=device, resident_bytes=300 * cold.row_bytes, max_ids=1600)
-        header = cold.header
-        ids = token_ids(table, 100, 31).reshape(-1)
-        slots = cold.slot_of(ids)
-        first_piece = slots[:400][slots[:400] >= source.num_resident]
-        warm_pages = np.unique(first_piece // header.rows_per_page)
-        # The rest of the request: rows on other pages only, so its probe finds them cold.
-        others = ~np.isin(slots[400:] // header.rows_per_page, warm_pages)
-        ids = np.concatenate([ids[:400], ids[400:][others][:800]])
-        slots = cold.slot_of(ids)
-        # The first piece's pages into the page cache, nothing else: page faults of a mapping
-        # without readahead or advice (buffered reads here pulled the whole file in).
-        with open_table(copy, read_path="mapped", window_pages=0) as warmer:
-            warmer.gather_slots(first_piece)
-        poison(source)
-        assert np.array_equal(bits(source(ids)), expected_bits(table, ids))
-        rest = slots[400:]
-        if cold.read_path == "direct":  # (the mapped read path would fill the cache as it reads)
-            assert source.last_disk_rows == len(first_piece) + len(np.unique(rest[rest >= source.num_resident]))
-            assert source.last_stages["gather"] > 0
-
-
 def test_close_and_reopen_serve_a_new_opening_of_the_file(table):
     source = EmbeddingSource(table, device="cpu", resident_bytes=100 * table.row_bytes, max_ids=640)
     ids = token_ids(table, 40, 20)
@@ -276,7 +250,7 @@ def test_close_and_reopen_serve_a_new_opening_of_the_file(table):
 
 
 @needs_cuda
-def test_finish_replays_in_a_captured_cuda_graph_for_varying_counts(table):
+def test_finish_replays_in_a_captured_cuda_graph_for_varying_counts(table, kernels):
     capacity = 96 * 16
     source = EmbeddingSource(table, device="cuda", resident_bytes=2000 * table.row_bytes, max_ids=capacity)
     warm = token_ids(table, 96, 13)

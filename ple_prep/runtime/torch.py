@@ -35,6 +35,7 @@ import torch
 from .table import Table
 from .tiers import read_leading_slots
 from .torch_dequant import decoder_for
+from .triton_gather import fp8_gather_for
 
 try:  # the compiled helper (core/_native.c) finds and copies without holding the GIL: threads then help
     from ..core import _native as _compiled
@@ -56,9 +57,6 @@ DEDUP_MIN_ROWS = 64
 # (BENCHMARKS.md); two cores are left to the threads that launch the model's work.
 LOOKUP_THREADS = min(16, max(1, (os.cpu_count() or 1) - 2))
 LOOKUP_PART_IDS = 4096
-# A request of more ids is looked up and copied in pieces of this many: on a GPU each piece's rows
-# cross to the device while the next piece is looked up.
-PIECE_IDS = 16384
 
 
 def _distinct(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -138,14 +136,13 @@ class EmbeddingSource:
         self._host_rows = self._host_span[:capacity * row_bytes].view(capacity, row_bytes).numpy()
         self._host_index = self._host_span[self._index_at:].view(torch.int32).numpy()
         self._rows = torch.empty((capacity, row_bytes), dtype=torch.uint8, device=self.device)
-        # The row index moves the widest unit that divides a row (and so the lead): a chunk's
-        # index_select of 8-byte words ran several times faster than one of bytes.
-        unit = next(dtype for dtype in (torch.int64, torch.int32, torch.int16, torch.uint8)
-                    if row_bytes % dtype.itemsize == 0)
-        self._tier_units = self._tiers.view(unit)
-        self._row_units = self._rows.view(unit)
         self.output = torch.empty((capacity, table.values_per_row), dtype=torch.bfloat16, device=self.device)
         self._decoder = decoder_for(table.encoding, table.values_per_row, table.scale, self.device)
+        # FP8 on a GPU with Triton: the row index and the decode in one kernel, compiled here so
+        # that no graph capture compiles it.
+        self._fused = fp8_gather_for(self._decoder, table.row_bytes, self.device)
+        if self._fused is not None:
+            self._fused(self._tiers, self._index[:1], self.output[:1])
         self._slots = np.empty(capacity, dtype=np.int64)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
@@ -231,79 +228,40 @@ class EmbeddingSource:
         self.table = table
 
     def _prepare(self, ids: np.ndarray, stream) -> int:
-        """Slots, the resident/disk split, the disk rows and the tier index into the span, and the
-        copies on `stream` (the caller's for inline work, where they are queued ahead of what comes
-        next). A large request goes in pieces of PIECE_IDS, each piece's rows copied while the next
-        is looked up; a piece whose rows are not in the page cache ends the pieces: the rest of the
-        request is read in one go (each distinct row once)."""
+        """Slots, the resident/disk split, the disk rows and the tier index into the span; the copy
+        on `stream` (the caller's for inline work, where it is queued ahead of what comes next)."""
         count, resident, table = len(ids), self.num_resident, self.table
+        began = time.perf_counter()
         if self._cuda:
-            # The previous copy has left the pinned span before this call rewrites it, and the
-            # device span is rewritten only after the last finish has read it.
+            # The previous copy has left the pinned span before this call rewrites it.
             self._copied.synchronize()
-            stream.wait_event(self._consumed)
-        stages = dict.fromkeys(("lookup", "split", "gather", "copy"), 0.0)
         slots, index = self._slots[:count], self._host_index[:count]
-        # Staging rows [end, capacity) hold this call's disk rows, the first piece's last; rows
-        # [end, copied) are still to be copied.
-        end = copied = self.capacity
-        low = 0
-        while low < count:
-            high = min(count, low + PIECE_IDS)
-            threads = max(1, min(LOOKUP_THREADS, (high - low) // LOOKUP_PART_IDS)) if _compiled is not None else 1
-            mark = time.perf_counter()
-            disk, staged = table.stage(ids[low:high], resident, slots[low:high], index[low:high],
-                                       self._host_rows[:end], threads)
-            stages["lookup"] += time.perf_counter() - mark
-            if not staged:
-                end = self._read_cold(ids, low, high, end, stages)
-                break
-            end -= disk
-            low = high
-            if low < count and self._cuda:
-                mark = time.perf_counter()
-                self._copy(end * self.table.row_bytes, copied * self.table.row_bytes, stream)
-                copied = end
-                stages["copy"] += time.perf_counter() - mark
-        self.last_disk_rows = self.capacity - end
-        if self._cuda:
-            mark = time.perf_counter()
-            row_bytes, index_end = self.table.row_bytes, self._index_at + 4 * count
-            if copied == self.capacity:  # one piece: its rows and the index are one span
-                self._copy(end * row_bytes, index_end, stream)
+        threads = max(1, min(LOOKUP_THREADS, count // LOOKUP_PART_IDS)) if _compiled is not None else 1
+        disk, staged = table.stage(ids, resident, slots, index, self._host_rows, threads)
+        looked_up = split = gathered = time.perf_counter()
+        if not staged:
+            # Cold: each distinct row read once, through the table's read path.
+            disk_positions = np.flatnonzero(slots >= resident)
+            disk_slots = slots[disk_positions]
+            if disk > DEDUP_MIN_ROWS:
+                disk_slots, inverse = _distinct(disk_slots)
+                disk = len(disk_slots)
             else:
-                self._copy(end * row_bytes, copied * row_bytes, stream)
-                self._copy(self._index_at, index_end, stream)
+                inverse = np.arange(disk)
+            first = self.capacity - disk
+            index[disk_positions] = resident + first + inverse
+            split = time.perf_counter()
+            table.gather_slots(disk_slots, out=self._host_rows[first:])
+            gathered = time.perf_counter()
+        self.last_disk_rows = disk
+        if self._cuda:
+            # The device span is rewritten only after the last finish has read it.
+            stream.wait_event(self._consumed)
+            self._copy((self.capacity - disk) * self.table.row_bytes, self._index_at + 4 * count, stream)
             self._copied.record(stream)
-            stages["copy"] += time.perf_counter() - mark
-        self.last_stages = stages
+        self.last_stages = {"lookup": looked_up - began, "split": split - looked_up,
+                            "gather": gathered - split, "copy": time.perf_counter() - gathered}
         return count
-
-    def _read_cold(self, ids: np.ndarray, low: int, high: int, end: int, stages: dict) -> int:
-        """Positions [low, count) whose rows are not resident, read through the table's read path
-        (each distinct row once) into the staging rows below `end`; positions [low, high) have
-        their slots already. Returns the new end."""
-        count, resident = len(ids), self.num_resident
-        slots, index = self._slots[:count], self._host_index[:count]
-        mark = time.perf_counter()
-        if high < count:
-            rest = self.table.slot_of(ids[high:])
-            slots[high:] = rest
-            in_memory = np.flatnonzero(rest < resident)
-            index[high + in_memory] = rest[in_memory]
-        disk_positions = low + np.flatnonzero(slots[low:] >= resident)
-        disk_slots = slots[disk_positions]
-        if len(disk_slots) > DEDUP_MIN_ROWS:
-            disk_slots, inverse = _distinct(disk_slots)
-        else:
-            inverse = np.arange(len(disk_slots))
-        first = end - len(disk_slots)
-        index[disk_positions] = resident + first + inverse
-        gathered = time.perf_counter()
-        self.table.gather_slots(disk_slots, out=self._host_rows[first:end])
-        stages["split"] += gathered - mark
-        stages["gather"] += time.perf_counter() - gathered
-        return first
 
     def _copy(self, low: int, high: int, stream) -> None:
         """Bytes [low, high) of the pinned span to the device span, on `stream`."""
@@ -356,9 +314,13 @@ class EmbeddingSource:
         return values
 
     def _index_and_decode(self, count: int) -> torch.Tensor:
-        torch.index_select(self._tier_units, 0, self._index[:count], out=self._row_units[:count])
+        if self._fused is not None:
+            values = self.output[:count]
+            self._fused(self._tiers, self._index[:count], values)
+            return values
+        rows = torch.index_select(self._tiers, 0, self._index[:count], out=self._rows[:count])
         values = self.output[:count]
-        self._decoder(self._rows[:count], out=values)
+        self._decoder(rows, out=values)
         return values
 
     def _capture(self, size: int, stream) -> torch.cuda.CUDAGraph:
