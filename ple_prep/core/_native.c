@@ -4,8 +4,9 @@
  *
  * copy_rows(mapping, slots, out, data_offset, page_size, rows_per_page, row_bytes, num_slots)
  *     out[i] = the row at file slot slots[i]: one memcpy per row, straight into `out`.
- * slot_of(rows, bits, below, sorted_slots, out)
- *     out[i] = the file slot of local row rows[i], from format/order.py's rank index.
+ * slot_of(ids, first_row, num_rows, bits, below, sorted_slots, out)
+ *     out[i] = the file slot of row id ids[i] (local row ids[i] - first_row, refused outside
+ *     [0, num_rows)), from format/order.py's rank index (the identity where sorted_slots is empty).
  * stage(ids, first_row, num_rows, bits, below, sorted_slots, num_resident, slots, index, mapping, out,
  *       data_offset, page_size, rows_per_page, row_bytes, num_slots, probes, threads) -> (disk, staged)
  *     The host half of a tiered lookup (runtime/gather.py's Gatherer.stage): slots[i] = the file
@@ -115,8 +116,7 @@ static PyObject *copy_rows(PyObject *self, PyObject *args)
     return result;
 }
 
-/* Rows at or past `limit` are refused (*bad = their position): the rank index's end for slot_of,
- * the table's row count for split_slots. Placed rows get their slot from sorted_slots, the others
+/* Local rows (ids less first_row) outside [0, limit) are refused (*bad = their position). Placed rows get their slot from sorted_slots, the others
  * follow the placed ones in row order; without placed rows a slot is the row. */
 static inline __attribute__((always_inline)) void find_slots_body(
     const int64_t *row, Py_ssize_t count, int64_t first_row, int64_t limit, const uint64_t *word,
@@ -216,32 +216,37 @@ static Py_buffer *hold(held_buffers *held, PyObject *object, int writable, Py_ss
 
 static PyObject *slot_of(PyObject *self, PyObject *args)
 {
-    PyObject *rows_object, *bits_object, *below_object, *sorted_slots_object, *out_object;
-    if (!PyArg_ParseTuple(args, "OOOOO", &rows_object, &bits_object, &below_object, &sorted_slots_object,
-                          &out_object))
+    PyObject *ids_object, *bits_object, *below_object, *sorted_slots_object, *out_object;
+    long long first_row, num_rows;
+    if (!PyArg_ParseTuple(args, "OLLOOOO", &ids_object, &first_row, &num_rows, &bits_object, &below_object,
+                          &sorted_slots_object, &out_object))
         return NULL;
     held_buffers held = {.held = 0};
     PyObject *result = NULL;
-    Py_buffer *rows, *bits, *below, *sorted_slots, *out;
-    if (!(rows = hold(&held, rows_object, 0, sizeof(int64_t), "rows"))
+    Py_buffer *ids, *bits, *below, *sorted_slots, *out;
+    if (!(ids = hold(&held, ids_object, 0, sizeof(int64_t), "ids"))
         || !(bits = hold(&held, bits_object, 0, sizeof(uint64_t), "bits"))
         || !(below = hold(&held, below_object, 0, sizeof(uint32_t), "below"))
         || !(sorted_slots = hold(&held, sorted_slots_object, 0, sizeof(uint32_t), "sorted_slots"))
         || !(out = hold(&held, out_object, 1, sizeof(int64_t), "out")))
         goto done;
     Py_ssize_t num_words = bits->len / (Py_ssize_t)sizeof(uint64_t);
-    if (out->len != rows->len || below->len / (Py_ssize_t)sizeof(uint32_t) != num_words || sorted_slots->len == 0) {
+    int64_t num_placed = sorted_slots->len / (Py_ssize_t)sizeof(uint32_t);
+    if (out->len != ids->len || below->len / (Py_ssize_t)sizeof(uint32_t) != num_words || num_rows < 0
+        || (num_placed && num_words * 64 < num_rows)) {
         PyErr_SetString(PyExc_ValueError, "slot_of: mismatched array sizes");
         goto done;
     }
+    const int64_t *id = (const int64_t *)ids->buf;
     Py_ssize_t bad;
     Py_BEGIN_ALLOW_THREADS
-    find_slots((const int64_t *)rows->buf, rows->len / (Py_ssize_t)sizeof(int64_t), 0, (int64_t)num_words * 64,
-               (const uint64_t *)bits->buf, (const uint32_t *)below->buf, (const uint32_t *)sorted_slots->buf,
-               sorted_slots->len / (Py_ssize_t)sizeof(uint32_t), (int64_t *)out->buf, &bad);
+    find_slots(id, ids->len / (Py_ssize_t)sizeof(int64_t), first_row, num_rows, (const uint64_t *)bits->buf,
+               (const uint32_t *)below->buf, (const uint32_t *)sorted_slots->buf, num_placed, (int64_t *)out->buf,
+               &bad);
     Py_END_ALLOW_THREADS
     if (bad >= 0) {
-        PyErr_Format(PyExc_IndexError, "row %lld is outside the rank index", (long long)((int64_t *)rows->buf)[bad]);
+        PyErr_Format(PyExc_IndexError, "row id %lld is outside this table's rows [%lld, %lld)", (long long)id[bad],
+                     first_row, first_row + num_rows);
         goto done;
     }
     result = Py_None;

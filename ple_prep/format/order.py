@@ -42,6 +42,9 @@ class RankIndex(NamedTuple):
     sorted_slots: np.ndarray
 
 
+NO_RANK_INDEX = RankIndex(np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint32), np.zeros(0, dtype=np.uint32))
+
+
 class RowOrder:
     def __init__(self, num_rows: int, slot_rows: np.ndarray, sorted_rows: np.ndarray,
                  sorted_slots: np.ndarray):
@@ -95,16 +98,22 @@ class RowOrder:
                 raise BadInput(f"{name}: the row-order map is inconsistent (corrupt file)")
         return cls(num_rows, slot_rows, sorted_rows, sorted_slots)
 
-    def slot_of(self, rows: np.ndarray) -> np.ndarray:
-        """File slot of each local row id (int64, ids already checked to be in range)."""
-        rows = np.ascontiguousarray(rows, dtype=np.int64)
-        if not self.num_placed:
-            return rows.copy()
+    def slot_of(self, ids: np.ndarray, first_row: int = 0) -> np.ndarray:
+        """File slot of each row id (int64, the shape of `ids`): ids are local rows plus
+        `first_row` (a rank file's first row); an id outside them raises IndexError."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
         bits, below, sorted_slots = self.rank_index
         if _native is not None:
-            slots = np.empty(rows.shape, dtype=np.int64)
-            _native.slot_of(rows, bits, below, sorted_slots, slots)
+            slots = np.empty(ids.shape, dtype=np.int64)
+            _native.slot_of(ids, first_row, self.num_rows, bits, below, sorted_slots, slots)
             return slots
+        rows = ids - first_row
+        # One pass checks both ends: seen as unsigned, a negative local id is above any row count.
+        if rows.size and rows.view(np.uint64).max() >= self.num_rows:
+            bad = ids[(rows < 0) | (rows >= self.num_rows)][0]
+            raise IndexError(f"row id {bad} is outside this table's rows [{first_row}, {first_row + self.num_rows})")
+        if not self.num_placed:
+            return rows
         words = rows >> 6
         # Each row's bit moved to the top of its word: it says whether the row is placed, and the
         # bits at and below it count the placed rows up to it.
@@ -119,7 +128,10 @@ class RowOrder:
 
     @property
     def rank_index(self) -> RankIndex:
-        """The lookup's index (RankIndex), built on first use."""
+        """The lookup's index (RankIndex), built on first use; empty arrays where no row is placed
+        (then a slot is the row)."""
+        if not self.num_placed:
+            return NO_RANK_INDEX
         if self._rank_index is None:
             with self._rank_lock:
                 if self._rank_index is None:

@@ -30,8 +30,6 @@ try:
 except ImportError:  # built only where a C compiler was there at install (setup.py)
     _native = None
 
-# The rank index of a source-order table, which has none: a slot is the row.
-_NO_ORDER = (np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint32), np.zeros(0, dtype=np.uint32))
 # Tuned on this project's benchmark host (BENCHMARKS.md, "runtime gather"): the window that reached the
 # disk's random-read ceiling, and a byte cap that keeps advice from flooding a small page cache.
 DEFAULT_WINDOW_PAGES = 128
@@ -166,18 +164,16 @@ class Gatherer:
             step = slice(start, start + COPY_STEP_ROWS)
             target[step] = self._units[self._units_of(slots[step])]
 
-    def stage(self, ids: np.ndarray, rows: tuple, num_resident: int, slots: np.ndarray, index: np.ndarray,
-              out: np.ndarray, threads: int, slot_of) -> tuple[int, bool]:
-        """Table.stage: `rows` is the table's (first_row, num_rows, rank index or None), `slot_of`
-        its lookup (for the numpy fallback)."""
+    def stage(self, ids: np.ndarray, order, first_row: int, num_resident: int, slots: np.ndarray,
+              index: np.ndarray, out: np.ndarray, threads: int) -> tuple[int, bool]:
+        """Table.stage, with the table's row order (format/order.py) and first row."""
         if _native is not None:
-            first_row, num_rows, order = rows
-            bits, below, sorted_slots = order if order is not None else _NO_ORDER
-            disk, staged = _native.stage(ids, first_row, num_rows, bits, below, sorted_slots, num_resident, slots,
-                                         index, self._mapping, out, self._data_offset, self._page_size,
+            bits, below, sorted_slots = order.rank_index
+            disk, staged = _native.stage(ids, first_row, order.num_rows, bits, below, sorted_slots, num_resident,
+                                         slots, index, self._mapping, out, self._data_offset, self._page_size,
                                          self._rows_per_page, self._row_bytes, self._num_slots, PROBE_PAGES, threads)
         else:
-            slots[:] = slot_of(ids)
+            slots[:] = order.slot_of(ids, first_row)
             resident = slots < num_resident
             index[resident] = slots[resident]
             positions = np.flatnonzero(~resident)

@@ -93,24 +93,17 @@ class Table:
         """{"rank", "size"} for a file written by `convert --tp-size`, else None."""
         return self.manifest.get("tensor_parallel")
 
-    def _local(self, ids: np.ndarray) -> np.ndarray:
+    def slot_of(self, ids: np.ndarray) -> np.ndarray:
+        """Position of each row in the file's slot order (int64, flat); ids outside this table's
+        rows raise IndexError."""
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu":
             raise TypeError(f"row ids must be integers, not {ids.dtype}")
-        ids = ids.astype(np.int64, copy=False).reshape(-1)
-        local = ids - self.first_row
-        # One pass checks both ends: seen as unsigned, a negative local id is above any row count.
-        if len(local) and local.view(np.uint64).max() >= self.num_rows:
-            bad = ids[(local < 0) | (local >= self.num_rows)][0]
-            first, stop = self.row_range
-            raise IndexError(f"row id {bad} is outside this table's rows [{first}, {stop})")
-        return local
+        return self.order.slot_of(ids.reshape(-1), self.first_row)
 
-    def slot_of(self, ids: np.ndarray) -> np.ndarray:
-        """Position of each row in the file's slot order (int64)."""
-        local = self._local(ids)
-        # In source order a slot is the local id, and `local` is already a fresh array.
-        return self.order.slot_of(local) if self.order.num_placed else local
+    def page_of(self, ids: np.ndarray) -> np.ndarray:
+        """Index of the file page (counted from the data region) holding each row."""
+        return self.slot_of(ids) // self.rows_per_page
 
     def stage(self, ids: np.ndarray, num_resident: int, slots: np.ndarray, index: np.ndarray,
               out: np.ndarray, threads: int = 1) -> tuple[int, bool]:
@@ -125,13 +118,7 @@ class Table:
         request where the compiled helper runs it.
         """
         self._watch.check()
-        order = self.order.rank_index if self.order.num_placed else None
-        return self._gatherer.stage(ids, (self.first_row, self.num_rows, order), num_resident, slots, index, out,
-                                    threads, self.slot_of)
-
-    def page_of(self, ids: np.ndarray) -> np.ndarray:
-        """Index of the file page (counted from the data region) holding each row."""
-        return self.slot_of(ids) // self.rows_per_page
+        return self._gatherer.stage(ids, self.order, self.first_row, num_resident, slots, index, out, threads)
 
     @property
     def read_path(self) -> str:
