@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -301,3 +302,38 @@ def test_gather_probe_on_other_page_sizes(fp8_checkpoint, source_rows, tmp_path,
         assert np.array_equal(table.gather(ids), source_rows[ids])
         assert table._gatherer.cached(slots)
         assert np.array_equal(table.gather(ids), source_rows[ids])
+
+
+def test_stage_in_a_forked_child_after_the_parent_used_the_thread_pool(table_path):
+    """The compiled helper's thread pool lives in one process: a child forked after the parent used
+    it (as vLLM's workers may be) starts its own and stages the same rows."""
+    if gather_module._native is None:
+        pytest.skip("the compiled helper is not built here (no compiler at install)")
+    with open_table(table_path, read_path="mapped") as table:
+        ids = real_like_ids(table.num_rows, 4000, 41)
+        table.gather(ids)  # every row cached: stage copies them all
+
+        def staged() -> tuple[np.ndarray, np.ndarray]:
+            slots, index = np.empty(len(ids), np.int64), np.full(len(ids), -1, np.int32)
+            out = np.zeros((len(ids), table.row_bytes), np.uint8)
+            disk, done = table.stage(ids, 100, slots, index, out, threads=4)
+            assert done and disk == np.count_nonzero(slots >= 100)
+            return index, out
+
+        index, out = staged()
+        child = os.fork()
+        if child == 0:  # the child: exit status 0 only if its stage gives the parent's bytes
+            try:
+                again = staged()
+                os._exit(0 if np.array_equal(again[0], index) and np.array_equal(again[1], out) else 1)
+            finally:
+                os._exit(2)
+        deadline = time.monotonic() + 60
+        while (waited := os.waitpid(child, os.WNOHANG)) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(child, 9)
+                pytest.fail("the forked child hung in stage")
+            time.sleep(0.05)
+        assert os.waitstatus_to_exitcode(waited[1]) == 0
+        rows = np.flatnonzero(index >= 100)
+        assert np.array_equal(out[index[rows] - 100], table.gather(ids[rows]))
