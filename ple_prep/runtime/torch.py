@@ -18,8 +18,9 @@ threads; cold: each distinct row once, through the table's read path) with their
 to them; one non-blocking copy on a side stream carries both to the device. `finish` makes the
 current stream wait for that copy (an event: no host synchronisation when the copy was launched in
 time), then one index picks every position's row from its tier and the decoder writes bf16 into an
-output buffer allocated once. The device half launches kernels only, on fixed buffers, so it can
-be captured in a CUDA graph and replayed; docs/SERVING.md gives the contract.
+output buffer allocated once (FP8 with Triton: one kernel does both, runtime/triton_gather.py).
+The device half launches kernels only, on fixed buffers, so it can be captured in a CUDA graph and
+replayed; docs/SERVING.md gives the contract.
 
 Imported only when asked: needs torch (`pip install 'ple-prep[torch]'`).
 """
