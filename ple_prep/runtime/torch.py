@@ -55,8 +55,10 @@ DEDUP_MIN_ROWS = 64
 # A large request's slot lookup and cached row copy are split over up to LOOKUP_THREADS threads
 # (the compiled helper's own pool), parts of at least LOOKUP_PART_IDS ids. On the H200's 16-core
 # host a 4,096-token chunk's host half took 2.63 ms on one thread and 0.33 ms on 14
-# (BENCHMARKS.md); two cores are left to the threads that launch the model's work.
-LOOKUP_THREADS = min(16, max(1, (os.cpu_count() or 1) - 2))
+# (BENCHMARKS.md); two of the cores this process may run on are left to the threads that launch
+# the model's work.
+LOOKUP_THREADS = min(16, max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                  else os.cpu_count() or 1) - 2))
 LOOKUP_PART_IDS = 4096
 
 
