@@ -337,3 +337,16 @@ def test_stage_in_a_forked_child_after_the_parent_used_the_thread_pool(table_pat
         assert os.waitstatus_to_exitcode(waited[1]) == 0
         rows = np.flatnonzero(index >= 100)
         assert np.array_equal(out[index[rows] - 100], table.gather(ids[rows]))
+
+
+def test_stage_refuses_buffers_of_the_wrong_type_or_size(table_path):
+    with open_table(table_path) as table:
+        ids = np.arange(10)
+        slots, index = np.empty(10, np.int64), np.empty(10, np.int32)
+        out = np.empty((10, table.row_bytes), np.uint8)
+        for wrong in ({"slots": np.empty(10, np.int32)}, {"slots": np.empty(9, np.int64)},
+                      {"index": np.empty(10, np.int64)}, {"index": np.empty(20, np.int32)[::2]},
+                      {"out": np.empty((10, table.row_bytes + 1), np.uint8)}, {"out": out.T.copy().T}):
+            given = {"slots": slots, "index": index, "out": out} | wrong
+            with pytest.raises(ValueError, match=f"{next(iter(wrong))} must be"):
+                table.stage(ids, 0, given["slots"], given["index"], given["out"])
