@@ -1,6 +1,6 @@
-/* The host lookup's two hot loops, compiled when a compiler is there at install (setup.py);
+/* The host lookup's hot loops, compiled when a compiler is there at install (setup.py);
  * ple_prep/runtime/gather.py and ple_prep/format/order.py hold the numpy fallback of each, with
- * the same results bit for bit. Both release the GIL, so a gather split over threads scales.
+ * the same results bit for bit. All release the GIL, so work split over threads scales.
  *
  * copy_rows(mapping, slots, out, data_offset, page_size, rows_per_page, row_bytes, num_slots)
  *     out[i] = the row at file slot slots[i]: one memcpy per row, straight into `out`.
@@ -46,73 +46,113 @@ static int get_buffer(PyObject *object, Py_buffer *view, int writable, Py_ssize_
     return 0;
 }
 
+/* A table's page geometry, refused unless rows fit their pages (format/header.py checks the same
+ * at open; this guards the pointer arithmetic below). */
+static int check_geometry(Py_ssize_t data_offset, Py_ssize_t page_size, Py_ssize_t rows_per_page,
+                          Py_ssize_t row_bytes, Py_ssize_t num_slots)
+{
+    if (row_bytes <= 0 || rows_per_page <= 0 || rows_per_page * row_bytes > page_size || data_offset < 0
+        || num_slots < 0) {
+        PyErr_SetString(PyExc_ValueError, "bad table geometry");
+        return -1;
+    }
+    return 0;
+}
+
+/* Where slot `slot`'s row starts in the data region `data` (format/pages.py: rows fill pages from
+ * their start, the rest of a page is padding). */
+static inline const char *row_address(const char *data, int64_t slot, Py_ssize_t page_size,
+                                      Py_ssize_t rows_per_page, Py_ssize_t row_bytes)
+{
+    return data + (slot / rows_per_page) * page_size + (slot % rows_per_page) * row_bytes;
+}
+
+static inline void prefetch_row(const char *row, Py_ssize_t row_bytes)
+{
+    for (Py_ssize_t line = 0; line < row_bytes; line += 64)
+        __builtin_prefetch(row + line);
+    __builtin_prefetch(row + row_bytes - 1);
+}
+
+/* Whether the memory page holding `address` is in the page cache (mincore). */
+static int page_cached(const char *address)
+{
+    uintptr_t system_page = (uintptr_t)sysconf(_SC_PAGESIZE), at = (uintptr_t)address;
+    unsigned char state = 0;
+    return mincore((void *)(at - at % system_page), 1, &state) == 0 && (state & 1);
+}
+
+/* The buffers a call holds, released together on every way out. */
+typedef struct {
+    Py_buffer views[8];
+    int held;
+} held_buffers;
+
+static void release(held_buffers *held)
+{
+    while (held->held)
+        PyBuffer_Release(&held->views[--held->held]);
+}
+
+static Py_buffer *hold(held_buffers *held, PyObject *object, int writable, Py_ssize_t item, const char *name)
+{
+    Py_buffer *view = &held->views[held->held];
+    if (get_buffer(object, view, writable, item, name) != 0)
+        return NULL;
+    held->held++;
+    return view;
+}
+
 static PyObject *copy_rows(PyObject *self, PyObject *args)
 {
     PyObject *mapping_object, *slots_object, *out_object;
     Py_ssize_t data_offset, page_size, rows_per_page, row_bytes, num_slots;
     if (!PyArg_ParseTuple(args, "OOOnnnnn", &mapping_object, &slots_object, &out_object, &data_offset,
-                          &page_size, &rows_per_page, &row_bytes, &num_slots))
+                          &page_size, &rows_per_page, &row_bytes, &num_slots)
+        || check_geometry(data_offset, page_size, rows_per_page, row_bytes, num_slots) != 0)
         return NULL;
-    if (row_bytes <= 0 || rows_per_page <= 0 || rows_per_page * row_bytes > page_size || data_offset < 0
-        || num_slots < 0) {
-        PyErr_SetString(PyExc_ValueError, "bad table geometry");
-        return NULL;
-    }
-    Py_buffer mapping, slots, out;
-    if (get_buffer(mapping_object, &mapping, 0, 1, "mapping") != 0)
-        return NULL;
-    if (get_buffer(slots_object, &slots, 0, sizeof(int64_t), "slots") != 0) {
-        PyBuffer_Release(&mapping);
-        return NULL;
-    }
-    if (get_buffer(out_object, &out, 1, 1, "out") != 0) {
-        PyBuffer_Release(&slots);
-        PyBuffer_Release(&mapping);
-        return NULL;
-    }
-    Py_ssize_t count = slots.len / (Py_ssize_t)sizeof(int64_t);
+    held_buffers held = {.held = 0};
+    PyObject *result = NULL;
+    Py_buffer *mapping, *slots, *out;
+    if (!(mapping = hold(&held, mapping_object, 0, 1, "mapping"))
+        || !(slots = hold(&held, slots_object, 0, sizeof(int64_t), "slots"))
+        || !(out = hold(&held, out_object, 1, 1, "out")))
+        goto done;
+    Py_ssize_t count = slots->len / (Py_ssize_t)sizeof(int64_t);
     Py_ssize_t num_pages = (num_slots + rows_per_page - 1) / rows_per_page;
-    PyObject *result = Py_None;
-    if (out.len != count * row_bytes) {
-        PyErr_Format(PyExc_ValueError, "out holds %zd bytes, not %zd rows of %zd", out.len, count, row_bytes);
-        result = NULL;
-    } else if (data_offset + num_pages * page_size > mapping.len) {
-        PyErr_SetString(PyExc_ValueError, "the mapping is shorter than its pages");
-        result = NULL;
-    } else {
-        const int64_t *slot = (const int64_t *)slots.buf;
-        const char *base = (const char *)mapping.buf + data_offset;
-        char *target = (char *)out.buf;
-        Py_ssize_t bad = -1;
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < count; i++) {
-            if (i + PREFETCH_AHEAD < count && (uint64_t)slot[i + PREFETCH_AHEAD] < (uint64_t)num_slots) {
-                int64_t ahead = slot[i + PREFETCH_AHEAD];
-                const char *row = base + (ahead / rows_per_page) * page_size + (ahead % rows_per_page) * row_bytes;
-                for (Py_ssize_t line = 0; line < row_bytes; line += 64)
-                    __builtin_prefetch(row + line);
-                __builtin_prefetch(row + row_bytes - 1);
-            }
-            int64_t s = slot[i];
-            if ((uint64_t)s >= (uint64_t)num_slots) {
-                bad = i;
-                break;
-            }
-            memcpy(target + i * row_bytes, base + (s / rows_per_page) * page_size + (s % rows_per_page) * row_bytes,
-                   (size_t)row_bytes);
-        }
-        Py_END_ALLOW_THREADS
-        if (bad >= 0) {
-            PyErr_Format(PyExc_IndexError, "slot %lld is outside the table's %zd slots",
-                         (long long)slot[bad], num_slots);
-            result = NULL;
-        }
+    if (out->len != count * row_bytes) {
+        PyErr_Format(PyExc_ValueError, "out holds %zd bytes, not %zd rows of %zd", out->len, count, row_bytes);
+        goto done;
     }
-    PyBuffer_Release(&out);
-    PyBuffer_Release(&slots);
-    PyBuffer_Release(&mapping);
-    if (result)
-        Py_INCREF(result);
+    if (data_offset + num_pages * page_size > mapping->len) {
+        PyErr_SetString(PyExc_ValueError, "the mapping is shorter than its pages");
+        goto done;
+    }
+    const int64_t *slot = (const int64_t *)slots->buf;
+    const char *data = (const char *)mapping->buf + data_offset;
+    char *target = (char *)out->buf;
+    Py_ssize_t bad = -1;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (i + PREFETCH_AHEAD < count && (uint64_t)slot[i + PREFETCH_AHEAD] < (uint64_t)num_slots)
+            prefetch_row(row_address(data, slot[i + PREFETCH_AHEAD], page_size, rows_per_page, row_bytes), row_bytes);
+        if ((uint64_t)slot[i] >= (uint64_t)num_slots) {
+            bad = i;
+            break;
+        }
+        memcpy(target + i * row_bytes, row_address(data, slot[i], page_size, rows_per_page, row_bytes),
+               (size_t)row_bytes);
+    }
+    Py_END_ALLOW_THREADS
+    if (bad >= 0) {
+        PyErr_Format(PyExc_IndexError, "slot %lld is outside the table's %zd slots", (long long)slot[bad],
+                     num_slots);
+        goto done;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    release(&held);
     return result;
 }
 
@@ -192,28 +232,6 @@ __attribute__((target("popcnt"))) static void find_slots_popcnt(
 
 static find_slots_fn *find_slots = find_slots_portable;
 
-/* The buffers of a lookup: ids (int64), the rank index (uint64 words, uint32 counts) and the
- * placed rows' slots (uint32), checked against each other. */
-typedef struct {
-    Py_buffer views[8];
-    int held;
-} held_buffers;
-
-static void release(held_buffers *held)
-{
-    while (held->held)
-        PyBuffer_Release(&held->views[--held->held]);
-}
-
-static Py_buffer *hold(held_buffers *held, PyObject *object, int writable, Py_ssize_t item, const char *name)
-{
-    Py_buffer *view = &held->views[held->held];
-    if (get_buffer(object, view, writable, item, name) != 0)
-        return NULL;
-    held->held++;
-    return view;
-}
-
 static PyObject *slot_of(PyObject *self, PyObject *args)
 {
     PyObject *ids_object, *bits_object, *below_object, *sorted_slots_object, *out_object;
@@ -279,7 +297,8 @@ static struct {
     _Atomic uint64_t ticket; /* generation << 32 | parts << 16 | next part */
     _Atomic int done_parts;
     pool_job jobs[2];        /* by generation parity: a late worker never sees the next job's */
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+} pool = {.caller_lock = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER,
+          .wake = PTHREAD_COND_INITIALIZER};
 
 static inline void cpu_relax(void)
 {
@@ -422,8 +441,7 @@ static void split_part(void *context, int part)
 
 static inline const char *row_at(const stage_request *request, int64_t slot)
 {
-    return request->data + (slot / request->rows_per_page) * request->page_size
-        + (slot % request->rows_per_page) * request->row_bytes;
+    return row_address(request->data, slot, request->page_size, request->rows_per_page, request->row_bytes);
 }
 
 static void copy_part(void *context, int part)
@@ -434,12 +452,8 @@ static void copy_part(void *context, int part)
     const int64_t *slot = request->slots;
     int64_t resident = request->num_resident;
     for (Py_ssize_t i = low; i < high; i++) {
-        if (i + PREFETCH_AHEAD < high && slot[i + PREFETCH_AHEAD] >= resident) {
-            const char *row = row_at(request, slot[i + PREFETCH_AHEAD]);
-            for (Py_ssize_t line = 0; line < row_bytes; line += 64)
-                __builtin_prefetch(row + line);
-            __builtin_prefetch(row + row_bytes - 1);
-        }
+        if (i + PREFETCH_AHEAD < high && slot[i + PREFETCH_AHEAD] >= resident)
+            prefetch_row(row_at(request, slot[i + PREFETCH_AHEAD]), row_bytes);
         if (slot[i] < resident)
             continue;
         memcpy(request->out + next * row_bytes, row_at(request, slot[i]), (size_t)row_bytes);
@@ -452,17 +466,12 @@ static void copy_part(void *context, int part)
  * are in the page cache (mincore). */
 static int disk_rows_cached(const stage_request *request, Py_ssize_t probes)
 {
-    uintptr_t system_page = (uintptr_t)sysconf(_SC_PAGESIZE);
     Py_ssize_t count = request->count;
     for (Py_ssize_t k = 0; k < probes; k++) {
         Py_ssize_t i = probes > 1 ? (count - 1) * k / (probes - 1) : 0;
         while (i < count && request->slots[i] < request->num_resident)
             i++;
-        if (i == count)
-            continue;
-        uintptr_t address = (uintptr_t)row_at(request, request->slots[i]);
-        unsigned char state = 0;
-        if (mincore((void *)(address - address % system_page), 1, &state) != 0 || !(state & 1))
+        if (i < count && !page_cached(row_at(request, request->slots[i])))
             return 0;
     }
     return 1;
@@ -479,9 +488,10 @@ static PyObject *stage(PyObject *self, PyObject *args)
                           &mapping_object, &out_object, &data_offset, &page_size, &rows_per_page, &row_bytes,
                           &num_slots, &probes, &threads))
         return NULL;
-    if (row_bytes <= 0 || rows_per_page <= 0 || rows_per_page * row_bytes > page_size || data_offset < 0
-        || num_rows < 0 || num_rows > num_slots || num_resident < 0 || probes < 1) {
-        PyErr_SetString(PyExc_ValueError, "bad table geometry");
+    if (check_geometry(data_offset, page_size, rows_per_page, row_bytes, num_slots) != 0)
+        return NULL;
+    if (num_rows < 0 || num_rows > num_slots || num_resident < 0 || probes < 1) {
+        PyErr_SetString(PyExc_ValueError, "stage: bad row counts");
         return NULL;
     }
     held_buffers held = {.held = 0};
@@ -561,41 +571,38 @@ static PyObject *cached(PyObject *self, PyObject *args)
     PyObject *mapping_object, *slots_object;
     Py_ssize_t data_offset, page_size, rows_per_page, row_bytes, num_slots, probes;
     if (!PyArg_ParseTuple(args, "OOnnnnnn", &mapping_object, &slots_object, &data_offset, &page_size,
-                          &rows_per_page, &row_bytes, &num_slots, &probes))
+                          &rows_per_page, &row_bytes, &num_slots, &probes)
+        || check_geometry(data_offset, page_size, rows_per_page, row_bytes, num_slots) != 0)
         return NULL;
-    if (row_bytes <= 0 || rows_per_page <= 0 || rows_per_page * row_bytes > page_size || data_offset < 0
-        || num_slots < 0 || probes < 2) {
-        PyErr_SetString(PyExc_ValueError, "bad table geometry");
-        return NULL;
-    }
-    Py_buffer mapping, slots;
-    if (get_buffer(mapping_object, &mapping, 0, 1, "mapping") != 0)
-        return NULL;
-    if (get_buffer(slots_object, &slots, 0, sizeof(int64_t), "slots") != 0) {
-        PyBuffer_Release(&mapping);
+    if (probes < 2) {
+        PyErr_SetString(PyExc_ValueError, "cached: probes must be >= 2");
         return NULL;
     }
-    Py_ssize_t count = slots.len / (Py_ssize_t)sizeof(int64_t);
-    const int64_t *slot = (const int64_t *)slots.buf;
-    uintptr_t system_page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    held_buffers held = {.held = 0};
+    Py_buffer *mapping, *slots;
+    if (!(mapping = hold(&held, mapping_object, 0, 1, "mapping"))
+        || !(slots = hold(&held, slots_object, 0, sizeof(int64_t), "slots"))) {
+        release(&held);
+        return NULL;
+    }
+    Py_ssize_t count = slots->len / (Py_ssize_t)sizeof(int64_t);
+    const int64_t *slot = (const int64_t *)slots->buf;
+    const char *data = (const char *)mapping->buf + data_offset;
     int resident = 1;
     for (Py_ssize_t k = 0; k < probes && count && resident; k++) {
         int64_t s = slot[(count - 1) * k / (probes - 1)];
-        Py_ssize_t offset = data_offset + (s / rows_per_page) * page_size + (s % rows_per_page) * row_bytes;
-        if ((uint64_t)s >= (uint64_t)num_slots || offset >= mapping.len)
-            continue;
-        uintptr_t address = (uintptr_t)mapping.buf + (uintptr_t)offset;
-        unsigned char state = 0;
-        resident = mincore((void *)(address - address % system_page), 1, &state) == 0 && (state & 1);
+        if ((uint64_t)s >= (uint64_t)num_slots
+            || data_offset + (s / rows_per_page) * page_size + (s % rows_per_page) * row_bytes >= mapping->len)
+            continue;  /* left to copy_rows to refuse */
+        resident = page_cached(row_address(data, s, page_size, rows_per_page, row_bytes));
     }
-    PyBuffer_Release(&slots);
-    PyBuffer_Release(&mapping);
+    release(&held);
     return PyBool_FromLong(resident);
 }
 
 static PyMethodDef methods[] = {
     {"copy_rows", copy_rows, METH_VARARGS, "Rows at file slots into out (see the module's comment)."},
-    {"slot_of", slot_of, METH_VARARGS, "File slots of local rows from the rank index."},
+    {"slot_of", slot_of, METH_VARARGS, "File slots of row ids from the rank index."},
     {"stage", stage, METH_VARARGS, "A request's slots and tier rows, and its cached disk rows staged."},
     {"cached", cached, METH_VARARGS, "Whether a few rows spread over a request are in the page cache."},
     {NULL, NULL, 0, NULL},

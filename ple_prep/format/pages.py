@@ -19,6 +19,12 @@ def slot_offset(header: Header, slot: int) -> int:
     return header.data_offset + slot // header.rows_per_page * header.page_size
 
 
+def row_offsets(header: Header, slots):
+    """The file offset of each slot's row (an int or an int64 array)."""
+    return header.data_offset + slots // header.rows_per_page * header.page_size \
+        + slots % header.rows_per_page * header.row_bytes
+
+
 def rows_in_block(header: Header, block: int, block_bytes: int) -> tuple[int, int]:
     """Slots [first, stop) whose pages lie in checksum block `block` of `block_bytes`."""
     rows_per_block = block_bytes // header.page_size * header.rows_per_page

@@ -27,6 +27,8 @@ import weakref
 
 import numpy as np
 
+from ..format.pages import row_offsets
+
 # Reads kept in flight. Deeper than fio's reference depth of 64 on purpose: completions come in
 # bursts and a busy host deschedules the refilling thread for milliseconds, so the queue must hold
 # that long of work; 512 (a 2 MiB buffer) was the steadiest here (BENCHMARKS.md, "Disk tier").
@@ -128,9 +130,7 @@ class DirectReader:
             raise DirectUnavailable(errno.ENOSYS, f"no native AIO on {platform.machine()} here")
         if not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
             raise ValueError(f"queue_depth must be from 1 to {MAX_QUEUE_DEPTH}")
-        self._data_offset = header.data_offset
-        self._page_size = header.page_size
-        self._rows_per_page = header.rows_per_page
+        self._header = header
         self._row_bytes = header.row_bytes
         self._block = max(header.page_size, MIN_BLOCK)
         # Large pages make large blocks: the buffer's cap bounds the bytes in flight instead.
@@ -192,8 +192,7 @@ class DirectReader:
         if len(slots) <= self.queue_depth:
             return self._gather_few(slots, out)
         distinct, inverse = np.unique(slots, return_inverse=True)
-        offsets = self._data_offset + (distinct // self._rows_per_page) * self._page_size \
-            + (distinct % self._rows_per_page) * self._row_bytes
+        offsets = row_offsets(self._header, distinct)
         blocks = offsets // self._block
         # Distinct rows are sorted, so each distinct block's rows are one run.
         starts = np.flatnonzero(np.diff(blocks, prepend=-1))
@@ -210,8 +209,7 @@ class DirectReader:
     def _gather_few(self, slots: np.ndarray, out: np.ndarray) -> np.ndarray:
         """A request with no more rows than the queue is deep (a decode step): every block in one
         submission, one wait for all of them, one copy; fewer steps than `_read`'s refill loop."""
-        offsets = self._data_offset + (slots // self._rows_per_page) * self._page_size \
-            + (slots % self._rows_per_page) * self._row_bytes
+        offsets = row_offsets(self._header, slots)
         blocks = offsets // self._block
         distinct = np.unique(blocks)
         count = len(distinct)

@@ -25,6 +25,8 @@ import mmap
 
 import numpy as np
 
+from ..format.pages import row_offsets
+
 try:
     from ..core import _native
 except ImportError:  # built only where a C compiler was there at install (setup.py)
@@ -68,6 +70,7 @@ class Gatherer:
     def __init__(self, mapping: mmap.mmap, header, window_pages: int = DEFAULT_WINDOW_PAGES,
                  window_bytes: int = DEFAULT_WINDOW_BYTES, direct=None, budget=None):
         self._mapping = mapping
+        self._header = header
         self._data_offset = header.data_offset
         self._page_size = header.page_size
         self._rows_per_page = header.rows_per_page
@@ -251,9 +254,7 @@ class Gatherer:
         if _MINCORE is None:
             return False
         last = len(slots) - 1
-        picks = slots[[last * k // (PROBE_PAGES - 1) for k in range(PROBE_PAGES)]]
-        offsets = self._data_offset + picks // self._rows_per_page * self._page_size \
-            + picks % self._rows_per_page * self._row_bytes
+        offsets = row_offsets(self._header, slots[[last * k // (PROBE_PAGES - 1) for k in range(PROBE_PAGES)]])
         result = ctypes.byref(self._probe_result)
         for offset in set((offsets - offsets % mmap.PAGESIZE).tolist()):
             # One memory page (the one holding the row's first byte): one result byte.

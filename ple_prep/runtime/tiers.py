@@ -14,6 +14,7 @@ import numpy as np
 
 from ..core.fileio import read_exactly
 from ..format.header import Header
+from ..format.pages import pages_for, slot_offset
 from .gather import Gatherer
 
 # Bytes read per positioned read while loading the resident tier (through the file descriptor,
@@ -74,9 +75,8 @@ def read_leading_slots(descriptor: int, name: str, header: Header, num_slots: in
     used = header.rows_per_page * header.row_bytes
     for start in range(0, num_slots, rows_per_chunk):
         count = min(rows_per_chunk, num_slots - start)
-        pages = -(-count // header.rows_per_page)
-        offset = header.data_offset + start // header.rows_per_page * header.page_size
-        read_exactly(descriptor, memoryview(buffer[:pages]).cast("B"), offset, name)
+        pages = pages_for(count, header.rows_per_page)
+        read_exactly(descriptor, memoryview(buffer[:pages]).cast("B"), slot_offset(header, start), name)
         put(start, np.ascontiguousarray(buffer[:pages, :used]).reshape(-1, header.row_bytes)[:count])
 
 
