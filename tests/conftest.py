@@ -11,10 +11,12 @@ from click.testing import CliRunner
 from hypothesis import settings
 
 from ple_prep.converters import open_source
+from ple_prep.format import order as order_module
 from ple_prep.format.layout import TableLayout
 from ple_prep.format.order import RowOrder
 from ple_prep.ngram import NgramSpec
 from ple_prep.offline.writer import WriteOptions, convert
+from ple_prep.runtime import gather as gather_module
 from ple_prep.tools.fixtures import make_checkpoint
 
 # Every run replays the same fuzz examples, so a red build always reproduces and CI never flakes.
@@ -35,6 +37,18 @@ def bf16_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def nvfp4_checkpoint(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("nvfp4") / "ckpt", "nvfp4")
+
+
+@pytest.fixture(params=["compiled", "numpy"])
+def loops(request, monkeypatch):
+    """The compiled helper's loops (core/_native.c), or the numpy fallback of a machine built
+    without a compiler: both must give the same results."""
+    if request.param == "numpy":
+        for module in (gather_module, order_module):
+            monkeypatch.setattr(module, "_native", None)
+    elif gather_module._native is None:
+        pytest.skip("the compiled helper is not built here (no compiler at install)")
+    return request.param
 
 
 @dataclasses.dataclass

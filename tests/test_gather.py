@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from ple_prep.converters import open_source
-from ple_prep.format import order as order_module
 from ple_prep.format.layout import TableLayout
 from ple_prep.format.order import RowOrder
 from ple_prep.offline.writer import WriteOptions, convert
@@ -41,18 +40,6 @@ def table_path(request, fp8_checkpoint, tmp_path_factory, converted_table):
 
 @pytest.fixture(params=["mapped", "direct"])
 def read_path(request):
-    return request.param
-
-
-@pytest.fixture(params=["compiled", "numpy"])
-def loops(request, monkeypatch):
-    """The compiled helper's loops (core/_native.c), or the numpy fallback of a machine built
-    without a compiler: both must give the same bytes."""
-    if request.param == "numpy":
-        for module in (gather_module, order_module):
-            monkeypatch.setattr(module, "_native", None)
-    elif gather_module._native is None:
-        pytest.skip("the compiled helper is not built here (no compiler at install)")
     return request.param
 
 
@@ -321,6 +308,8 @@ def test_stage_in_a_forked_child_after_the_parent_used_the_thread_pool(table_pat
             return index, out
 
         index, out = staged()
+        slots = table.slot_of(ids)
+        assert np.array_equal(index[slots < 100], slots[slots < 100])
         child = os.fork()
         if child == 0:  # the child: exit status 0 only if its stage gives the parent's bytes
             try:
@@ -350,3 +339,14 @@ def test_stage_refuses_buffers_of_the_wrong_type_or_size(table_path):
             given = {"slots": slots, "index": index, "out": out} | wrong
             with pytest.raises(ValueError, match=f"{next(iter(wrong))} must be"):
                 table.stage(ids, 0, given["slots"], given["index"], given["out"])
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_stage_refuses_an_id_outside_the_table_in_any_part(table_path, loops, threads):
+    with open_table(table_path, read_path="mapped") as table:
+        ids = real_like_ids(table.num_rows, 4000, 43)
+        ids[3500] = table.num_rows  # in the last of four parts
+        slots, index = np.empty(len(ids), np.int64), np.empty(len(ids), np.int32)
+        out = np.empty((len(ids), table.row_bytes), np.uint8)
+        with pytest.raises(IndexError, match=f"row id {table.num_rows} is outside"):
+            table.stage(ids, 100, slots, index, out, threads=threads)

@@ -293,6 +293,11 @@ def test_row_order_rank_index_matches_a_binary_search(monkeypatch, loops):
         assert np.array_equal(order.slot_of(rows), _searched_slots(order, rows))
         assert np.array_equal(np.sort(order.slot_of(np.arange(num_rows))), np.arange(num_rows))
         assert np.array_equal(order.rows_at(0, num_rows)[order.slot_of(rows)], rows)
+        # A rank file's ids start at its first row: the same slots, and its edges refused.
+        assert np.array_equal(order.slot_of(rows + 1000, 1000), order.slot_of(rows))
+        for outside in (999, 1000 + num_rows):
+            with pytest.raises(IndexError, match=f"row id {outside} is outside this table's rows"):
+                order.slot_of(np.array([outside]), 1000)
 
 
 def test_table_lookups_do_not_convert_the_order_map(fp8_checkpoint, tmp_path):

@@ -2,17 +2,19 @@
 split call (start/finish), with every buffer it reuses poisoned between calls."""
 from __future__ import annotations
 
+import importlib.util
+import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from ple_prep.format import order as order_module  # noqa: E402
 from ple_prep.format.manifest import manifest_path  # noqa: E402
 from ple_prep.ngram import row_ids  # noqa: E402
-from ple_prep.runtime import gather as gather_module  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
 from ple_prep.runtime import torch as runtime_torch  # noqa: E402
 from ple_prep.runtime.dequant import round_to_bf16  # noqa: E402
@@ -32,18 +34,6 @@ def table(request, tmp_path_factory, converted_table):
     with open_table(made.path) as opened:
         opened.spec = made.spec
         yield opened
-
-
-@pytest.fixture(params=["compiled", "numpy"])
-def loops(request, monkeypatch):
-    """The compiled helper's loops (core/_native.c), or the numpy fallback of a machine built
-    without a compiler: both must give the same values."""
-    if request.param == "numpy":
-        for module in (gather_module, order_module):
-            monkeypatch.setattr(module, "_native", None)
-    elif gather_module._native is None:
-        pytest.skip("the compiled helper is not built here (no compiler at install)")
-    return request.param
 
 
 @pytest.fixture(params=["cached", "cold"])
@@ -68,6 +58,8 @@ def page_cache(request, table, tmp_path):
 @pytest.fixture(params=["fused", "torch"])
 def kernels(request, monkeypatch):
     """FP8 on a GPU with Triton: the one-kernel row index and decode, or torch's index and decoder."""
+    if request.param == "fused" and not (torch.cuda.is_available() and importlib.util.find_spec("triton")):
+        pytest.skip("the one-kernel path needs CUDA and Triton")
     if request.param == "torch":
         monkeypatch.setattr(runtime_torch, "fp8_gather_for", lambda *args: None)
     return request.param
@@ -109,7 +101,9 @@ def test_host_ids_give_values_per_position_across_poisoned_buffers(page_cache, d
     source = EmbeddingSource(table, device=device, resident_bytes=3000 * table.row_bytes, max_ids=300 * 16)
     # Cached: every disk position is copied from the mapping; cold: the table's read path reads
     # each distinct row (O_DIRECT: the pages stay out of the page cache, so every call is cold).
-    cached = table.read_path == "mapped" or cached_fraction(table.path) > 0.5
+    cached = table.read_path == "mapped" or (cached_fraction(table.path) or 0) > 0.5
+    # The one-kernel path serves exactly FP8 on a GPU (with Triton), never silently the torch one.
+    assert (source._fused is not None) == (kernels == "fused" and device == "cuda" and table.encoding == "fp8_e4m3")
     # Both sides of INLINE_IDS (worker thread and inline), shrinking and growing between calls.
     for tokens, seed in ((300, 1), (120, 2), (300, 3), (1, 4), (64, 5)):
         ids = token_ids(table, tokens, seed)
@@ -223,6 +217,7 @@ def test_the_start_copies_the_callers_ids(table, monkeypatch):
 def test_a_large_request_split_over_threads_equals_the_tables(page_cache, loops, monkeypatch):
     # Parts of 100 ids: 8 of them, the last ones with few or no disk positions.
     table = page_cache
+    monkeypatch.setattr(runtime_torch, "LOOKUP_THREADS", 8)  # whatever this host's cores
     monkeypatch.setattr(runtime_torch, "LOOKUP_PART_IDS", 100)
     source = EmbeddingSource(table, device="cpu", resident_bytes=500 * table.row_bytes, max_ids=1600)
     ids = token_ids(table, 100, 21)
@@ -235,6 +230,17 @@ def test_a_large_request_split_over_threads_equals_the_tables(page_cache, loops,
     source.start(bad)
     with pytest.raises(IndexError, match=f"row id {table.num_rows} is outside"):
         source.finish()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 4,
+                    reason="needs an affinity mask of at least 4 cores to narrow")
+def test_lookup_threads_count_the_cores_the_process_may_run_on():
+    """Three allowed cores leave one lookup thread (two are kept for the model's launches), however
+    many cores the machine has."""
+    code = ("import os; os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:3]); "
+            "from ple_prep.runtime import torch as source; print(source.LOOKUP_THREADS)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "1"
 
 
 def test_close_and_reopen_serve_a_new_opening_of_the_file(table):
