@@ -1,6 +1,7 @@
 """GGUF input: every type and layout converts with each row's bytes kept and values bit-exact."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import gguf
@@ -155,6 +156,33 @@ def write_with_vocabulary(path, tokens: int, keep_vocab_size: bool) -> np.ndarra
     writer.write_tensors_to_file()
     writer.close()
     return table
+
+
+def write_split_heads(path, spec: NgramSpec, ggml_type: str) -> None:
+    """The split-head table of SPEC (rows of 160 values) under `spec`'s metadata."""
+    from gguf import GGUFWriter
+
+    from ple_prep.tools.fixtures import add_gguf_metadata, gguf_table_bytes
+
+    writer = GGUFWriter(path, "qwen4exp")
+    add_gguf_metadata(writer, spec)
+    table = gguf_table_bytes(ggml_type, SPEC.rows_stored, np.random.default_rng(0))
+    for head, (offset, size) in enumerate(zip(SPEC.head_offsets, SPEC.head_sizes)):
+        writer.add_tensor(f"ple_ngram_embd.{head}.weight", table[offset:offset + size],
+                          raw_dtype=gguf.GGMLQuantizationType[ggml_type.upper()])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_convert_gguf_split_heads_refuse_a_metadata_width_of_partial_blocks(tmp_path):
+    # 88 values a row is not a whole number of Q8_0 blocks (32 values); the heads hold 160.
+    narrow = dataclasses.replace(SPEC, ple_embed_dim=88 * SPEC.heads)
+    write_split_heads(tmp_path / "model.gguf", narrow, "q8_0")
+    with pytest.raises(BadInput, match=rf"ple_ngram_embd\.0\.weight has ggml dims \[160, {SPEC.head_sizes[0]}\]; "
+                                       r"expected \[88, rows\]"):
+        open_gguf(tmp_path / "model.gguf")
 
 
 def _stock_value(field) -> object:

@@ -268,12 +268,11 @@ def open_gguf(path: str | Path) -> TableSource:
                            f"extra; expected ple_ngram_embd.0-{spec.heads - 1}.weight")
         table_tensors = [heads[h] for h in range(spec.heads)]
         encoding = _encoding_of(table_tensors)
-        row_bytes = row_bytes_for(encoding, width)
-        segments = []
         for head, tensor in enumerate(table_tensors):
             _check_dims(tensor, width, spec.head_sizes[head], encoding)
-            segments.append(Segment(tensor.path, tensor.offset, spec.head_offsets[head],
-                                    spec.head_sizes[head], row_bytes))
+        row_bytes = row_bytes_for(encoding, width)
+        segments = [Segment(tensor.path, tensor.offset, offset, size, row_bytes)
+                    for tensor, offset, size in zip(table_tensors, spec.head_offsets, spec.head_sizes)]
         if spec.rows_stored > spec.rows_used:
             segments.append(Segment(None, 0, spec.rows_used, spec.rows_stored - spec.rows_used,
                                     row_bytes))
