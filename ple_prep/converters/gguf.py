@@ -216,15 +216,12 @@ def _encoding_of(tensors: list[GGUFTensor]) -> Encoding:
     raise BadInput(f"the table is GGML type {ggml_type.name}, unsupported; expected one of {supported}")
 
 
-def _check_dims(tensor: GGUFTensor, width: int, rows: int | None, encoding: Encoding) -> int:
-    """The tensor's row count, after checking it is [width, rows] of whole blocks."""
+def _check_dims(tensor: GGUFTensor, width: int, rows: int | None) -> int:
+    """The tensor's row count, after checking it is [width, rows]. Rows of `width` values are then
+    whole blocks: the header's parse refuses a tensor whose rows are not (gguf_header._tensor_bytes)."""
     if len(tensor.dims) != 2 or tensor.dims[0] != width:
         raise BadInput(f"{tensor.name} has ggml dims {list(tensor.dims)}; expected [{width}, rows] "
                        f"({width} values a row, from embedding_length_per_layer_input)")
-    try:
-        row_bytes_for(encoding, width)
-    except ValueError as exc:
-        raise BadInput(f"{tensor.name}: a row is not a whole number of blocks: {exc}") from None
     if rows is not None and tensor.dims[1] != rows:
         raise BadInput(f"{tensor.name} has {tensor.dims[1]} rows; the metadata's head size is {rows}")
     return tensor.dims[1]
@@ -254,7 +251,7 @@ def open_gguf(path: str | Path) -> TableSource:
                        f"in {', '.join(f.name for f in files)}")
     if joined is not None:
         encoding = _encoding_of([joined])
-        num_rows = _check_dims(joined, width, None, encoding)
+        num_rows = _check_dims(joined, width, None)
         if num_rows < spec.rows_used:
             raise BadInput(f"{joined.name} has {num_rows} rows but the hash reaches row "
                            f"{spec.rows_used - 1}")
@@ -269,17 +266,13 @@ def open_gguf(path: str | Path) -> TableSource:
         table_tensors = [heads[h] for h in range(spec.heads)]
         encoding = _encoding_of(table_tensors)
         for head, tensor in enumerate(table_tensors):
-            _check_dims(tensor, width, spec.head_sizes[head], encoding)
+            _check_dims(tensor, width, spec.head_sizes[head])
         row_bytes = row_bytes_for(encoding, width)
         segments = [Segment(tensor.path, tensor.offset, offset, size, row_bytes)
                     for tensor, offset, size in zip(table_tensors, spec.head_offsets, spec.head_sizes)]
         if spec.rows_stored > spec.rows_used:
             segments.append(Segment(None, 0, spec.rows_used, spec.rows_stored - spec.rows_used,
                                     row_bytes))
-    for tensor in table_tensors:
-        if tensor.nbytes != tensor.dims[1] * row_bytes:
-            raise BadInput(f"{tensor.name}: {tensor.nbytes} bytes do not hold {tensor.dims[1]} "
-                           f"rows of {row_bytes}")
     name, type_id = GGML_TYPES[encoding]
     extra = {"ggml_type": name, "ggml_type_id": type_id,
              "table_layout": "joined" if joined is not None else "split",
