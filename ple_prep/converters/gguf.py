@@ -11,7 +11,6 @@ with zero bytes, which every GGUF type decodes to 0.0. No token ever hashes to t
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 from pathlib import Path
 from typing import Any
@@ -31,20 +30,10 @@ from ..core.constants import (
 from ..core.errors import BadInput
 from ..ngram import NgramSpec, check_table_bounds, primes_from, running_offsets
 from .base import Segment, SourceFile, TableSource
-from .gguf_header import GGUFHeader, read_gguf_header
+from .gguf_header import TensorInfo, read_gguf_header
 
 HEAD_NAME = re.compile(r"^ple_ngram_embd\.(\d+)\.weight$")
 ENCODINGS = {GGMLQuantizationType(type_id): encoding for encoding, (_, type_id) in GGML_TYPES.items()}
-
-
-@dataclasses.dataclass(frozen=True)
-class GGUFTensor:
-    name: str
-    path: Path
-    ggml_type: GGMLQuantizationType
-    dims: tuple[int, ...]  # ggml order: dims[0] is the row width
-    offset: int  # absolute byte offset in the file
-    nbytes: int
 
 
 def gguf_files(path: Path) -> list[Path]:
@@ -151,32 +140,9 @@ def spec_from_metadata(metadata: dict[str, Any], arch: str = GGUF_ARCHITECTURE,
                      values["row_values"] * heads, sizes[0], divisible_by, multipliers, sizes, offsets)
 
 
-def _check_tensors(header: GGUFHeader, path: Path, file_size: int) -> list[GGUFTensor]:
-    """Every tensor's offset and length against the file, before any tensor byte is read."""
-    tensors, problems = [], []
-    for tensor in header.tensors:
-        start, nbytes = tensor.offset, tensor.nbytes
-        if (start - header.data_offset) % header.alignment:
-            problems.append(f"{tensor.name} starts at byte {start}, not an aligned offset in the "
-                            f"data region (from {header.data_offset})")
-        elif start + nbytes > file_size:
-            problems.append(f"{tensor.name} ends at byte {start + nbytes}, past the end of the "
-                            f"{file_size}-byte file (truncated?)")
-        tensors.append(GGUFTensor(tensor.name, path, tensor.ggml_type, tensor.dims, start, nbytes))
-    position, previous = 0, None
-    for tensor in sorted(tensors, key=lambda t: t.offset):
-        if tensor.offset < position:
-            problems.append(f"{tensor.name} overlaps {previous}")
-        position, previous = max(position, tensor.offset + tensor.nbytes), tensor.name
-    if problems:
-        raise BadInput(f"{path.name}: {'; '.join(problems[:5])}"
-                       + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
-    return tensors
-
-
-def _read_files(files: list[Path]) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
+def _read_files(files: list[Path]) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
     metadata: dict[str, Any] = {}
-    tensors: dict[str, GGUFTensor] = {}
+    tensors: dict[str, TensorInfo] = {}
     for number, path in enumerate(files):
         header = read_gguf_header(path)
         for key, value in header.metadata.items():
@@ -187,7 +153,7 @@ def _read_files(files: list[Path]) -> tuple[dict[str, Any], dict[str, GGUFTensor
                                f"{metadata[key]!r}")
             else:
                 metadata[key] = value
-        for tensor in _check_tensors(header, path, path.stat().st_size):
+        for tensor in header.tensors:
             if tensor.name in tensors:
                 raise BadInput(f"tensor {tensor.name} is in both {tensors[tensor.name].path.name} "
                                f"and {path.name}")
@@ -202,7 +168,7 @@ def _check_split_key(path: Path, key: str, value: Any, number: int, count: int) 
                        f"{count} found; a split file is missing or misnamed")
 
 
-def _encoding_of(tensors: list[GGUFTensor]) -> Encoding:
+def _encoding_of(tensors: list[TensorInfo]) -> Encoding:
     kinds = sorted({t.ggml_type.name for t in tensors})
     if len(kinds) > 1:
         raise BadInput(f"the table's tensors mix GGML types {', '.join(kinds)}")
@@ -216,7 +182,7 @@ def _encoding_of(tensors: list[GGUFTensor]) -> Encoding:
     raise BadInput(f"the table is GGML type {ggml_type.name}, unsupported; expected one of {supported}")
 
 
-def _check_dims(tensor: GGUFTensor, width: int, rows: int | None) -> int:
+def _check_dims(tensor: TensorInfo, width: int, rows: int | None) -> int:
     """The tensor's row count, after checking it is [width, rows]. Rows of `width` values are then
     whole blocks: the header's parse refuses a tensor whose rows are not (gguf_header._tensor_bytes)."""
     if len(tensor.dims) != 2 or tensor.dims[0] != width:

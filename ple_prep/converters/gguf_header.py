@@ -45,6 +45,7 @@ MIN_ITEM_BYTES = {kind: struct.calcsize(code) for kind, code in SCALARS.items()}
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
     name: str
+    path: Path
     ggml_type: GGMLQuantizationType
     dims: tuple[int, ...]  # ggml order: dims[0] is the row width
     offset: int  # absolute byte offset in the file
@@ -140,14 +141,14 @@ def read_gguf_header(path: Path) -> GGUFHeader:
             with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapping:
                 view = memoryview(mapping)
                 try:
-                    return _parse(_Walker(view, path.name), size)
+                    return _parse(_Walker(view, path.name), path, size)
                 finally:
                     view.release()
     except OSError as exc:
         raise BadInput(f"cannot read {path}: {exc.strerror}") from None
 
 
-def _parse(walker: _Walker, size: int) -> GGUFHeader:
+def _parse(walker: _Walker, path: Path, size: int) -> GGUFHeader:
     if bytes(walker.take(4, "the magic")) != MAGIC:
         raise walker.refuse("it does not start with the GGUF magic")
     version = walker.unpack("I", "the version")
@@ -175,15 +176,37 @@ def _parse(walker: _Walker, size: int) -> GGUFHeader:
         raise walker.refuse(f"general.alignment {alignment!r} is not a power of two (u32)")
     data_offset = -(-walker.position // alignment) * alignment
     names: set[str] = set()
-    tensors = []
+    tensors, problems = [], []
     for name, dims, type_id, offset in infos:
         if name in names:
             raise walker.refuse(f"the tensor {name!r} appears twice")
         names.add(name)
         ggml_type = _ggml_type(walker, type_id)
-        tensors.append(TensorInfo(name, ggml_type, dims, data_offset + offset, _tensor_bytes(walker, name, ggml_type,
-                                                                                             dims)))
+        tensor = TensorInfo(name, path, ggml_type, dims, data_offset + offset,
+                            _tensor_bytes(walker, name, ggml_type, dims))
+        # Every tensor's place is checked against the file before any tensor byte is read.
+        if offset % alignment:
+            problems.append(f"{name} starts at byte {tensor.offset}, not an aligned offset in the "
+                            f"data region (from {data_offset})")
+        elif tensor.offset + tensor.nbytes > size:
+            problems.append(f"{name} ends at byte {tensor.offset + tensor.nbytes}, past the end of the "
+                            f"{size}-byte file (truncated?)")
+        tensors.append(tensor)
+    problems += _overlaps(tensors)
+    if problems:
+        raise BadInput(f"{walker.name}: {'; '.join(problems[:5])}"
+                       + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
     return GGUFHeader(version, metadata, tensors, data_offset, alignment)
+
+
+def _overlaps(tensors: list[TensorInfo]) -> list[str]:
+    """Each tensor whose bytes start inside an earlier one's, named with the one before it."""
+    problems, position, previous = [], 0, None
+    for tensor in sorted(tensors, key=lambda t: t.offset):
+        if tensor.offset < position:
+            problems.append(f"{tensor.name} overlaps {previous}")
+        position, previous = max(position, tensor.offset + tensor.nbytes), tensor.name
+    return problems
 
 
 def _tensor_info(walker: _Walker) -> tuple[str, tuple[int, ...], int, int]:
