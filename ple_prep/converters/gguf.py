@@ -30,7 +30,7 @@ from ..core.constants import (
 from ..core.errors import BadInput
 from ..ngram import NgramSpec, check_table_bounds, primes_from, running_offsets
 from .base import Segment, SourceFile, TableSource
-from .gguf_header import TensorInfo, read_gguf_header
+from .gguf_header import SUPPORTED_TYPES, TensorInfo, k_quant_refusal, read_gguf_header
 
 HEAD_NAME = re.compile(r"^ple_ngram_embd\.(\d+)\.weight$")
 ENCODINGS = {GGMLQuantizationType(type_id): encoding for encoding, (_, type_id) in GGML_TYPES.items()}
@@ -73,10 +73,6 @@ def _glob_escape(text: str) -> str:
 def _model_key(path: Path) -> str:
     match = GGUF_SPLIT_NAME.match(path.name)
     return match.group("stem") if match else path.name
-
-
-def _supported() -> str:
-    return ", ".join(name for name, _ in GGML_TYPES.values())
 
 
 def spec_from_metadata(metadata: dict[str, Any], arch: str = GGUF_ARCHITECTURE,
@@ -168,18 +164,17 @@ def _check_split_key(path: Path, key: str, value: Any, number: int, count: int) 
                        f"{count} found; a split file is missing or misnamed")
 
 
-def _encoding_of(tensors: list[TensorInfo]) -> Encoding:
+def _encoding_of(tensors: list[TensorInfo], width: int) -> Encoding:
+    """The table's encoding; `width` is the row width the metadata gives."""
     kinds = sorted({t.ggml_type.name for t in tensors})
     if len(kinds) > 1:
         raise BadInput(f"the table's tensors mix GGML types {', '.join(kinds)}")
     ggml_type = tensors[0].ggml_type
-    supported = _supported()
     if ggml_type in ENCODINGS:
         return ENCODINGS[ggml_type]
-    if GGML_QUANT_SIZES.get(ggml_type, (0, 0))[0] == QK_K:
-        raise BadInput(f"the table is {ggml_type.name}, a K-quant: its {QK_K}-value blocks cannot "
-                       f"hold a 160-value row; use a GGUF quantised to {supported}")
-    raise BadInput(f"the table is GGML type {ggml_type.name}, unsupported; expected one of {supported}")
+    if GGML_QUANT_SIZES[ggml_type][0] == QK_K and width % QK_K:
+        raise BadInput(k_quant_refusal("the table", ggml_type, width))
+    raise BadInput(f"the table is GGML type {ggml_type.name}, unsupported; expected one of {SUPPORTED_TYPES}")
 
 
 def _check_dims(tensor: TensorInfo, width: int, rows: int | None) -> int:
@@ -216,7 +211,7 @@ def open_gguf(path: str | Path) -> TableSource:
         raise BadInput(f"no n-gram PLE table ({GGUF_JOINED_TENSOR} or ple_ngram_embd.{{h}}.weight) "
                        f"in {', '.join(f.name for f in files)}")
     if joined is not None:
-        encoding = _encoding_of([joined])
+        encoding = _encoding_of([joined], width)
         num_rows = _check_dims(joined, width, None)
         if num_rows < spec.rows_used:
             raise BadInput(f"{joined.name} has {num_rows} rows but the hash reaches row "
@@ -230,7 +225,7 @@ def open_gguf(path: str | Path) -> TableSource:
             raise BadInput(f"split table: head tensors {', '.join(map(str, wrong))} missing or "
                            f"extra; expected ple_ngram_embd.0-{spec.heads - 1}.weight")
         table_tensors = [heads[h] for h in range(spec.heads)]
-        encoding = _encoding_of(table_tensors)
+        encoding = _encoding_of(table_tensors, width)
         for head, tensor in enumerate(table_tensors):
             _check_dims(tensor, width, spec.head_sizes[head])
         row_bytes = row_bytes_for(encoding, width)

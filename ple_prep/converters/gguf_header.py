@@ -40,6 +40,8 @@ SCALARS = {GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT
            GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d"}
 MIN_ITEM_BYTES = {kind: struct.calcsize(code) for kind, code in SCALARS.items()} | {
     GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}
+# The GGML types a table may have, as messages name them.
+SUPPORTED_TYPES = ", ".join(name for name, _ in GGML_TYPES.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,9 +234,13 @@ def _tensor_bytes(walker: _Walker, name: str, ggml_type: GGMLQuantizationType, d
     width = dims[0] if dims else 1
     if width % block_values:
         if block_values == QK_K:
-            supported = ", ".join(name for name, _ in GGML_TYPES.values())
-            raise walker.refuse(f"{name} is {ggml_type.name}, a K-quant: its {QK_K}-value blocks cannot "
-                                f"hold a {width}-value row; use a GGUF quantised to {supported}")
+            raise walker.refuse(k_quant_refusal(name, ggml_type, width))
         raise walker.refuse(f"{name}'s row of {width} values is not a whole number of blocks "
                             f"({ggml_type.name} blocks hold {block_values} values)")
     return width // block_values * block_bytes * math.prod(dims[1:])
+
+
+def k_quant_refusal(what: str, ggml_type: GGMLQuantizationType, width: int) -> str:
+    """Why a K-quant cannot hold the table: its blocks are wider than a row of `width` values."""
+    return (f"{what} is {ggml_type.name}, a K-quant: its {QK_K}-value blocks cannot hold a {width}-value "
+            f"row; use a GGUF quantised to {SUPPORTED_TYPES}")
