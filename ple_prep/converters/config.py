@@ -37,4 +37,4 @@ def config_spec(model_dir: str | Path) -> NgramSpec:
         raise BadInput(f"{model_dir} is not a Qwen3.8-Flash-Next checkpoint: its config.json"
                        + (f" (model_type {kind!r})" if isinstance(kind, str) else "")
                        + " has no n-gram PLE fields (ngram_size, heads_per_ngram, ngram_vocab_size_base)")
-    return NgramSpec.from_config(config)
+    return NgramSpec.from_config(fields)
