@@ -13,7 +13,7 @@ from ..core.constants import HEADER_SIZE
 from ..core.errors import BadInput
 from ..core.fileio import open_regular
 from ..format.header import Header
-from ..format.manifest import load_table_manifest, manifest_path, scale_value, spec_digest
+from ..format.manifest import load_table_manifest, manifest_path, spec_digest
 from ..format.order import RowOrder
 from .dequant import decode
 from .direct import DEFAULT_QUEUE_DEPTH, DirectReader, DirectUnavailable
@@ -55,8 +55,9 @@ class Table:
         self.rows_per_page = header.rows_per_page
         self.encoding = header.encoding.label
         scale = manifest["scale"]
-        # The value its exact bytes give (the manifest's `value` was checked to agree).
-        self.scale: float | None = None if scale is None else scale_value(scale, path.name)
+        # The value its exact bytes give: loading the manifest checked that `value` is exactly that
+        # (format/manifest.py, scale_value).
+        self.scale: float | None = None if scale is None else float(scale["value"])
         # The map starts at order_offset, not at the file's first byte.
         self.order = RowOrder.from_buffer(memoryview(mapping)[header.order_offset:header.data_offset],
                                           header.num_placed, header.num_rows, path.name) \
