@@ -187,22 +187,31 @@ def publish(temporary: Path, final: Path, *, sync_folder: bool = True) -> None:
 
 
 @contextlib.contextmanager
+def partial_output(final: Path, token: str | None = None, mode: int = OUTPUT_MODE, *,
+                   publish_when_done: bool = False) -> Iterator[tuple[BinaryIO, Path]]:
+    """A new temporary file for `final` and its path, for the block to write; then flushed, fsynced,
+    closed and, with `publish_when_done`, renamed over `final`. On any error it is removed."""
+    descriptor, temporary = create_partial(final, token, mode)
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            yield handle, temporary
+            handle.flush()
+            os.fsync(handle.fileno())
+        if publish_when_done:
+            publish(temporary, final)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
 def atomic_output(final: str | Path, mode: int = OUTPUT_MODE) -> Iterator[BinaryIO]:
     """Write `final` in one go: a binary file that appears at its name only once complete.
 
     On any error the temporary file is removed and `final` is untouched.
     """
-    final = Path(final)
-    descriptor, temporary = create_partial(final, mode=mode)
-    try:
-        with os.fdopen(descriptor, "wb") as handle:
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
-        publish(temporary, final)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+    with partial_output(Path(final), mode=mode, publish_when_done=True) as (handle, _):
+        yield handle
 
 
 def write_atomic(final: str | Path, data: bytes, mode: int = OUTPUT_MODE) -> None:

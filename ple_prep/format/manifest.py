@@ -20,7 +20,7 @@ from typing import Any
 
 from ..core.constants import FORMAT_VERSION, GGML_TYPES, MANIFEST_SUFFIX, Encoding
 from ..core.errors import BadInput
-from ..core.fileio import create_partial, load_json
+from ..core.fileio import load_json, partial_output
 
 MANIFEST_FORMAT = "ple-prep-table"
 MAX_MANIFEST_BYTES = 64 << 20
@@ -232,13 +232,6 @@ def _validate_tensor_parallel(manifest: dict[str, Any], name: str) -> None:
 def write_manifest(manifest: dict[str, Any], final: Path, token: str | None = None) -> Path:
     """Write the manifest of `final` to a new temporary file (fsynced); the caller publishes it."""
     data = json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n"
-    descriptor, temporary = create_partial(final, token)
-    try:
-        with os.fdopen(descriptor, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+    with partial_output(final, token) as (handle, temporary):
+        handle.write(data)
     return temporary
