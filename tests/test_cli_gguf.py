@@ -12,7 +12,7 @@ from ple_prep.cli import cli
 from ple_prep.tools.fixtures import FIXTURE_ROWS, make_gguf
 
 
-def patch_tensor_info(path, name: str, *, dims=None, type_id=None, new_name=None) -> None:
+def patch_tensor_info(path, name: str, *, dims=None, type_id=None, new_name=None, move_by=0) -> None:
     """Rewrite one tensor-info record of a GGUF file in place (hostile files, hand-packed)."""
     data = bytearray(path.read_bytes())
     key = struct.pack("<Q", len(name)) + name.encode()
@@ -26,6 +26,9 @@ def patch_tensor_info(path, name: str, *, dims=None, type_id=None, new_name=None
         struct.pack_into(f"<{n_dims}Q", data, start + 4, *dims)
     if type_id is not None:
         struct.pack_into("<I", data, start + 4 + 8 * n_dims, type_id)
+    if move_by:
+        at = start + 4 + 8 * n_dims + 4
+        struct.pack_into("<Q", data, at, struct.unpack_from("<Q", data, at)[0] + move_by)
     path.write_bytes(bytes(data))
 
 
@@ -136,6 +139,18 @@ def _head_rows(tmp_path):
     return path
 
 
+def _misaligned(tmp_path):
+    path = make_gguf(tmp_path, "q4_0", layout="split") / "model.gguf"
+    patch_tensor_info(path, "ple_ngram_embd.3.weight", move_by=4)
+    return path
+
+
+def _overlapping(tmp_path):
+    path = make_gguf(tmp_path, "q4_0", layout="split") / "model.gguf"
+    patch_tensor_info(path, "ple_ngram_embd.3.weight", move_by=64)
+    return path
+
+
 def _two_models(tmp_path):
     folder = make_gguf(tmp_path, "q8_0")
     shutil.copy(make_gguf(tmp_path.with_name("other"), "q4_0") / "model.gguf", folder / "q4.gguf")
@@ -162,6 +177,8 @@ BAD_GGUF = {
     "missing split": (_missing_split, ["model-00002-of-00003.gguf", "missing"]),
     "missing head": (_missing_head, ["head tensors 5 missing"]),
     "head rows": (_head_rows, ["ple_ngram_embd.15.weight has 1096 rows", "1097"]),
+    "misaligned": (_misaligned, ["ple_ngram_embd.3.weight starts at byte", "not an aligned offset"]),
+    "overlapping": (_overlapping, ["overlaps ple_ngram_embd.3.weight"]),
     "two models": (_two_models, ["2 GGUF models"]),
     "no table": (_no_table, ["no n-gram PLE table"]),
 }
