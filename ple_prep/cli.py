@@ -20,7 +20,6 @@ import click
 from . import __version__
 from .core.constants import DEFAULT_MAP_FRACTION, DEFAULT_PAGE_SIZE, GGUF_FIXTURE_VARIANTS
 from .core.errors import BadInput, CheckFailed
-from .core.fileio import refuse_input_as_output
 
 EXIT_BUG = 70  # EX_SOFTWARE of sysexits.h: an internal software error
 DEBUG_VARIABLE = "PLE_PREP_DEBUG"
@@ -290,8 +289,9 @@ def verify(table: Path, model: Path | None, sample: int | None, seed: int, as_js
 @click.argument("table", type=click.Path(path_type=Path))
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path),
               help="Draw the residency curve to this PNG (needs matplotlib: the 'plot' extra).")
+@click.option("--force", is_flag=True, help="Replace an existing --plot file.")
 @json_option
-def inspect(table: Path, plot_path: Path | None, as_json: bool) -> None:
+def inspect(table: Path, plot_path: Path | None, force: bool, as_json: bool) -> None:
     """Print a prepared table's manifest, and its residency curve when it has one.
 
     \b
@@ -306,7 +306,8 @@ def inspect(table: Path, plot_path: Path | None, as_json: bool) -> None:
     if plot_path is not None:
         from .tools.plot import plot_residency
 
-        plot_residency(manifest, plot_path, title=table.name)
+        plot_residency(manifest, plot_path, title=table.name, force=force,
+                       inputs=(table, manifest_path(table)))
     if as_json:
         echo_json(manifest)
         return
@@ -474,18 +475,16 @@ def profile_run(model: Path, prompts: tuple[Path, ...], more_prompts: tuple[Path
     Example:
         ple-prep profile --model ./Qwen3.8-Flash-Next-FP8 --prompts chats.jsonl --out p.prof
     """
-    from .offline.profile import profile_files, save_profile
+    from .offline.profile import check_profile_output, profile_files, save_profile
 
     files = list(prompts) + list(more_prompts)
     if not files:
         raise BadInput("give prompt files with --prompts")
-    if out.exists() and not force:
-        raise BadInput(f"{out} exists; pass --force to replace it")
-    refuse_input_as_output(out, files)
+    check_profile_output(out, force=force, inputs=files, model=model)
     started = time.perf_counter()
     with progress_bar(0, "profile", quiet, unit="tok") as advance:
         result = profile_files(model, files, progress=advance)
-    save_profile(result, out, force=force)
+    save_profile(result, out, force=force, inputs=files, model=model)
     seconds = time.perf_counter() - started
     summary = {"out": str(out), "seconds": round(seconds, 3), **result.summary()}
     if as_json:
@@ -508,11 +507,11 @@ def profile_merge(profiles: tuple[Path, ...], out: Path, force: bool, as_json: b
     Example:
         ple-prep profile merge shard0.prof shard1.prof -o all.prof
     """
-    from .offline.profile import load_profile, merge_profiles, save_profile
+    from .offline.profile import check_profile_output, load_profile, merge_profiles, save_profile
 
-    refuse_input_as_output(out, profiles)
+    check_profile_output(out, force=force, inputs=profiles)
     merged = merge_profiles([load_profile(path) for path in profiles])
-    save_profile(merged, out, force=force)
+    save_profile(merged, out, force=force, inputs=profiles)
     summary = {"out": str(out), **merged.summary()}
     if as_json:
         echo_json(summary)

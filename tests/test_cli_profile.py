@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+from refusal import assert_refused
 
 from ple_prep.cli import cli
 from ple_prep.offline.profile import load_profile
@@ -215,3 +216,30 @@ def test_plot_labels_stay_inside_the_axes(runner, fp8_checkpoint, prompts, tmp_p
         extent = label.get_window_extent(renderer)
         assert (box.x0 - 1 <= extent.x0 and extent.x1 <= box.x1 + 1 and box.y0 - 1 <= extent.y0
                 and extent.y1 <= box.y1 + 1), (label.get_text(), extent, box)
+
+
+def test_inspect_plot_never_replaces_the_table_or_its_manifest_and_needs_force_over_a_file(
+        runner, fp8_checkpoint, prompts, tmp_path):
+    pytest.importorskip("matplotlib")
+    profile, table = tmp_path / "p.prof", tmp_path / "t.bin"
+    runner.invoke(cli, ["profile", "--model", str(fp8_checkpoint), "--prompts", str(prompts / "chats.jsonl"),
+                        "--out", str(profile), "-q"])
+    runner.invoke(cli, ["convert", "--model", str(fp8_checkpoint), "--profile", str(profile),
+                        "--out", str(table), "-q"])
+    notes = tmp_path / "config.json"
+    notes.write_text("{}")
+    files = sorted(p.name for p in tmp_path.iterdir())
+    before = {name: (tmp_path / name).read_bytes() for name in files}
+    for target in (table, tmp_path / "t.bin.json"):
+        for force in ([], ["--force"]):
+            result = runner.invoke(cli, ["inspect", str(table), "--plot", str(target), *force])
+            assert_refused(result, tmp_path, f"{target} is {target}, an input of this command",
+                           left=files)
+    assert_refused(runner.invoke(cli, ["inspect", str(table), "--plot", str(notes)]), tmp_path,
+                   f"{notes} exists; pass --force", left=files)
+    assert_refused(runner.invoke(cli, ["inspect", str(table), "--plot", str(tmp_path)]), tmp_path,
+                   f"{tmp_path} is a folder; give a file name", left=files)
+    assert {name: (tmp_path / name).read_bytes() for name in files} == before
+    result = runner.invoke(cli, ["inspect", str(table), "--plot", str(notes), "--force"])
+    assert result.exit_code == 0, result.output
+    assert notes.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -493,3 +493,37 @@ def test_a_profile_never_replaces_one_of_its_inputs(fp8_checkpoint, tmp_path, ru
     refused(runner.invoke(cli, ["profile", "merge", str(profile), "-o", str(profile), "--force"]),
             "an input of this command")
     assert profile.read_bytes() == before
+
+
+def test_a_profile_never_replaces_a_checkpoint_file_even_with_force(checkpoint, tmp_path, runner):
+    prompt = tmp_path / "doc.txt"
+    prompt.write_text("alpha beta gamma delta")
+    files = sorted(p.name for p in checkpoint.iterdir())
+    before = (checkpoint / "config.json").read_bytes()
+    result = runner.invoke(cli, ["profile", "--model", str(checkpoint), "--prompts", str(prompt),
+                                 "--out", str(checkpoint / "config.json"), "--force", "--quiet"])
+    refused(result, "is a file of the checkpoint folder", checkpoint, tuple(files))
+    assert (checkpoint / "config.json").read_bytes() == before
+    # A profile kept beside the checkpoint is its own output: --force replaces it.
+    profile = checkpoint / "p.prof"
+    for force in ([], ["--force"]):
+        assert runner.invoke(cli, ["profile", "--model", str(checkpoint), "--prompts", str(prompt),
+                                   "--out", str(profile), "--quiet", *force]).exit_code == 0
+
+
+def test_a_profile_output_that_is_a_folder_is_refused_before_any_work(fp8_checkpoint, tmp_path, runner,
+                                                                     monkeypatch):
+    from ple_prep.offline import profile as profile_module
+
+    prompt, folder = tmp_path / "doc.txt", tmp_path / "out.prof"
+    prompt.write_text("alpha beta gamma delta")
+    folder.mkdir()
+    assert runner.invoke(cli, ["profile", "--model", str(fp8_checkpoint), "--prompts", str(prompt),
+                               "--out", str(tmp_path / "p.prof"), "--quiet"]).exit_code == 0
+    monkeypatch.setattr(profile_module, "profile_files", lambda *a, **k: pytest.fail("profiled anyway"))
+    monkeypatch.setattr(profile_module, "load_profile", lambda *a, **k: pytest.fail("loaded anyway"))
+    for args in (["profile", "--model", str(fp8_checkpoint), "--prompts", str(prompt), "--out", str(folder)],
+                 ["profile", "merge", str(tmp_path / "p.prof"), "-o", str(folder)]):
+        refused(runner.invoke(cli, [*args, "--force", "--quiet"]), f"{folder} is a folder; give a file name",
+                tmp_path, ("doc.txt", "out.prof", "p.prof"))
+        assert list(folder.iterdir()) == []

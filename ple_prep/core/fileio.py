@@ -16,7 +16,7 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -219,13 +219,32 @@ def write_atomic(final: str | Path, data: bytes, mode: int = OUTPUT_MODE) -> Non
         handle.write(data)
 
 
-def refuse_input_as_output(final: Path, inputs: Iterable[Path]) -> None:
-    """BadInput when `final` is (the same file as) one of `inputs`: an output never replaces an input."""
-    if not os.path.exists(final):
+def check_output(out: Path, *, force: bool, inputs: Iterable[Path] = (), protected_folder: Path | None = None,
+                 replaceable: Callable[[Path], bool] = lambda path: False, what: str = "command",
+                 option: str = "--out") -> None:
+    """BadInput unless `out` may be written: its folder exists, it is not a folder, it is not (the
+    same file as) one of `inputs`, and an existing file is replaced only with `force`.
+
+    Outputs never replace inputs, `force` or not; nor does one replace a file of `protected_folder`
+    (a checkpoint's folder) unless `replaceable` says ple-prep wrote it. Call this before any
+    work, so that a bad output is refused at once.
+    """
+    out = Path(out)
+    if not out.parent.is_dir():
+        raise BadInput(f"output folder {out.parent} does not exist")
+    if out.is_dir():
+        raise BadInput(f"{out} is a folder; give a file name")
+    if not os.path.lexists(out):
         return
     for path in inputs:
-        if os.path.exists(path) and os.path.samefile(final, path):
-            raise BadInput(f"{final} is {path}, an input of this command: choose another output")
+        if os.path.exists(path) and os.path.exists(out) and os.path.samefile(out, path):
+            raise BadInput(f"{out} is {path}, an input of this {what}: choose another {option}")
+    if (protected_folder is not None and out.parent.resolve() == protected_folder.resolve()
+            and not replaceable(out)):
+        raise BadInput(f"{out} is a file of the checkpoint folder {protected_folder} that ple-prep did not "
+                       f"write: choose another {option} (even --force never replaces it)")
+    if not force:
+        raise BadInput(f"{out} exists; pass --force to replace it")
 
 
 # --- One writer per output -------------------------------------------------------------------------

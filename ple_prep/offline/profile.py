@@ -33,6 +33,7 @@ import numpy as np
 from ..core.errors import BadInput
 from ..core.fileio import (
     atomic_output,
+    check_output,
     open_input,
     parse_json,
 )
@@ -304,15 +305,34 @@ def merge_profiles(profiles: list[Profile]) -> Profile:
 
 # --- The file ---------------------------------------------------------------------------------------
 
-def save_profile(profile: Profile, out: str | Path, *, force: bool = False) -> None:
-    """Write the profile under a temporary name and rename it when complete."""
+def is_profile(path: Path) -> bool:
+    """A ple-prep profile (its magic, decompressed): what a profile may replace in a checkpoint folder."""
+    import zstandard
+
+    try:
+        with open_input(path) as handle, zstandard.ZstdDecompressor().stream_reader(handle) as stream:
+            return _read_exact(stream, len(MAGIC)) == MAGIC
+    except (OSError, BadInput, zstandard.ZstdError):
+        return False
+
+
+def check_profile_output(out: str | Path, *, force: bool = False, inputs: Iterable[str | Path] = (),
+                         model: str | Path | None = None) -> None:
+    """BadInput unless `out` may take a profile: never one of `inputs` (the prompt files or the
+    profiles merged) nor a file of `model`'s checkpoint folder other than a profile."""
+    folder = None if model is None else Path(model) if Path(model).is_dir() else Path(model).parent
+    check_output(Path(out), force=force, inputs=[Path(p) for p in inputs], protected_folder=folder,
+                 replaceable=is_profile)
+
+
+def save_profile(profile: Profile, out: str | Path, *, force: bool = False, inputs: Iterable[str | Path] = (),
+                 model: str | Path | None = None) -> None:
+    """Write the profile under a temporary name and rename it when complete (checked as by
+    `check_profile_output`)."""
     import zstandard
 
     out = Path(out)
-    if not out.parent.is_dir():
-        raise BadInput(f"output folder {out.parent} does not exist")
-    if os.path.lexists(out) and not force:
-        raise BadInput(f"{out} exists; pass --force to replace it")
+    check_profile_output(out, force=force, inputs=inputs, model=model)
     arrays: dict[str, np.ndarray] = {}
     for part in PARTS:
         counts = profile.parts[part]

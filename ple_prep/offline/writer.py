@@ -31,7 +31,16 @@ from ..core.constants import (
     MAGIC,
 )
 from ..core.errors import BadInput
-from ..core.fileio import create_exclusive, load_json, open_input, output_lock, partial_owner, partial_path, publish
+from ..core.fileio import (
+    check_output,
+    create_exclusive,
+    load_json,
+    open_input,
+    output_lock,
+    partial_owner,
+    partial_path,
+    publish,
+)
 from ..format.header import Header
 from ..format.layout import TableLayout
 from ..format.manifest import MANIFEST_FORMAT, manifest_path, spec_digest, write_manifest
@@ -167,11 +176,7 @@ def convert(source: TableSource, out: str | Path, options: WriteOptions | None =
     options, rows = options or WriteOptions(), rows or RowRange()
     out = Path(out)
     manifest_out = manifest_path(out)
-    if not out.parent.is_dir():
-        raise BadInput(f"output folder {out.parent} does not exist")
-    if out.is_dir():
-        raise BadInput(f"{out} is a folder; give a file name")
-    refuse_overwriting_source(source, (out, manifest_out))
+    check_outputs(source, (out, manifest_out))
     with output_lock(out):
         return _convert_locked(source, out, manifest_out, options, layout, rows, progress)
 
@@ -188,21 +193,17 @@ def _is_ple_prep_output(path: Path) -> bool:
     return isinstance(manifest, dict) and manifest.get("format") == MANIFEST_FORMAT
 
 
-def refuse_overwriting_source(source: TableSource, targets: tuple[Path, ...]) -> None:
+def check_outputs(source: TableSource, targets: tuple[Path, ...]) -> None:
     """Outputs never replace inputs, --force or not: a target that is a file the source reads, or
-    any file in the checkpoint's folder that ple-prep did not write, is refused."""
+    any file in the checkpoint's folder that is not a ple-prep table or manifest, is refused."""
     folder = source.model_dir if source.model_dir.is_dir() else source.model_dir.parent
     inputs = {segment.path for part in source.parts for segment in part if segment.path is not None}
     inputs |= {folder / entry.name for entry in source.files} | {source.model_dir}
     for target in targets:
-        if not os.path.lexists(target):
-            continue
-        for path in inputs:
-            if path.exists() and target.exists() and os.path.samefile(target, path):
-                raise BadInput(f"{target} is {path}, an input of this conversion: choose another --out")
-        if target.resolve().parent == folder.resolve() and not _is_ple_prep_output(target):
-            raise BadInput(f"{target} is a file of the checkpoint folder {folder}, not a ple-prep "
-                           f"table or manifest: choose another --out (even --force never replaces it)")
+        # force=True: whether an existing table may be replaced is decided under the output lock,
+        # where a killed run's files are told apart (_check_replaceable).
+        check_output(target, force=True, inputs=inputs, protected_folder=folder,
+                     replaceable=_is_ple_prep_output, what="conversion")
 
 
 def _convert_locked(source: TableSource, out: Path, manifest_out: Path, options: WriteOptions,

@@ -2,18 +2,22 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from ..core.errors import BadInput
-from ..core.fileio import atomic_output
+from ..core.fileio import atomic_output, check_output
 
 
-def plot_residency(manifest: dict[str, Any], out: str | Path, title: str = "") -> None:
-    """Held-out hit fraction against resident bytes, one point per hint, written as a PNG."""
+def plot_residency(manifest: dict[str, Any], out: str | Path, title: str = "", *, force: bool = False,
+                   inputs: Iterable[Path] = ()) -> None:
+    """Held-out hit fraction against resident bytes, one point per hint, written as a PNG.
+
+    `out` never replaces one of `inputs` (the table and its manifest), and an existing file only with `force`.
+    """
     out = Path(out)
-    if not out.parent.is_dir():
-        raise BadInput(f"output folder {out.parent} does not exist")
+    check_output(out, force=force, inputs=inputs, option="--plot")
     pyplot = _pyplot()
     figure = residency_figure(manifest, title)
     with atomic_output(out) as handle:
