@@ -195,6 +195,17 @@ def test_a_fifo_in_place_of_a_shard_or_the_table_is_refused_at_once(checkpoint, 
     refused_in_process(result, "is a FIFO, not a regular file")
 
 
+
+def test_a_fifo_or_a_folder_given_as_prompts_is_named_as_such(fp8_checkpoint, tmp_path):
+    fifo, folder = tmp_path / "fifo.txt", tmp_path / "folder.txt"
+    os.mkfifo(fifo)
+    folder.mkdir()
+    for path, kind in ((fifo, "a FIFO"), (folder, "a folder")):
+        result, _ = run_cli("profile", "--model", str(fp8_checkpoint), "--prompts", str(path),
+                            "--out", str(tmp_path / "p.prof"), "--quiet", timeout=30)
+        refused_in_process(result, f"prompt file {path} is {kind}, not a regular file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo.txt", "folder.txt"]
+
 def _npy_header(shape: tuple[int, ...]) -> bytes:
     header = repr({"descr": "<u8", "fortran_order": False, "shape": shape}).encode()
     header += b" " * (-(len(header) + 11) % 64) + b"\n"

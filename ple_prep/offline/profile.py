@@ -251,7 +251,8 @@ def profile_files(model: str | Path, prompt_files: Iterable[str | Path], *,
     paths = [Path(p) for p in prompt_files]
     if not paths:
         raise BadInput("give at least one prompt file")
-    missing = [str(p) for p in paths if not p.is_file()]
+    # Only absent paths here: PromptReader refuses a FIFO or a folder by name (core/fileio.open_regular).
+    missing = [str(p) for p in paths if not os.path.lexists(p)]
     if missing:
         raise BadInput(f"prompt file{'s' if len(missing) > 1 else ''} not found: {', '.join(missing)}")
     reader = PromptReader(model_dir, spec)
