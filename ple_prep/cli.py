@@ -213,7 +213,7 @@ def convert(model: Path, out: Path, page_size: int, profile_path: Path | None, m
                                              progress=advance))]
             else:
                 written = convert_ranks(source, out, tp_size, None if tp_rank is None else [tp_rank], options,
-                                        progress=advance, layout_for=layout_for if profile else None)
+                                        progress=advance, layout_for=layout_for)
     _print_written(written, tp_size, time.perf_counter() - started, as_json, quiet)
 
 

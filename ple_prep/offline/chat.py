@@ -16,7 +16,6 @@ import select
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -175,9 +174,8 @@ class _Renderer:
         return self.process.poll() is None
 
     def _reply(self, where: str) -> dict[str, Any]:
-        deadline = time.monotonic() + RENDER_SECONDS
         stream = self.process.stdout
-        if not select.select([stream], [], [], max(0.0, deadline - time.monotonic()))[0]:
+        if not select.select([stream], [], [], RENDER_SECONDS)[0]:
             self.close()
             raise BadInput(f"{where}: the chat template ran longer than {RENDER_SECONDS:g} s; refused")
         try:

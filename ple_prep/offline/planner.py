@@ -22,6 +22,7 @@ from ..core.errors import BadInput
 from ..format.header import ORDER_BYTES_PER_PLACED
 from ..format.layout import TableLayout
 from ..format.order import RowOrder
+from ..format.pages import pages_for
 from ..ngram import rows_of_mixed
 from .profile import Profile
 
@@ -218,7 +219,7 @@ def residency_hints(order: RowOrder, profile: Profile, *, row_bytes: int, rows_p
                                page_size=page_size)
         hits = int(served[np.searchsorted(sorted_slots, resident)])
         hints.append({"budget": label, "budget_bytes": budget, "rows": resident,
-                      "pages": -(-resident // rows_per_page),
+                      "pages": pages_for(resident, rows_per_page),
                       "hit_fraction": round(hits / total, 6) if total else None})
     return hints
 

@@ -224,9 +224,9 @@ class Profiler:
         return Profile(self.spec, tokenizer_sha256, model, inputs, parts, self.heldout_every)
 
 
-def _file_sha256(path: Path) -> str:
+def _file_sha256(path: Path, what: str) -> str:
     digest = hashlib.sha256()
-    with open_input(path, "prompt file") as handle:
+    with open_input(path, what) as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
@@ -234,7 +234,7 @@ def _file_sha256(path: Path) -> str:
 
 def tokenizer_fingerprint(model_dir: Path) -> str | None:
     path = model_dir / "tokenizer.json"
-    return _file_sha256(path) if path.is_file() else None
+    return _file_sha256(path, "tokenizer") if path.is_file() else None
 
 
 def profile_files(model: str | Path, prompt_files: Iterable[str | Path], *,
@@ -266,7 +266,7 @@ def profile_files(model: str | Path, prompt_files: Iterable[str | Path], *,
             tokens += len(request)
             if progress is not None:
                 progress(len(request))
-        inputs.append({"name": path.name, "bytes": path.stat().st_size, "sha256": _file_sha256(path),
+        inputs.append({"name": path.name, "bytes": path.stat().st_size, "sha256": _file_sha256(path, "prompt file"),
                        "requests": requests, "tokens": tokens})
     return profiler.finish(model=model_dir.name, tokenizer_sha256=tokenizer_fingerprint(model_dir),
                            inputs=inputs)
@@ -406,7 +406,8 @@ class _BoundedReader:
         if dtype not in (np.dtype("<u8"), np.dtype("<i8")) or len(shape) != 1:
             raise BadInput(f"{self.path}: corrupt profile (array {name} is {dtype} {shape}, "
                            f"not a 1-D 64-bit integer array)")
-        array = np.empty(shape[0] if self.take(shape[0] * 8, f"array {name}") else 0, dtype)
+        self.take(shape[0] * 8, f"array {name}")
+        array = np.empty(shape[0], dtype)
         view = memoryview(array).cast("B")
         while len(view):
             count = self.stream.readinto(view[:1 << 24])
@@ -441,9 +442,9 @@ def load_profile(path: str | Path) -> Profile:
             arrays = {name: reader.read_array(name) for name in names}
     except zstandard.ZstdError as exc:
         raise BadInput(f"{path} is not a ple-prep profile (zstandard: {exc})") from None
+    except BadInput:
+        raise
     except (struct.error, KeyError, TypeError, ValueError) as exc:
-        if isinstance(exc, BadInput):
-            raise
         raise BadInput(f"{path}: corrupt profile ({exc})") from None
     return _from_parts(header, arrays, path)
 

@@ -48,10 +48,9 @@ class Journal:
     def __init__(self, path: Path, first_line: dict[str, Any] | None):
         if first_line:
             self._descriptor = create_exclusive(path)
+            self._write(first_line)
         else:
             self._descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
-        if first_line:
-            self._write(first_line)
 
     def _write(self, line: dict[str, Any]) -> None:
         os.write(self._descriptor, json.dumps(line, sort_keys=True).encode() + b"\n")

@@ -49,7 +49,6 @@ class PromptReader:
         self.model_dir = model_dir
         self.spec = spec
         self._tokenizer = None
-        self._template = None
         self._tokenizer_config: dict[str, Any] | None = None
 
     @property

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from safetensors import TensorSpec, serialize_file
 
-from ..core.constants import VALUES_PER_ROW
+from ..core.constants import GGUF_FIXTURE_VARIANTS, VALUES_PER_ROW
 from ..core.errors import BadInput
 from ..ngram import NgramSpec
 
@@ -198,7 +198,7 @@ def write_safetensors(path: Path, tensors: dict[str, tuple[str, np.ndarray]]) ->
 
 # --- GGUF fixtures (docs/MODEL.md) ---------------------------------------------------------------
 
-GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
+GGUF_TYPES = tuple(variant.removeprefix("gguf-") for variant in GGUF_FIXTURE_VARIANTS)
 GGUF_LAYOUTS = ("joined", "split")
 
 
