@@ -49,11 +49,24 @@ def summary(seconds: list[float]) -> dict:
             "p90_ms": round(float(np.percentile(ms, 90)), 4), "p99_ms": round(float(np.percentile(ms, 99)), 4)}
 
 
+def real_text_requests(spec: NgramSpec, chunks: int, decode_tokens: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Row ids of real text (a part the table's profile never saw): `chunks` prefill chunks of
+    CHUNK_TOKENS tokens, then `decode_tokens` decode steps of one token each."""
+    row_ids = real_text_row_ids(spec, chunks * CHUNK_TOKENS + decode_tokens, part=0, parts=2)
+    chunk_ids = [row_ids[i * CHUNK_TOKENS:(i + 1) * CHUNK_TOKENS] for i in range(chunks)]
+    decode_ids = [row_ids[chunks * CHUNK_TOKENS + i:][:1] for i in range(decode_tokens)]
+    return chunk_ids, decode_ids
+
+
+def bf16_bits(table, ids: np.ndarray) -> np.ndarray:
+    """The bits of each id's values rounded to bf16 as the model rounds them: (ids, values_per_row) uint16."""
+    values = table.values(ids.reshape(-1)).astype(np.float64)
+    return (round_to_bf16(values).view(np.uint32) >> 16).astype(np.uint16)
+
+
 def exact(source: EmbeddingSource, values: torch.Tensor, ids: np.ndarray) -> bool:
-    reference = source.table.values(ids.reshape(-1))
-    want = (round_to_bf16(reference.astype(np.float64)).view(np.uint32) >> 16).astype(np.uint16)
     got = values.reshape(-1, source.table.values_per_row).cpu().view(torch.int16).numpy().view(np.uint16)
-    return bool(np.array_equal(got, want))
+    return bool(np.array_equal(got, bf16_bits(source.table, ids)))
 
 
 def timed_calls(source: EmbeddingSource, requests: list[np.ndarray], before=None) -> dict:
@@ -160,9 +173,7 @@ def main() -> None:
     torch.cuda.init()
     table = open_table(args.table)
     spec = NgramSpec.from_json(table.manifest["ngram"])
-    row_ids = real_text_row_ids(spec, args.chunks * CHUNK_TOKENS + args.decode_tokens, part=0, parts=2)
-    chunks = [row_ids[i * CHUNK_TOKENS:(i + 1) * CHUNK_TOKENS] for i in range(args.chunks)]
-    tokens = [row_ids[args.chunks * CHUNK_TOKENS + i:][:1] for i in range(args.decode_tokens)]
+    chunks, tokens = real_text_requests(spec, args.chunks, args.decode_tokens)
     resident_bytes = int(args.resident_fraction * table.num_rows * table.row_bytes)
     started = time.perf_counter()
     source = EmbeddingSource(table, device="cuda", resident_bytes=resident_bytes,

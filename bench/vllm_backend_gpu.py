@@ -34,13 +34,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpu_bench import CHUNK_TOKENS, summary  # noqa: E402  (bench/, beside this file)
+from gpu_bench import CHUNK_TOKENS, bf16_bits, real_text_requests, summary  # noqa: E402  (bench/, beside this file)
 
 from ple_prep.integrations.vllm.backend import PrefetchedRows  # noqa: E402
 from ple_prep.ngram import NgramSpec  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
-from ple_prep.runtime.dequant import round_to_bf16  # noqa: E402
-from ple_prep.tools.realtext import real_text_row_ids  # noqa: E402
 
 
 class Device:
@@ -89,8 +87,8 @@ class Device:
 
 
 def expected_bits(table, ids: np.ndarray) -> np.ndarray:
-    values = table.values(ids.reshape(-1)).astype(np.float64)
-    return (round_to_bf16(values).view(np.uint32) >> 16).astype(np.uint16).reshape(len(ids), -1)
+    """(tokens, heads * values_per_row): the layout of PrefetchedRows.finish."""
+    return bf16_bits(table, ids).reshape(len(ids), -1)
 
 
 def run(rows: PrefetchedRows, device: Device, requests: list[torch.Tensor], expected: list[np.ndarray],
@@ -130,9 +128,7 @@ def main() -> None:
     args = parser.parse_args()
     table = open_table(args.table, read_path=args.read_path)
     spec = NgramSpec.from_json(table.manifest["ngram"])
-    row_ids = real_text_row_ids(spec, args.chunks * CHUNK_TOKENS + args.decode_tokens, part=0, parts=2)
-    host = [row_ids[i * CHUNK_TOKENS:(i + 1) * CHUNK_TOKENS] for i in range(args.chunks)]
-    host_decode = [row_ids[args.chunks * CHUNK_TOKENS + i:][:1] for i in range(args.decode_tokens)]
+    host, host_decode = real_text_requests(spec, args.chunks, args.decode_tokens)
     resident_bytes = int(args.resident_fraction * table.num_rows * table.row_bytes)
     started = time.perf_counter()
     rows = PrefetchedRows(table, device=args.device, resident_bytes=resident_bytes, max_tokens=CHUNK_TOKENS,

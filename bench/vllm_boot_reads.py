@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -41,7 +40,6 @@ def io_counters() -> dict[str, int]:
 
 def child(side: str, checkpoint: Path, table: Path, base: int) -> dict:
     """One boot of the layer; runs in a fresh process."""
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from worker import start_worker
 
     start_worker()

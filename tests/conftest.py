@@ -15,6 +15,7 @@ from ple_prep.format import order as order_module
 from ple_prep.format.layout import TableLayout
 from ple_prep.format.order import RowOrder
 from ple_prep.ngram import NgramSpec
+from ple_prep.offline.ranks import convert_ranks
 from ple_prep.offline.writer import WriteOptions, convert
 from ple_prep.runtime import gather as gather_module
 from ple_prep.tools.fixtures import make_checkpoint
@@ -90,3 +91,13 @@ def fp8_table(fp8_checkpoint, tmp_path_factory) -> Path:
 @pytest.fixture
 def runner() -> CliRunner:
     return CliRunner()
+
+
+@pytest.fixture(scope="session")
+def fp8_rank_tables(fp8_checkpoint, tmp_path_factory) -> Path:
+    """The folder of the FP8 fixture converted with `--tp-size 2`: ple.tp0of2.bin and ple.tp1of2.bin
+    (and their manifests); tests only read them."""
+    folder = tmp_path_factory.mktemp("fp8-ranks")
+    with open_source(fp8_checkpoint) as source:
+        convert_ranks(source, folder / "ple.bin", 2)
+    return folder

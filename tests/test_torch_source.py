@@ -13,11 +13,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from bf16_bits import bits, expected_bits  # noqa: E402
+
 from ple_prep.format.manifest import manifest_path  # noqa: E402
 from ple_prep.ngram import row_ids  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
 from ple_prep.runtime import torch as runtime_torch  # noqa: E402
-from ple_prep.runtime.dequant import round_to_bf16  # noqa: E402
 from ple_prep.runtime.torch import EmbeddingSource  # noqa: E402
 from ple_prep.tools.benchmark import cached_fraction, evict  # noqa: E402
 
@@ -69,16 +70,6 @@ def token_ids(table, tokens: int, seed: int) -> np.ndarray:
     """(tokens, 16) row ids of token text through the real hash, with repeated tokens."""
     rng = np.random.default_rng(seed)
     return row_ids(rng.integers(0, 5000, tokens), table.spec)
-
-
-def expected_bits(table, ids: np.ndarray) -> np.ndarray:
-    """bf16 bits of each id's values in id order, flat, rounded as the model rounds."""
-    values = table.values(ids.reshape(-1))
-    return (round_to_bf16(values.astype(np.float64)).view(np.uint32) >> 16).astype(np.uint16).reshape(-1)
-
-
-def bits(tensor) -> np.ndarray:
-    return tensor.cpu().reshape(-1).view(torch.int16).numpy().view(np.uint16)
 
 
 def poison(source: EmbeddingSource) -> None:

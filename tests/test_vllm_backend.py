@@ -6,7 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ple_prep.converters import open_source  # noqa: E402
+from bf16_bits import bits, expected_bits  # noqa: E402
+
 from ple_prep.integrations.vllm.backend import (  # noqa: E402
     PrefetchedRows,
     TableMismatch,
@@ -15,22 +16,8 @@ from ple_prep.integrations.vllm.backend import (  # noqa: E402
     check_scale,
     default_resident_bytes,
 )
-from ple_prep.offline.ranks import convert_ranks  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
-from ple_prep.runtime.dequant import round_to_bf16  # noqa: E402
 from ple_prep.tools.fixtures import FIXTURE_ROWS  # noqa: E402
-
-
-def bits(values: np.ndarray) -> np.ndarray:
-    return (round_to_bf16(values.astype(np.float64)).view(np.uint32) >> 16).astype(np.uint16)
-
-
-@pytest.fixture(scope="module")
-def rank_tables(fp8_checkpoint, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("ranks")
-    with open_source(fp8_checkpoint) as source:
-        convert_ranks(source, folder / "ple.bin", 2)
-    return folder
 
 
 def test_start_finish_equals_the_tables_values_across_tiers(fp8_table):
@@ -41,20 +28,19 @@ def test_start_finish_equals_the_tables_values_across_tiers(fp8_table):
             rows.start(torch.from_numpy(request), wait=wait)
             values = rows.finish()
             assert values.shape == (len(request), 2560)
-            want = bits(table.values(request.reshape(-1))).reshape(len(request), -1)
-            np.testing.assert_array_equal(values.view(torch.int16).numpy().view(np.uint16), want)
+            np.testing.assert_array_equal(bits(values), expected_bits(table, request))
 
 
-def test_a_rank_serves_its_rows_and_zeros_for_the_others(fp8_table, rank_tables):
+def test_a_rank_serves_its_rows_and_zeros_for_the_others(fp8_table, fp8_rank_tables):
     ids = np.random.default_rng(2).integers(0, FIXTURE_ROWS, (30, 16))
     with open_table(fp8_table) as whole:
-        want = bits(whole.values(ids.reshape(-1))).reshape(30, 16, 160)
+        want = expected_bits(whole, ids).reshape(30, 16, 160)
     total = np.zeros((30, 16, 160), dtype=np.int64)
     for rank in range(2):
-        with open_table(rank_tables / f"ple.tp{rank}of2.bin") as table:
+        with open_table(fp8_rank_tables / f"ple.tp{rank}of2.bin") as table:
             rows = PrefetchedRows(table, device="cpu", resident_bytes=0, max_tokens=32, heads=16)
             rows.start(torch.from_numpy(ids))
-            got = rows.finish().view(torch.int16).numpy().view(np.uint16).reshape(30, 16, 160)
+            got = bits(rows.finish()).reshape(30, 16, 160)
             first, stop = table.row_range
             owned = (ids >= first) & (ids < stop)
             np.testing.assert_array_equal(got[owned], want[owned])
@@ -82,11 +68,12 @@ def test_an_abandoned_start_is_dropped_by_the_next(fp8_table):
         rows.start(torch.full((1, 16), FIXTURE_ROWS))  # its forward pass failed before the PLE layer
         ids = np.arange(32).reshape(2, 16)
         rows.start(torch.from_numpy(ids))
-        np.testing.assert_array_equal(rows.finish().view(torch.int16).numpy().view(np.uint16),
-                                      bits(table.values(ids.reshape(-1))).reshape(2, -1))
+        values = rows.finish()
+        assert values.shape == (2, 2560)
+        np.testing.assert_array_equal(bits(values), expected_bits(table, ids))
 
 
-def test_check_layer_refuses_encoding_geometry_and_rank(fp8_table, rank_tables):
+def test_check_layer_refuses_encoding_geometry_and_rank(fp8_table, fp8_rank_tables):
     layer = {"method": "fp8", "total_rows": FIXTURE_ROWS, "values_per_row": 160, "owned": (0, FIXTURE_ROWS),
              "rank": 0, "size": 1}
     with open_table(fp8_table) as table:
@@ -99,7 +86,7 @@ def test_check_layer_refuses_encoding_geometry_and_rank(fp8_table, rank_tables):
         with pytest.raises(TableMismatch, match=rf"holds the whole table \[0, {whole}\]; tensor-parallel rank 1 "
                                                 rf"of 2 serves rows \[{half}, {whole}\]: convert with --tp-size 2"):
             check_layer(table, **layer | {"owned": (half, whole), "rank": 1, "size": 2})
-    with open_table(rank_tables / "ple.tp0of2.bin") as table:
+    with open_table(fp8_rank_tables / "ple.tp0of2.bin") as table:
         check_layer(table, **layer | {"owned": (0, 8448), "rank": 0, "size": 2})
         with pytest.raises(TableMismatch, match="holds rank 0 of 2's rows"):
             check_layer(table, **layer | {"owned": (half, whole), "rank": 1, "size": 2})

@@ -1,8 +1,6 @@
 """The plugin inside vLLM 0.33.0's real Qwen4Exp n-gram embedding, against vLLM's own device table."""
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 import types
@@ -11,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 pytest.importorskip("vllm.models.qwen4_exp")
 
 import torch
@@ -24,12 +21,10 @@ from vllm_layer import (
     text_config,
     vllm_config,
 )
+from worker import free_port
 
-from ple_prep.converters import open_source
 from ple_prep.integrations.vllm import storage
 from ple_prep.integrations.vllm.backend import TableMismatch
-from ple_prep.offline.ranks import convert_ranks
-from ple_prep.offline.writer import convert
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +33,12 @@ def checkpoints(fp8_checkpoint, nvfp4_checkpoint, bf16_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def tables(checkpoints, tmp_path_factory):
+def tables(checkpoints, fp8_table, converted_table, tmp_path_factory):
     """Each fixture converted with ple-prep's writer (source order)."""
     folder = tmp_path_factory.mktemp("vllm-tables")
-    for variant, checkpoint in checkpoints.items():
-        with open_source(checkpoint) as source:
-            convert(source, folder / f"{variant}.bin")
-    return {variant: str(folder / f"{variant}.bin") for variant in checkpoints}
+    converted = {variant: converted_table(checkpoints[variant], folder / f"{variant}.bin").path
+                 for variant in ("nvfp4", "bf16")}
+    return {variant: str(path) for variant, path in ({"fp8": fp8_table} | converted).items()}
 
 
 @pytest.mark.parametrize("variant, resident", [("fp8", "0"), ("fp8", "1MiB"), ("nvfp4", "512KiB"),
@@ -65,17 +59,14 @@ def test_plugin_output_equals_vllm_device_table_bit_for_bit(checkpoints, tables,
         assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
 
 
-def test_tensor_parallel_ranks_serve_their_own_files_and_sum_to_the_whole_input(checkpoints, tmp_path):
+def test_tensor_parallel_ranks_serve_their_own_files_and_sum_to_the_whole_input(checkpoints, fp8_rank_tables,
+                                                                                tmp_path):
     """Two ranks (two processes, gloo), each with its `--tp-size 2` file: their all-reduced output is
     vLLM's single-rank device-table output, bit for bit."""
-    with open_source(checkpoints["fp8"]) as source:
-        convert_ranks(source, tmp_path / "ple.bin", 2)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     script = Path(__file__).with_name("tp_rank.py")
     ranks = [subprocess.Popen([sys.executable, str(script), str(rank), "2", str(port),
-                               str(tmp_path / "ple.tp{rank}of{size}.bin"), str(checkpoints["fp8"]), "fp8",
+                               str(fp8_rank_tables / "ple.tp{rank}of{size}.bin"), str(checkpoints["fp8"]), "fp8",
                                str(tmp_path / f"rank{rank}.npz")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for rank in range(2)]
     for process in ranks:
@@ -161,12 +152,10 @@ def test_refuses_checkpoint_rows_of_another_method(checkpoints, tables):
         build_layer(vllm_config(tables["fp8"]), text_config("fp8"), checkpoint_weights(checkpoints["bf16"]))
 
 
-def test_refuses_a_rank_file_that_is_not_this_ranks(checkpoints, tmp_path):
-    with open_source(checkpoints["fp8"]) as source:
-        convert_ranks(source, tmp_path / "ple.bin", 2)
+def test_refuses_a_rank_file_that_is_not_this_ranks(fp8_rank_tables):
     with pytest.raises(TableMismatch, match=r"holds rank 1 of 2's rows \[8448, 16896\]; tensor-parallel rank 0 "
                                             r"of 1 serves rows \[0, 16896\]: serve the whole table"):
-        build_layer(vllm_config(str(tmp_path / "ple.tp1of2.bin")), text_config("fp8"), None)
+        build_layer(vllm_config(str(fp8_rank_tables / "ple.tp1of2.bin")), text_config("fp8"), None)
 
 
 @pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"])

@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from ...core.errors import BadInput
@@ -128,12 +127,14 @@ class PrefetchedRows:
         if count > len(self._host_ids):
             raise ValueError(f"{count // self.heads} tokens exceed the {len(self._host_ids) // self.heads} "
                              "this PLE storage was sized for")
+        if not self._whole:
+            first, stop = self.table.row_range
+            owned = (flat >= first) & (flat < stop)
+            self._owned = owned.view(-1, self.heads, 1)
+            flat = flat.where(owned, first)
         self._host_ids[:count].copy_(flat, non_blocking=True)
         if self._ids_copied is not None:
             self._ids_copied.record()
-        if not self._whole:
-            first, stop = self.table.row_range
-            self._owned = ((flat >= first) & (flat < stop)).view(-1, self.heads, 1)
         if not wait:
             self._pending = self._worker.submit(self._begin, count)
             return
@@ -148,9 +149,6 @@ class PrefetchedRows:
         if self._ids_copied is not None:
             self._ids_copied.synchronize()
         ids = self._host_ids[:count].numpy()
-        if not self._whole:
-            first, stop = self.table.row_range
-            ids = np.where((ids >= first) & (ids < stop), ids, first)
         if self._copy_stream is not None:
             with torch.cuda.stream(self._copy_stream):
                 self.source.start(ids, inline=True)

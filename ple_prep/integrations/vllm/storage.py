@@ -246,8 +246,8 @@ def refuse_storage(original: type) -> Any:
     return build
 
 
-def install(module: ModuleType, wrap: Any = select_storage) -> None:
-    """Swap the storage class names in the module of vLLM that picks the storage (once)."""
+def install(module: ModuleType, wrap: Any) -> None:
+    """Swap the storage class names in the module of vLLM that picks the storage for `wrap` of them (once)."""
     for name in STORAGE_NAMES:
         current = getattr(module, name)
         if not hasattr(current, "original"):
