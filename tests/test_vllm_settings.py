@@ -50,3 +50,16 @@ def test_table_path_names_each_ranks_file():
     assert Settings("/nvme/ple.bin", None).table_path(0, 1) == "/nvme/ple.bin"
     with pytest.raises(BadInput, match=r"only \{rank\} and \{size\}"):
         Settings("/nvme/{host}.bin", None).table_path(0, 1)
+
+
+def test_an_empty_environment_value_counts_as_unset():
+    assert read_settings({}, {"PLE_PREP_TABLE": "", "PLE_PREP_RESIDENT_BYTES": "1G"}) is None
+    assert read_settings({}, {"PLE_PREP_TABLE": "/a.bin", "PLE_PREP_RESIDENT_BYTES": "", "PLE_PREP_READ_PATH": ""}) \
+        == Settings("/a.bin", None, None)
+
+
+def test_a_bad_byte_count_names_where_it_was_set():
+    with pytest.raises(BadInput, match=r"^additional_config\['ple_prep'\]\['resident_bytes'\] must be a byte count"):
+        read_settings({"ple_prep": {"table": "/a.bin", "resident_bytes": "lots"}}, {"PLE_PREP_RESIDENT_BYTES": "1G"})
+    with pytest.raises(BadInput, match=r"^PLE_PREP_RESIDENT_BYTES must be a byte count"):
+        read_settings({"ple_prep": {"table": "/a.bin"}}, {"PLE_PREP_RESIDENT_BYTES": "lots"})

@@ -1,6 +1,8 @@
 """The plugin inside vLLM 0.33.0's real Qwen4Exp n-gram embedding, against vLLM's own device table."""
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 import types
@@ -23,6 +25,7 @@ from vllm_layer import (
 )
 from worker import free_port
 
+from ple_prep.format.manifest import manifest_path
 from ple_prep.integrations.vllm import storage
 from ple_prep.integrations.vllm.backend import TableMismatch
 
@@ -206,3 +209,50 @@ def test_start_prefetch_does_its_host_work_in_place_while_vllm_captures_graphs(t
         layer.start_prefetch(tokens, query_start_loc, ngram_context)
     assert layer.ngram_embedding.rows._pending.done()
     assert layer.ngram_embedding.finalize_prefetch(len(tokens)).shape == (len(tokens), 2560)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_refuses_a_model_dtype_other_than_bf16_naming_the_flag(tables, dtype):
+    with pytest.raises(ValueError, match=rf"serves bf16 PLE values; the model runs in {dtype}: .*--dtype bfloat16"):
+        build_layer(vllm_config(tables["fp8"]), text_config("fp8"), None, params_dtype=dtype)
+
+
+def test_enforce_eager_serves_under_a_full_cudagraph_mode(tables):
+    """--enforce-eager captures no graph, so the engine's FULL mode setting never replays a lookup."""
+    config = vllm_config(tables["fp8"], cudagraph_mode="FULL")
+    config.model_config = types.SimpleNamespace(enforce_eager=True)
+    layer = build_layer(config, text_config("fp8"), None)
+    assert type(layer.ngram_embedding).__name__ == "PreparedTableEmbedding"
+
+
+def test_a_refused_table_is_closed(fp8_table, tmp_path):
+    """A table that fails the layer's checks leaves no descriptor or mapping of its file behind."""
+    table = tmp_path / "ple.bin"
+    shutil.copy(fp8_table, table)
+    shutil.copy(manifest_path(fp8_table), manifest_path(table))
+
+    def holds_table() -> bool:
+        descriptors = Path("/proc/self/fd")
+        linked = {os.path.realpath(descriptors / fd) for fd in os.listdir(descriptors)}
+        return str(table.resolve()) in linked or str(table.resolve()) in Path("/proc/self/maps").read_text()
+
+    with pytest.raises(TableMismatch, match="fp8_e4m3 rows, but the checkpoint's PLE table is nvfp4"):
+        build_layer(vllm_config(str(table)), text_config("nvfp4"), None)
+    assert not holds_table()
+
+
+def test_register_patches_a_module_vllm_imported_before_it_and_adds_one_finder(monkeypatch):
+    """vLLM may import the storage-choosing module before the plugin loads; `register` runs in every process,
+    possibly more than once."""
+    from ple_prep.integrations import vllm as plugin
+
+    chooser = types.ModuleType(plugin.NVIDIA_MODULE)
+    chooser.Qwen4ExpPLEPinnedHostEmbedding = chooser.Qwen4ExpPLEDeviceEmbedding = _Stored
+    monkeypatch.setitem(sys.modules, plugin.NVIDIA_MODULE, chooser)
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    plugin.register()
+    plugin.register()
+    assert chooser.Qwen4ExpPLEDeviceEmbedding.original is chooser.Qwen4ExpPLEPinnedHostEmbedding.original is _Stored
+    with set_current_vllm_config(vllm_config()):
+        assert isinstance(chooser.Qwen4ExpPLEDeviceEmbedding(1, 2), _Stored)
+    assert sum(isinstance(finder, plugin._PatchAfterImport) for finder in sys.meta_path) == 1

@@ -66,12 +66,13 @@ def vllm_config(table: str | None = None, *, cudagraph_mode: str | None = None, 
     return config
 
 
-def build_layer(config: VllmConfig, text: Qwen4ExpTextConfig, weights: Iterator[tuple[str, torch.Tensor]] | None
-                ) -> Qwen4ExpNGramEmbedding:
-    """Build the layer as vLLM does (under its config), load `weights` and run the post-load step."""
+def build_layer(config: VllmConfig, text: Qwen4ExpTextConfig, weights: Iterator[tuple[str, torch.Tensor]] | None,
+                *, params_dtype: torch.dtype = torch.bfloat16) -> Qwen4ExpNGramEmbedding:
+    """Build the layer as vLLM does (under its config, the model in `params_dtype`), load `weights`
+    and run the post-load step."""
     with set_current_vllm_config(config):
         layer = Qwen4ExpNGramEmbedding(text, int(text.ple_embed_dim), 0, MAX_TOKENS, data_parallel_rank=0,
-                                       prefix=LAYER_PREFIX, params_dtype=torch.bfloat16)
+                                       prefix=LAYER_PREFIX, params_dtype=params_dtype)
         if weights is not None:
             layer.load_weights(weights)
             loader_config = types.SimpleNamespace(word_embeddings_untied_by_checkpoint=False, quantization=None)
