@@ -328,7 +328,7 @@ def test_stage_in_a_forked_child_after_the_parent_used_the_thread_pool(table_pat
         assert np.array_equal(out[index[rows] - 100], table.gather(ids[rows]))
 
 
-def test_stage_refuses_buffers_of_the_wrong_type_or_size(table_path):
+def test_stage_refuses_buffers_of_the_wrong_type_or_size(table_path, loops):
     with open_table(table_path) as table:
         ids = np.arange(10)
         slots, index = np.empty(10, np.int64), np.empty(10, np.int32)

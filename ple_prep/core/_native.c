@@ -33,13 +33,20 @@
 /* Ids looked at ahead of the one being resolved: enough misses in flight to cover memory latency. */
 #define PREFETCH_AHEAD 16
 
+/* A C-contiguous buffer of `item`-byte elements (an array of the right dtype's size), refused with
+ * a ValueError naming it otherwise: the callers' arrays are checked here, once, not in Python. */
 static int get_buffer(PyObject *object, Py_buffer *view, int writable, Py_ssize_t item, const char *name)
 {
-    if (PyObject_GetBuffer(object, view, (writable ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS) != 0)
+    if (PyObject_GetBuffer(object, view, (writable ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS) != 0) {
+        if (!PyErr_ExceptionMatches(PyExc_ValueError) && !PyErr_ExceptionMatches(PyExc_BufferError))
+            return -1;
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s must be a C-contiguous%s array", name, writable ? ", writable" : "");
         return -1;
-    if (view->len % item != 0) {
-        PyErr_Format(PyExc_ValueError, "%s: %zd bytes is not a whole number of %zd-byte items",
-                     name, view->len, item);
+    }
+    if (view->itemsize != item) {
+        PyErr_Format(PyExc_ValueError, "%s must be an array of %zd-byte items, not %zd-byte ones", name, item,
+                     view->itemsize);
         PyBuffer_Release(view);
         return -1;
     }
@@ -504,8 +511,12 @@ static PyObject *stage(PyObject *self, PyObject *args)
         || !(slots = hold(&held, slots_object, 1, sizeof(int64_t), "slots"))
         || !(index = hold(&held, index_object, 1, sizeof(int32_t), "index"))
         || !(mapping = hold(&held, mapping_object, 0, 1, "mapping"))
-        || !(out = hold(&held, out_object, 1, row_bytes, "out")))
+        || !(out = hold(&held, out_object, 1, 1, "out")))
         goto done;
+    if (out->ndim != 2 || out->shape[1] != row_bytes) {
+        PyErr_Format(PyExc_ValueError, "out must be rows of %zd bytes", row_bytes);
+        goto done;
+    }
     stage_request *request = PyMem_Calloc(1, sizeof(stage_request));
     if (!request) {
         PyErr_NoMemory();
@@ -522,11 +533,14 @@ static PyObject *stage(PyObject *self, PyObject *args)
         .rows_per_page = rows_per_page, .row_bytes = row_bytes, .out = out->buf, .slots = slots->buf,
         .index = index->buf};
     Py_ssize_t out_rows = out->len / row_bytes;
-    if (slots->len != ids->len || index->len / (Py_ssize_t)sizeof(int32_t) != count
-        || below->len / (Py_ssize_t)sizeof(uint32_t) != num_words
-        || (request->num_placed && num_words * 64 < num_rows) || num_resident + out_rows > INT32_MAX
-        || data_offset + num_pages * page_size > mapping->len) {
-        PyErr_SetString(PyExc_ValueError, "stage: mismatched array sizes");
+    const char *mismatch = slots->len != ids->len ? "slots must be as long as ids"
+        : index->len / (Py_ssize_t)sizeof(int32_t) != count ? "index must be as long as ids"
+        : below->len / (Py_ssize_t)sizeof(uint32_t) != num_words || (request->num_placed && num_words * 64 < num_rows)
+            ? "stage: the rank index does not cover the table"
+        : num_resident + out_rows > INT32_MAX ? "stage: tier rows past int32"
+        : data_offset + num_pages * page_size > mapping->len ? "stage: the mapping is shorter than its pages" : NULL;
+    if (mismatch) {
+        PyErr_SetString(PyExc_ValueError, mismatch);
         PyMem_Free(request);
         goto done;
     }

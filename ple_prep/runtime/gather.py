@@ -169,13 +169,19 @@ class Gatherer:
 
     def stage(self, ids: np.ndarray, order, first_row: int, num_resident: int, slots: np.ndarray,
               index: np.ndarray, out: np.ndarray, threads: int) -> tuple[int, bool]:
-        """Table.stage, with the table's row order (format/order.py) and first row."""
+        """Table.stage, with the table's row order (format/order.py) and first row. The compiled
+        helper checks the buffers itself; the numpy loops check them here."""
         if _native is not None:
             bits, below, sorted_slots = order.rank_index
             disk, staged = _native.stage(ids, first_row, order.num_rows, bits, below, sorted_slots, num_resident,
                                          slots, index, self._mapping, out, self._data_offset, self._page_size,
                                          self._rows_per_page, self._row_bytes, self._num_slots, PROBE_PAGES, threads)
         else:
+            for name, array, dtype in (("slots", slots, np.int64), ("index", index, np.int32)):
+                if array.dtype != dtype or array.shape != ids.shape or not array.flags.c_contiguous:
+                    raise ValueError(f"{name} must be a contiguous {np.dtype(dtype)} array as long as ids")
+            if out.dtype != np.uint8 or out.ndim != 2 or out.shape[1] != self._row_bytes or not out.flags.c_contiguous:
+                raise ValueError(f"out must be C-contiguous uint8 rows of {self._row_bytes} bytes")
             slots[:] = order.slot_of(ids, first_row)
             resident = slots < num_resident
             index[resident] = slots[resident]

@@ -118,13 +118,8 @@ class Table:
         were staged); if not, the caller reads them (`gather_slots`). `threads` splits a large
         request where the compiled helper runs it.
         """
-        ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
-        for name, array, dtype in (("slots", slots, np.int64), ("index", index, np.int32)):
-            if array.dtype != dtype or array.shape != ids.shape or not array.flags.c_contiguous:
-                raise ValueError(f"{name} must be a contiguous {np.dtype(dtype)} array of {len(ids)}")
-        if out.dtype != np.uint8 or out.ndim != 2 or out.shape[1] != self.row_bytes or not out.flags.c_contiguous:
-            raise ValueError(f"out must be contiguous uint8 rows of {self.row_bytes} bytes")
         self._watch.check()
+        ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
         return self._gatherer.stage(ids, self.order, self.first_row, num_resident, slots, index, out, threads)
 
     @property
