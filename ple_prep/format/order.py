@@ -7,13 +7,15 @@ and nothing for the rest: slot = num_placed + row - (placed rows below it).
 A lookup must cost the same whatever the map's size (the real table places about 21M rows). A
 binary search of `sorted_rows` pays a dozen cache misses per id at that size (and, with int64 keys
 on the uint32 map, numpy converts the whole map on every call), so lookups read a rank index built
-once: a bit per row (placed or not) and the count of placed rows before each 64-bit word, two
-memory reads per id (3 bytes per 16 rows: 60 MB for the real table, a quarter of its map). The
+once: for each 64 rows a 16-byte pair, their bits (placed or not) and the count of placed rows
+before them, so one cache line per id (2 bits a row: 80 MB for the real table, a third of its map).
+It lies in huge pages, as `sorted_slots`' copy does, so the random reads take no TLB misses. The
 compiled helper (core/_native.c) walks it in one loop; numpy does the same in a dozen passes.
 """
 from __future__ import annotations
 
 import functools
+import mmap
 import threading
 from typing import NamedTuple
 
@@ -29,20 +31,21 @@ except ImportError:  # built only where a C compiler was there at install (setup
 
 # Placed rows turned into rank-index bits per step while building it (bounds its temporaries).
 RANK_BUILD_ROWS = 1 << 20
+HUGE_PAGE_BYTES = 1 << 21
 
 
 class RankIndex(NamedTuple):
-    """What a lookup reads: a bit per row (uint64 words), the placed rows before each word (uint32),
-    and `sorted_slots` copied to anonymous memory, which numpy backs with huge pages (arrays of
-    4 MiB and more, where the kernel allows it): a lookup's random read there then costs no TLB
-    miss, which the file mapping's 4 KiB pages do (a third of a large lookup's time)."""
+    """What a lookup reads: `rank_words`, (words, 2) uint64 in huge pages: each 64 rows' bits and
+    the placed rows before them; and `sorted_slots` copied to anonymous memory, which numpy backs
+    with huge pages (arrays of 4 MiB and more, where the kernel allows it): a lookup's random read
+    there then costs no TLB miss, which the file mapping's 4 KiB pages do (a third of a large
+    lookup's time)."""
 
-    bits: np.ndarray
-    below: np.ndarray
+    rank_words: np.ndarray
     sorted_slots: np.ndarray
 
 
-NO_RANK_INDEX = RankIndex(np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint32), np.zeros(0, dtype=np.uint32))
+NO_RANK_INDEX = RankIndex(np.zeros((0, 2), dtype=np.uint64), np.zeros(0, dtype=np.uint32))
 
 
 class RowOrder:
@@ -102,10 +105,10 @@ class RowOrder:
         """File slot of each row id (int64, the shape of `ids`): ids are local rows plus
         `first_row` (a rank file's first row); an id outside them raises IndexError."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        bits, below, sorted_slots = self.rank_index
+        rank_words, sorted_slots = self.rank_index
         if _native is not None:
             slots = np.empty(ids.shape, dtype=np.int64)
-            _native.slot_of(ids, first_row, self.num_rows, bits, below, sorted_slots, slots)
+            _native.slot_of(ids, first_row, self.num_rows, rank_words, sorted_slots, slots)
             return slots
         rows = ids - first_row
         # One pass checks both ends: seen as unsigned, a negative local id is above any row count.
@@ -117,11 +120,12 @@ class RowOrder:
         words = rows >> 6
         # Each row's bit moved to the top of its word: it says whether the row is placed, and the
         # bits at and below it count the placed rows up to it.
-        to_row = bits[words]
+        to_row = rank_words[words, 0]
         to_row <<= (63 - (rows & 63)).view(np.uint64)
         placed = to_row >> np.uint64(63)
-        below_row = below[words] + _popcount(to_row)
+        below_row = rank_words[words, 1] + _popcount(to_row)
         below_row -= placed
+        below_row = below_row.view(np.int64)
         slots = self.num_placed + rows - below_row
         placed_slots = sorted_slots[np.minimum(below_row, self.num_placed - 1)]
         return np.where(placed.view(np.int64) != 0, placed_slots, slots)
@@ -147,9 +151,11 @@ class RowOrder:
             # Rows ascend, so the bits of one word are adjacent: OR each run of them together.
             starts = np.flatnonzero(np.diff(words, prepend=-1))
             bits[words[starts]] |= np.bitwise_or.reduceat(np.uint64(1) << (rows & 63).astype(np.uint64), starts)
-        below = np.zeros(len(bits), dtype=np.uint32)
-        np.cumsum(_popcount(bits[:-1]), dtype=np.uint32, out=below[1:])
-        return RankIndex(bits, below, np.array(self.sorted_slots))
+        rank_words = _huge_page_array((len(bits), 2), np.uint64)
+        rank_words[:, 0] = bits
+        rank_words[0, 1] = 0
+        np.cumsum(_popcount(bits[:-1]), dtype=np.uint64, out=rank_words[1:, 1])
+        return RankIndex(rank_words, np.array(self.sorted_slots))
 
     def rows_at(self, start: int, stop: int) -> np.ndarray:
         """Local row ids held by slots [start, stop), int64."""
@@ -166,6 +172,21 @@ class RowOrder:
     def _unplaced_below(self) -> np.ndarray:
         """For each placed row in ascending order, how many unplaced rows come before it."""
         return self.sorted_rows.astype(np.int64) - np.arange(self.num_placed)
+
+
+def _huge_page_array(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised array in private anonymous memory aligned to 2 MiB and marked for huge
+    pages: numpy's own allocation of a few MB may land in the heap's 4 KiB pages (a TLB miss per
+    random read; a third of the rank pass here), and Python's default anonymous mmap is shared
+    memory, which the kernel backs with huge pages only where shmem_enabled allows."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if not hasattr(mmap, "MAP_PRIVATE"):  # no private mappings (Windows): numpy's allocation
+        return np.empty(shape, dtype=dtype)
+    memory = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    start = -np.frombuffer(memory, dtype=np.uint8, count=1).ctypes.data % HUGE_PAGE_BYTES
+    return np.frombuffer(memory, dtype=dtype, count=nbytes // np.dtype(dtype).itemsize, offset=start).reshape(shape)
 
 
 def _popcount(words: np.ndarray) -> np.ndarray:

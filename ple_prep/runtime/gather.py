@@ -172,8 +172,8 @@ class Gatherer:
         """Table.stage, with the table's row order (format/order.py) and first row. The compiled
         helper checks the buffers itself; the numpy loops check them here."""
         if _native is not None:
-            bits, below, sorted_slots = order.rank_index
-            disk, staged = _native.stage(ids, first_row, order.num_rows, bits, below, sorted_slots, num_resident,
+            rank_words, sorted_slots = order.rank_index
+            disk, staged = _native.stage(ids, first_row, order.num_rows, rank_words, sorted_slots, num_resident,
                                          slots, index, self._mapping, out, self._data_offset, self._page_size,
                                          self._rows_per_page, self._row_bytes, self._num_slots, PROBE_PAGES, threads)
         else:
