@@ -350,3 +350,65 @@ def test_stage_refuses_an_id_outside_the_table_in_any_part(table_path, loops, th
         out = np.empty((len(ids), table.row_bytes), np.uint8)
         with pytest.raises(IndexError, match=f"row id {table.num_rows} is outside"):
             table.stage(ids, 100, slots, index, out, threads=threads)
+
+
+def test_stage_when_waits_for_both_flags_then_stages_as_stage_does(table_path):
+    """The helper thread touches no buffer before the device has written both flag values (its
+    ids copied, its last read of `out` done), then stages exactly what `stage` does."""
+    if gather_module._native is None:
+        pytest.skip("the compiled helper is not built here (no compiler at install)")
+    with open_table(table_path, read_path="mapped") as table:
+        ids = real_like_ids(table.num_rows, 4000, 47)
+        table.gather(ids)
+
+        def buffers() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            return (np.full(len(ids), -1, np.int64), np.full(len(ids), -1, np.int32),
+                    np.full((len(ids), table.row_bytes), POISON, np.uint8))
+
+        want = buffers()
+        want_result = table.stage(ids, 100, *want, threads=2)
+        flags = np.zeros(2, np.int32)
+        got = buffers()
+        job = table.stage_when(flags, 7, 3, ids, 100, *got, threads=2)
+        for value in (7, 0):  # the ids' flag alone, then neither: nothing staged
+            flags[0] = value
+            time.sleep(0.05)
+            assert (got[0] == -1).all() and (got[2] == POISON).all()
+        flags[:] = 7, 3
+        assert job.join() == want_result
+        for array, expected in zip(got, want):
+            assert np.array_equal(array, expected)
+
+
+def test_a_stage_when_job_cancelled_before_its_flags_stages_nothing(table_path):
+    if gather_module._native is None:
+        pytest.skip("the compiled helper is not built here (no compiler at install)")
+    with open_table(table_path, read_path="mapped") as table:
+        ids = real_like_ids(table.num_rows, 2000, 48)
+        slots, index = np.full(len(ids), -1, np.int64), np.full(len(ids), -1, np.int32)
+        out = np.full((len(ids), table.row_bytes), POISON, np.uint8)
+        flags = np.zeros(2, np.int32)
+        table.stage_when(flags, 1, 1, ids, 0, slots, index, out, threads=2).cancel()
+        flags[:] = 1
+        time.sleep(0.05)
+        assert (slots == -1).all() and (out == POISON).all()
+        # A job dropped without join or cancel stops too (its thread must not outlive its buffers).
+        flags[:] = 0
+        table.stage_when(flags, 1, 1, ids, 0, slots, index, out, threads=2)
+        flags[:] = 1
+        time.sleep(0.05)
+        assert (slots == -1).all()
+
+
+def test_stage_when_raises_a_bad_id_at_join(table_path):
+    if gather_module._native is None:
+        pytest.skip("the compiled helper is not built here (no compiler at install)")
+    with open_table(table_path, read_path="mapped") as table:
+        ids = real_like_ids(table.num_rows, 4000, 49)
+        ids[100] = -1
+        slots, index = np.empty(len(ids), np.int64), np.empty(len(ids), np.int32)
+        out = np.empty((len(ids), table.row_bytes), np.uint8)
+        flags = np.ones(2, np.int32)
+        job = table.stage_when(flags, 1, 1, ids, 100, slots, index, out, threads=4)
+        with pytest.raises(IndexError, match="row id -1 is outside"):
+            job.join()

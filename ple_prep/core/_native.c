@@ -15,6 +15,11 @@
  *     `probes` rows spread over those are in the page cache, the k-th of them (in position order)
  *     is copied to row len(out) - disk + k of `out` and index[i] = num_resident + that row, and
  *     `staged` is true. Split over `threads` threads (a pool kept by this module).
+ * stage_when(flags, ids_value, free_value, *the arguments of stage) -> job
+ * stage_joined(job, cancel=False) -> (disk, staged)
+ *     `stage` on a thread of its own, started once flags[0] == ids_value and flags[1] == free_value
+ *     (written by a device into pinned memory), and its result (runtime/torch.py's device ids);
+ *     with `cancel`, a job not yet started stages nothing and None is returned.
  * cached(mapping, slots, data_offset, page_size, rows_per_page, row_bytes, num_slots, probes)
  *     Whether the memory page holding the first byte of each of `probes` rows spread over the
  *     request (first and last included) is in the page cache (mincore); slots outside the table are
@@ -484,7 +489,18 @@ static int disk_rows_cached(const stage_request *request, Py_ssize_t probes)
     return 1;
 }
 
-static PyObject *stage(PyObject *self, PyObject *args)
+/* A stage call's buffers and request, from its arguments (checked), or NULL with an exception set. */
+typedef struct {
+    held_buffers held;
+    stage_request request;
+    Py_ssize_t out_rows, probes;
+    long long first_row, num_rows;
+    /* After run_stage: */
+    Py_ssize_t bad, disk;
+    int staged;
+} stage_call;
+
+static stage_call *new_stage_call(PyObject *args)
 {
     PyObject *ids_object, *rank_words_object, *sorted_slots_object, *slots_object, *index_object,
         *mapping_object, *out_object;
@@ -501,29 +517,29 @@ static PyObject *stage(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "stage: bad row counts");
         return NULL;
     }
-    held_buffers held = {.held = 0};
-    PyObject *result = NULL;
+    stage_call *call = PyMem_RawCalloc(1, sizeof(stage_call));
+    if (!call) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    held_buffers *held = &call->held;
     Py_buffer *ids, *rank_words, *sorted_slots, *slots, *index, *mapping, *out;
-    if (!(ids = hold(&held, ids_object, 0, sizeof(int64_t), "ids"))
-        || !(rank_words = hold(&held, rank_words_object, 0, sizeof(uint64_t), "rank_words"))
-        || !(sorted_slots = hold(&held, sorted_slots_object, 0, sizeof(uint32_t), "sorted_slots"))
-        || !(slots = hold(&held, slots_object, 1, sizeof(int64_t), "slots"))
-        || !(index = hold(&held, index_object, 1, sizeof(int32_t), "index"))
-        || !(mapping = hold(&held, mapping_object, 0, 1, "mapping"))
-        || !(out = hold(&held, out_object, 1, 1, "out")))
-        goto done;
+    if (!(ids = hold(held, ids_object, 0, sizeof(int64_t), "ids"))
+        || !(rank_words = hold(held, rank_words_object, 0, sizeof(uint64_t), "rank_words"))
+        || !(sorted_slots = hold(held, sorted_slots_object, 0, sizeof(uint32_t), "sorted_slots"))
+        || !(slots = hold(held, slots_object, 1, sizeof(int64_t), "slots"))
+        || !(index = hold(held, index_object, 1, sizeof(int32_t), "index"))
+        || !(mapping = hold(held, mapping_object, 0, 1, "mapping"))
+        || !(out = hold(held, out_object, 1, 1, "out")))
+        goto refused;
     if (out->ndim != 2 || out->shape[1] != row_bytes) {
         PyErr_Format(PyExc_ValueError, "out must be rows of %zd bytes", row_bytes);
-        goto done;
-    }
-    stage_request *request = PyMem_Calloc(1, sizeof(stage_request));
-    if (!request) {
-        PyErr_NoMemory();
-        goto done;
+        goto refused;
     }
     Py_ssize_t count = ids->len / (Py_ssize_t)sizeof(int64_t);
     Py_ssize_t num_words = rank_words->len / (Py_ssize_t)(2 * sizeof(uint64_t));
     Py_ssize_t num_pages = (num_slots + rows_per_page - 1) / rows_per_page;
+    stage_request *request = &call->request;
     *request = (stage_request){
         .id = ids->buf, .count = count, .first_row = first_row, .num_rows = num_rows,
         .num_placed = sorted_slots->len / (Py_ssize_t)sizeof(uint32_t), .num_resident = num_resident,
@@ -531,54 +547,216 @@ static PyObject *stage(PyObject *self, PyObject *args)
         .data = (const char *)mapping->buf + data_offset, .page_size = page_size,
         .rows_per_page = rows_per_page, .row_bytes = row_bytes, .out = out->buf, .slots = slots->buf,
         .index = index->buf};
-    Py_ssize_t out_rows = out->len / row_bytes;
+    call->out_rows = out->len / row_bytes;
+    call->probes = probes;
+    call->first_row = first_row;
+    call->num_rows = num_rows;
     const char *mismatch = slots->len != ids->len ? "slots must be as long as ids"
         : index->len / (Py_ssize_t)sizeof(int32_t) != count ? "index must be as long as ids"
         : rank_words->len % (Py_ssize_t)(2 * sizeof(uint64_t)) || (request->num_placed && num_words * 64 < num_rows)
             ? "stage: the rank index does not cover the table"
-        : num_resident + out_rows > INT32_MAX ? "stage: tier rows past int32"
+        : num_resident + call->out_rows > INT32_MAX ? "stage: tier rows past int32"
         : data_offset + num_pages * page_size > mapping->len ? "stage: the mapping is shorter than its pages" : NULL;
     if (mismatch) {
         PyErr_SetString(PyExc_ValueError, mismatch);
-        PyMem_Free(request);
-        goto done;
+        goto refused;
     }
     /* Parts of at least PREFETCH_AHEAD ids, so the prefetch of each runs ahead of its copies. */
     Py_ssize_t parts = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     if (parts > count / PREFETCH_AHEAD)
         parts = count / PREFETCH_AHEAD > 0 ? count / PREFETCH_AHEAD : 1;
     request->parts = (int)parts;
+    return call;
+refused:
+    release(held);
+    PyMem_RawFree(call);
+    return NULL;
+}
+
+/* The stage itself; runs without the GIL. */
+static void run_stage(stage_call *call)
+{
+    stage_request *request = &call->request;
     Py_ssize_t bad = -1, disk = 0;
-    int staged = 0;
-    Py_BEGIN_ALLOW_THREADS
     run_parts(split_part, request, request->parts);
     for (int part = 0; part < request->parts && bad < 0; part++) {
         bad = request->bad[part];
         disk += request->disk[part];
     }
-    if (bad < 0 && disk <= out_rows && (disk == 0 || disk_rows_cached(request, probes))) {
-        Py_ssize_t next = out_rows - disk;
+    call->staged = 0;
+    if (bad < 0 && disk <= call->out_rows && (disk == 0 || disk_rows_cached(request, call->probes))) {
+        Py_ssize_t next = call->out_rows - disk;
         for (int part = 0; part < request->parts; part++) {
             request->first[part] = next;
             next += request->disk[part];
         }
         if (disk)
             run_parts(copy_part, request, request->parts);
-        staged = 1;
+        call->staged = 1;
     }
-    Py_END_ALLOW_THREADS
-    if (bad >= 0)
+    call->bad = bad;
+    call->disk = disk;
+}
+
+/* (disk, staged) of a run stage, or NULL with its error; the call's buffers are released. */
+static PyObject *finish_stage(stage_call *call)
+{
+    PyObject *result = NULL;
+    if (call->bad >= 0)
         PyErr_Format(PyExc_IndexError, "row id %lld is outside this table's rows [%lld, %lld)",
-                     (long long)request->id[bad], first_row, first_row + num_rows);
-    else if (disk > out_rows)
-        PyErr_Format(PyExc_ValueError, "out holds %zd rows, fewer than the %zd disk positions", out_rows, disk);
+                     (long long)call->request.id[call->bad], call->first_row, call->first_row + call->num_rows);
+    else if (call->disk > call->out_rows)
+        PyErr_Format(PyExc_ValueError, "out holds %zd rows, fewer than the %zd disk positions", call->out_rows,
+                     call->disk);
     else
-        result = Py_BuildValue("nO", disk, staged ? Py_True : Py_False);
-    PyMem_Free(request);
-done:
-    release(&held);
+        result = Py_BuildValue("nO", call->disk, call->staged ? Py_True : Py_False);
+    release(&call->held);
+    PyMem_RawFree(call);
     return result;
 }
+
+static PyObject *stage(PyObject *self, PyObject *args)
+{
+    stage_call *call = new_stage_call(args);
+    if (!call)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    run_stage(call);
+    Py_END_ALLOW_THREADS
+    return finish_stage(call);
+}
+
+/* --- stage_when: the same stage, run on a thread of its own once a device is done with two
+ * things, each signalled by a value it writes into pinned host memory: flags[0] = ids_value after
+ * it copied the ids there (the same stream, so in that order), flags[1] = free_value after its
+ * last read of `out` (the previous request's rows). The thread polls the flags (SPIN_NS, then
+ * sleeping WAIT_SLEEP_NS at a time), so the lookup runs while the caller goes on launching work.
+ * stage_joined waits for the thread and returns what stage returns. A job dropped unjoined (its
+ * start abandoned) is cancelled: its thread stops waiting and stages nothing. */
+
+#define WAIT_SLEEP_NS 20000
+
+typedef struct {
+    stage_call *call;
+    const int32_t *flags;
+    int32_t values[2];
+    _Atomic int cancelled;
+    int joined;
+    pthread_t thread;
+} stage_job;
+
+static void *stage_job_main(void *argument)
+{
+    stage_job *job = argument;
+    uint64_t began = monotonic_ns();
+    unsigned spins = 0;
+    while (__atomic_load_n(&job->flags[0], __ATOMIC_ACQUIRE) != job->values[0]
+           || __atomic_load_n(&job->flags[1], __ATOMIC_ACQUIRE) != job->values[1]) {
+        if (atomic_load_explicit(&job->cancelled, memory_order_relaxed))
+            return NULL;
+        if (monotonic_ns() - began < SPIN_NS || ++spins % 64 != 0) {
+            cpu_relax();
+            continue;
+        }
+        struct timespec pause = {0, WAIT_SLEEP_NS};
+        nanosleep(&pause, NULL);
+    }
+    run_stage(job->call);
+    return NULL;
+}
+
+static void stage_job_destroy(PyObject *capsule)
+{
+    stage_job *job = PyCapsule_GetPointer(capsule, "ple_prep.stage_job");
+    if (!job)
+        return;
+    if (!job->joined) {
+        atomic_store_explicit(&job->cancelled, 1, memory_order_relaxed);
+        Py_BEGIN_ALLOW_THREADS
+        pthread_join(job->thread, NULL);
+        Py_END_ALLOW_THREADS
+        release(&job->call->held);
+        PyMem_RawFree(job->call);
+    }
+    PyMem_RawFree(job);
+}
+
+static PyObject *stage_when(PyObject *self, PyObject *args)
+{
+    if (PyTuple_GET_SIZE(args) < 3) {
+        PyErr_SetString(PyExc_TypeError, "stage_when(flags, ids_value, free_value, *stage arguments)");
+        return NULL;
+    }
+    long values[2];
+    for (int k = 0; k < 2; k++) {
+        values[k] = PyLong_AsLong(PyTuple_GET_ITEM(args, 1 + k));
+        if (values[k] == -1 && PyErr_Occurred())
+            return NULL;
+    }
+    Py_buffer flag;
+    if (get_buffer(PyTuple_GET_ITEM(args, 0), &flag, 0, sizeof(int32_t), "flags") != 0)
+        return NULL;
+    if (flag.len != 2 * (Py_ssize_t)sizeof(int32_t)) {
+        PyErr_SetString(PyExc_ValueError, "flags must be two int32");
+        PyBuffer_Release(&flag);
+        return NULL;
+    }
+    PyObject *stage_args = PyTuple_GetSlice(args, 3, PyTuple_GET_SIZE(args));
+    if (!stage_args) {
+        PyBuffer_Release(&flag);
+        return NULL;
+    }
+    stage_call *call = new_stage_call(stage_args);
+    Py_DECREF(stage_args);
+    stage_job *job = call ? PyMem_RawCalloc(1, sizeof(stage_job)) : NULL;
+    PyObject *capsule = NULL;
+    if (call && !job)
+        PyErr_NoMemory();
+    if (job) {
+        /* The flags outlive the job: the caller holds their buffer until it joins or drops it. */
+        *job = (stage_job){.call = call, .flags = flag.buf, .values = {(int32_t)values[0], (int32_t)values[1]}};
+        if (pthread_create(&job->thread, NULL, stage_job_main, job) != 0)
+            PyErr_SetString(PyExc_OSError, "stage_when: cannot start a thread");
+        else if (!(capsule = PyCapsule_New(job, "ple_prep.stage_job", stage_job_destroy))) {
+            atomic_store_explicit(&job->cancelled, 1, memory_order_relaxed);
+            pthread_join(job->thread, NULL);
+        }
+    }
+    if (!capsule && call) {
+        release(&call->held);
+        PyMem_RawFree(call);
+        PyMem_RawFree(job);
+    }
+    PyBuffer_Release(&flag);
+    return capsule;
+}
+
+static PyObject *stage_joined(PyObject *self, PyObject *args)
+{
+    PyObject *capsule;
+    int cancel = 0;
+    if (!PyArg_ParseTuple(args, "O|p", &capsule, &cancel))
+        return NULL;
+    stage_job *job = PyCapsule_GetPointer(capsule, "ple_prep.stage_job");
+    if (!job)
+        return NULL;
+    if (job->joined) {
+        PyErr_SetString(PyExc_RuntimeError, "stage_joined: this job was joined already");
+        return NULL;
+    }
+    if (cancel)
+        atomic_store_explicit(&job->cancelled, 1, memory_order_relaxed);
+    Py_BEGIN_ALLOW_THREADS
+    pthread_join(job->thread, NULL);
+    Py_END_ALLOW_THREADS
+    job->joined = 1;
+    if (!cancel)
+        return finish_stage(job->call);
+    release(&job->call->held);
+    PyMem_RawFree(job->call);
+    Py_RETURN_NONE;
+}
+
 static PyObject *cached(PyObject *self, PyObject *args)
 {
     PyObject *mapping_object, *slots_object;
@@ -617,6 +795,8 @@ static PyMethodDef methods[] = {
     {"copy_rows", copy_rows, METH_VARARGS, "Rows at file slots into out (see the module's comment)."},
     {"slot_of", slot_of, METH_VARARGS, "File slots of row ids from the rank index."},
     {"stage", stage, METH_VARARGS, "A request's slots and tier rows, and its cached disk rows staged."},
+    {"stage_when", stage_when, METH_VARARGS, "stage on a thread of its own once two flags hold values."},
+    {"stage_joined", stage_joined, METH_VARARGS, "Wait for (or cancel) a stage_when job; what stage returns."},
     {"cached", cached, METH_VARARGS, "Whether a few rows spread over a request are in the page cache."},
     {NULL, NULL, 0, NULL},
 };

@@ -64,6 +64,25 @@ def _load_mincore():
 _MINCORE = _load_mincore()
 
 
+class StageJob:
+    """A stage running on a thread of the compiled helper (Gatherer.stage_when)."""
+
+    def __init__(self, job, budget):
+        self._job = job
+        self._budget = budget
+
+    def join(self) -> tuple[int, bool]:
+        """Wait for it: (number of disk positions, whether their rows were staged); its error if any."""
+        disk, staged = _native.stage_joined(self._job)
+        if disk and staged and self._budget is not None:
+            self._budget.charge(disk)
+        return disk, staged
+
+    def cancel(self) -> None:
+        """Stop it if it has not begun (else wait for it); its buffers are free after this."""
+        _native.stage_joined(self._job, True)
+
+
 class Gatherer:
     """Copies rows out of one mapped data region; the Table owns one."""
 
@@ -195,6 +214,18 @@ class Gatherer:
         if disk and staged and self.budget is not None:
             self.budget.charge(disk)
         return disk, staged
+
+    def stage_when(self, flags: np.ndarray, ids_value: int, free_value: int, ids: np.ndarray, order,
+                   first_row: int, num_resident: int, slots: np.ndarray, index: np.ndarray, out: np.ndarray,
+                   threads: int) -> "StageJob":
+        """`stage` on a thread of the compiled helper once flags[0] == ids_value and flags[1] ==
+        free_value (core/_native.c); `StageJob.join` returns what `stage` does."""
+        rank_words, sorted_slots = order.rank_index
+        job = _native.stage_when(flags, ids_value, free_value, ids, first_row, order.num_rows, rank_words,
+                                 sorted_slots, num_resident, slots, index, self._mapping, out, self._data_offset,
+                                 self._page_size, self._rows_per_page, self._row_bytes, self._num_slots,
+                                 PROBE_PAGES, threads)
+        return StageJob(job, self.budget)
 
     def _copy_in_parts(self, slots: np.ndarray, out: np.ndarray, parts: int) -> None:
         """Copy cached rows on `parts` threads (the helper and numpy's copy release the GIL)."""

@@ -15,6 +15,7 @@ from ..core.fileio import open_regular
 from ..format.header import Header
 from ..format.manifest import load_table_manifest, manifest_path, spec_digest
 from ..format.order import RowOrder
+from . import gather
 from .dequant import decode
 from .direct import DEFAULT_QUEUE_DEPTH, DirectReader, DirectUnavailable
 from .footprint import MappedBudget
@@ -121,6 +122,23 @@ class Table:
         self._watch.check()
         ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
         return self._gatherer.stage(ids, self.order, self.first_row, num_resident, slots, index, out, threads)
+
+    def stage_when(self, flags: np.ndarray, ids_value: int, free_value: int, ids: np.ndarray, num_resident: int,
+                   slots: np.ndarray, index: np.ndarray, out: np.ndarray, threads: int = 1):
+        """`stage`, run on a thread of the compiled helper once a device has written ids_value into
+        flags[0] and free_value into flags[1] (int32 in pinned host memory: after its copy of `ids`
+        there, and after its last read of `out`); returns a job whose `join()` returns what `stage`
+        does. The buffers must stay untouched until then. Needs the compiled helper (`compiled`)."""
+        if not self.compiled:
+            raise RuntimeError("stage_when needs the compiled helper (core/_native.c)")
+        self._watch.check()
+        return self._gatherer.stage_when(flags, ids_value, free_value, ids, self.order, self.first_row, num_resident,
+                                         slots, index, out, threads)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the compiled helper (core/_native.c) runs this table's host lookups."""
+        return gather._native is not None
 
     @property
     def read_path(self) -> str:
