@@ -125,6 +125,41 @@ def test_ids_as_cpu_tensor_device_tensor_and_any_integer_dtype(table, device):
     assert np.array_equal(bits(flat), expected_bits(table, ids.reshape(-1)[:40]))
 
 
+@needs_cuda
+def test_device_ids_give_values_from_a_helper_thread_or_at_finish_across_poisoned_buffers(page_cache, loops):
+    """Ids on the GPU: a large request's lookup waits on a helper thread for them to land (with the
+    compiled helper), a small one's runs at finish; the caller's tensor may go at once."""
+    table = page_cache
+    source = EmbeddingSource(table, device="cuda", resident_bytes=3000 * table.row_bytes, max_ids=300 * 16)
+    for tokens, seed, dtype in ((300, 1, torch.int64), (1, 4, torch.int64), (120, 2, torch.int32),
+                                (300, 3, torch.int64)):
+        ids = token_ids(table, tokens, seed)
+        poison(source)
+        torch.cuda.synchronize()
+        on_device = torch.from_numpy(ids).to("cuda", dtype)
+        source.start(on_device)
+        assert (source._pending.job is not None) == (loops == "compiled" and ids.size > runtime_torch.INLINE_IDS)
+        del on_device
+        torch.cuda.empty_cache()
+        values = source.finish()
+        assert np.array_equal(bits(values), expected_bits(table, ids))
+
+
+@needs_cuda
+def test_device_ids_errors_surface_at_finish_and_an_abandoned_start_is_dropped(table):
+    source = EmbeddingSource(table, device="cuda", resident_bytes=0, max_ids=300 * 16)
+    ids = token_ids(table, 300, 7)
+    bad = ids.copy()
+    bad[-1, -1] = table.num_rows
+    source.start(torch.from_numpy(bad).cuda())
+    with pytest.raises(IndexError, match=f"row id {table.num_rows} is outside"):
+        source.finish()
+    source.start(torch.from_numpy(bad).cuda())
+    source.drop()
+    source.start(torch.from_numpy(ids).cuda())
+    assert np.array_equal(bits(source.finish()), expected_bits(table, ids))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("resident_rows", [0, "all"])
 def test_all_from_disk_and_all_resident(table, device, resident_rows):

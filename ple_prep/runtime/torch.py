@@ -5,7 +5,7 @@
 
     source = EmbeddingSource(open_table("/nvme/ple.bin"), device="cuda",
                              resident_bytes=2 << 30, max_ids=4096 * 16)
-    source.start(row_ids)       # numpy int64 (or a CPU tensor) of any shape; returns at once
+    source.start(row_ids)       # int64 of any shape, numpy, CPU or GPU tensor; returns at once
     ...                         # earlier layers run on the device meanwhile
     values = source.finish()    # bf16 (len(row_ids), 160) on the device
     values = source(row_ids)    # both in one call: (T, 16) ids -> bf16 (T, 2560)
@@ -15,7 +15,11 @@ device. `start` runs on the host (inline for a few ids, else on a worker thread)
 lookup finds each id's slot and writes the resident positions' tier index; the rows of the other
 positions are copied into a pinned buffer (from the page cache: every position, in parts on
 threads; cold: each distinct row once, through the table's read path) with their tier index next
-to them; one non-blocking copy on a side stream carries both to the device. `finish` makes the
+to them; one non-blocking copy on a side stream carries both to the device. Ids on the device (a
+serving stack that computes them there) are copied to pinned memory behind the kernel that wrote
+them; a large request's lookup starts on a helper thread of core/_native.c as soon as they land,
+while the caller goes on launching work, a small one's runs at `finish` (which waits on the host
+for those ids: the device is usually past them by then). `finish` makes the
 current stream wait for that copy (an event: no host synchronisation when the copy was launched in
 time), then one index picks every position's row from its tier and the decoder writes bf16 into an
 output buffer allocated once (FP8 with Triton: one kernel does both, runtime/triton_gather.py).
@@ -38,17 +42,14 @@ from .tiers import read_leading_slots
 from .torch_dequant import decoder_for
 from .triton_gather import fp8_gather_for
 
-try:  # the compiled helper (core/_native.c) finds and copies without holding the GIL: threads then help
-    from ..core import _native as _compiled
-except ImportError:
-    _compiled = None
-
 # Up to this many ids, `start` does its host work inline (a hop to the worker thread costs more)
 # and copies on the caller's stream, and an eager `finish` replays a graph captured for the count
 # rounded up to a power of two (one launch instead of a handful).
 INLINE_IDS = 1024
 # The smallest such graph (a decode step's 16 ids).
 GRAPH_MIN_IDS = 16
+# Values the device writes into the pinned flags of a start from device ids, in turn (never 0).
+FLAG_VALUES = 256
 # Up to this many disk positions of a cold request, rows are read without deduplication: the sort
 # costs more than reading a rare duplicate row (whose page the first read has cached).
 DEDUP_MIN_ROWS = 64
@@ -94,6 +95,15 @@ class _Done:
         return self.count
 
 
+class _FromDevice:
+    """A start from device ids: their copy to pinned memory queued, and for a large request the
+    lookup waiting on a helper thread for them to land (`job`); the rest runs at join."""
+
+    def __init__(self, ids: np.ndarray, job=None):
+        self.ids = ids
+        self.job = job
+
+
 class EmbeddingSource:
     """bf16 PLE values on a torch device for row ids given on the host, from a resident and a disk tier."""
 
@@ -133,6 +143,15 @@ class EmbeddingSource:
             # External events: captured in a graph they become record/wait nodes on these events.
             self._copied = torch.cuda.Event(external=True)
             self._consumed = torch.cuda.Event(external=True)
+            # Ids given on the device land here, then a value in flags[0]; flags[1] gets one after
+            # the device's last read of the pinned span (what Table.stage_when waits for).
+            self._device_ids = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+            self._device_ids_array = self._device_ids.numpy()
+            self._flags = torch.zeros(2, dtype=torch.int32, pin_memory=True)
+            self._flag_values = torch.arange(1, FLAG_VALUES + 1, dtype=torch.int32, device=self.device)
+            self._flags_written = 0
+            self._ids_ready = torch.cuda.Event()
+            self._ids_landed = torch.cuda.Event()
         else:
             # On the CPU the host writes the span in place: there is nothing to copy.
             self._host_span = self._span
@@ -147,7 +166,9 @@ class EmbeddingSource:
         if self._fused is not None:
             self._fused(self._tiers, self._index[:1], self.output[:1])
         self._slots = np.empty(capacity, dtype=np.int64)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        # A small request's copy to the device, left to finish's graph (the pinned span's bytes).
+        self._deferred_copy: tuple[int, int] | None = None
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future | _Done | None = None
         self._joined: int | None = None
@@ -160,24 +181,29 @@ class EmbeddingSource:
     # --- the host half -------------------------------------------------------------------------
 
     def start(self, row_ids, *, inline: bool | None = None) -> None:
-        """Begin serving `row_ids` (numpy or a CPU tensor: no synchronisation; a device tensor is
-        copied to the host first, which waits for it). Returns once the host work is handed off.
+        """Begin serving `row_ids`. Returns once the host work is handed off.
 
-        Up to INLINE_IDS ids it runs inline, else on a worker thread (`inline` forces either way).
-        Errors of that work (ids outside the table, I/O) are raised by `join` or `finish`.
+        Host ids (numpy or a CPU tensor): up to INLINE_IDS ids the work runs inline, else on a
+        worker thread (`inline` forces either way). Ids on this source's GPU: their copy to pinned
+        memory is queued on the current stream and `start` returns without waiting for it; a
+        large request's lookup then runs on a helper thread as soon as they land, a small one's
+        at `join`. Errors of that work (ids outside the table, I/O) are raised by `join` or `finish`.
         """
         self._start(row_ids, inline, None)
 
-    def _start(self, row_ids, inline: bool | None, stream) -> None:
+    def _start(self, row_ids, inline: bool | None, stream, defer_copy: bool = False) -> None:
         if self._pending is not None:
             raise RuntimeError("start() called again before finish() or join() of the previous start()")
-        ids = self._host_ids(row_ids)
         self._joined = None
+        if self._cuda and isinstance(row_ids, torch.Tensor) and row_ids.device == self.device:
+            self._pending = self._start_from_device(row_ids)
+            return
+        ids = self._host_ids(row_ids)
         if inline is None:
             inline = len(ids) <= INLINE_IDS
         if inline:
             try:
-                self._pending = _Done(self._prepare(ids, stream or self._current_stream()))
+                self._pending = _Done(self._prepare(ids, stream or self._current_stream(), defer_copy=defer_copy))
             except Exception as error:  # raised at finish(), as from the worker
                 self._pending = _Done(len(ids), error)
             return
@@ -189,19 +215,73 @@ class EmbeddingSource:
     def _current_stream(self):
         return torch.cuda.current_stream(self.device) if self._cuda else None
 
+    def _start_from_device(self, row_ids: torch.Tensor) -> _FromDevice:
+        if row_ids.dtype.is_floating_point or row_ids.dtype.is_complex or row_ids.dtype == torch.bool:
+            raise TypeError(f"row ids must be integers, not {row_ids.dtype}")
+        count = row_ids.numel()
+        if count > self.capacity:
+            raise ValueError(f"{count} row ids exceed this source's max_ids = {self.capacity}")
+        flat = row_ids.reshape(-1)
+        ids = self._device_ids_array[:count]
+        if count <= INLINE_IDS or not self.table.compiled:
+            # A small request: its lookup at join costs less than a helper thread's start.
+            self._device_ids[:count].copy_(flat, non_blocking=True)
+            self._ids_landed.record()
+            return _FromDevice(ids)
+        # Every write of the flags goes through the side stream, so they land in the order written.
+        self._ids_ready.record()
+        stream = self._copy_stream
+        stream.wait_event(self._ids_ready)
+        flat.record_stream(stream)  # the caller may free its tensor before the copy has run
+        with torch.cuda.stream(stream):
+            stream.wait_event(self._copied)
+            free_value = self._write_flag(1)
+            self._device_ids[:count].copy_(flat, non_blocking=True)
+            ids_value = self._write_flag(0)
+            self._ids_landed.record(stream)
+        threads = max(1, min(LOOKUP_THREADS, count // LOOKUP_PART_IDS))
+        job = self.table.stage_when(self._flags.numpy(), ids_value, free_value, ids, self.num_resident,
+                                    self._slots[:count], self._host_index[:count], self._host_rows, threads)
+        return _FromDevice(ids, job)
+
+    def _write_flag(self, which: int) -> int:
+        """Queue the device's write of the next flag value into flags[which]; returns the value."""
+        value = self._flags_written % FLAG_VALUES + 1
+        self._flags_written += 1
+        self._flags[which:which + 1].copy_(self._flag_values[value - 1:value], non_blocking=True)
+        return value
+
     def join(self) -> int:
         """Wait for the last start's host work (the copy launched, not finished); raise its error.
 
         Returns the number of ids. `finish` calls it; call it yourself before replaying a graph
         that captured `finish`. After it, the next `start` may come.
         """
+        return self._join(defer_copy=False)
+
+    def _join(self, defer_copy: bool) -> int:
         pending, self._pending = self._pending, None
         if pending is None:
             if self._joined is None:
                 raise RuntimeError("finish() or join() without a start()")
             return self._joined
-        self._joined = pending.result()
+        if isinstance(pending, _FromDevice):
+            # Raises the device's error, if any; after it both flags have landed, so a job ends.
+            self._ids_landed.synchronize()
+            stream = self._current_stream() if pending.job is None else self._copy_stream
+            self._joined = self._prepare(pending.ids, stream, pending.job, defer_copy)
+        else:
+            self._joined = pending.result()
         return self._joined
+
+    def drop(self) -> None:
+        """Abandon the last start, if any (say, its forward pass failed before it was finished):
+        its host work is stopped or waited for and its errors are dropped."""
+        pending, self._pending = self._pending, None
+        if isinstance(pending, concurrent.futures.Future):
+            concurrent.futures.wait([pending])
+        elif isinstance(pending, _FromDevice) and pending.job is not None:
+            pending.job.cancel()
 
     def _host_ids(self, row_ids) -> np.ndarray:
         if isinstance(row_ids, torch.Tensor):
@@ -215,9 +295,7 @@ class EmbeddingSource:
 
     def close(self) -> None:
         """Release the worker thread (a pending start is finished first); the table stays open."""
-        pending, self._pending = self._pending, None
-        if isinstance(pending, concurrent.futures.Future):
-            concurrent.futures.wait([pending])  # its error, if any, goes with it
+        self.drop()
         if self._worker is not None:
             self._worker.shutdown()
         self._worker = None
@@ -230,17 +308,23 @@ class EmbeddingSource:
             raise ValueError(f"{table.path} is not the table this source was built from")
         self.table = table
 
-    def _prepare(self, ids: np.ndarray, stream) -> int:
-        """Slots, the resident/disk split, the disk rows and the tier index into the span; the copy
-        on `stream` (the caller's for inline work, where it is queued ahead of what comes next)."""
+    def _prepare(self, ids: np.ndarray, stream, job=None, defer_copy: bool = False) -> int:
+        """Slots, the resident/disk split, the disk rows and the tier index into the span (or the
+        outcome of `job`, which did that on a helper thread); the copy on `stream` (the caller's
+        for inline work, where it is queued ahead of what comes next). With `defer_copy` (a finish
+        follows at once) a small request's copy is left to finish's graph instead."""
         count, resident, table = len(ids), self.num_resident, self.table
         began = time.perf_counter()
-        if self._cuda:
-            # The previous copy has left the pinned span before this call rewrites it.
-            self._copied.synchronize()
+        self._deferred_copy = None
         slots, index = self._slots[:count], self._host_index[:count]
-        threads = max(1, min(LOOKUP_THREADS, count // LOOKUP_PART_IDS)) if _compiled is not None else 1
-        disk, staged = table.stage(ids, resident, slots, index, self._host_rows, threads)
+        if job is not None:
+            disk, staged = job.join()
+        else:
+            if self._cuda:
+                # The previous copy has left the pinned span before this call rewrites it.
+                self._copied.synchronize()
+            threads = max(1, min(LOOKUP_THREADS, count // LOOKUP_PART_IDS)) if table.compiled else 1
+            disk, staged = table.stage(ids, resident, slots, index, self._host_rows, threads)
         looked_up = split = gathered = time.perf_counter()
         if not staged:
             # Cold: each distinct row read once, through the table's read path.
@@ -257,14 +341,21 @@ class EmbeddingSource:
             table.gather_slots(disk_slots, out=self._host_rows[first:])
             gathered = time.perf_counter()
         self.last_disk_rows = disk
-        if self._cuda:
-            # The device span is rewritten only after the last finish has read it.
-            stream.wait_event(self._consumed)
-            self._copy((self.capacity - disk) * self.table.row_bytes, self._index_at + 4 * count, stream)
-            self._copied.record(stream)
+        span = ((self.capacity - disk) * self.table.row_bytes, self._index_at + 4 * count)
+        if self._cuda and defer_copy and 0 < count <= INLINE_IDS:
+            self._deferred_copy = span
+        elif self._cuda:
+            self._launch_copy(span, stream)
         self.last_stages = {"lookup": looked_up - began, "split": split - looked_up,
                             "gather": gathered - split, "copy": time.perf_counter() - gathered}
         return count
+
+    def _launch_copy(self, span: tuple[int, int], stream) -> None:
+        """Bytes [low, high) of the pinned span to the device span, on `stream`, once the last
+        finish has read the device span; `_copied` marks its end."""
+        stream.wait_event(self._consumed)
+        self._copy(*span, stream)
+        self._copied.record(stream)
 
     def _copy(self, low: int, high: int, stream) -> None:
         """Bytes [low, high) of the pinned span to the device span, on `stream`."""
@@ -295,7 +386,7 @@ class EmbeddingSource:
             if count is None:
                 raise ValueError("finish() in a captured graph needs count (the graph's fixed size)")
         else:
-            joined = self.join()
+            joined = self._join(defer_copy=True)
             self._joined = None
             count = joined if count is None else count
             if count < joined:
@@ -305,16 +396,24 @@ class EmbeddingSource:
         if not self._cuda:
             return self._index_and_decode(count)
         stream = stream or self._current_stream()
-        self._copied.wait(stream)
+        deferred, self._deferred_copy = (None, self._deferred_copy) if capturing else (self._deferred_copy, None)
         if capturing or not 0 < count <= INLINE_IDS:
+            if deferred is not None:
+                self._launch_copy(deferred, stream)
+            self._copied.wait(stream)
             values = self._index_and_decode(count)
-        else:
-            size = min(self.capacity, max(GRAPH_MIN_IDS, 1 << (count - 1).bit_length()))
-            graph = self._graphs.get(size) or self._capture(size, stream)
-            graph.replay()
-            values = self.output[:count]
-        self._consumed.record(stream)
-        return values
+            self._consumed.record(stream)
+            return values
+        size = min(self.capacity, max(GRAPH_MIN_IDS, 1 << (count - 1).bit_length()))
+        # With the copy deferred, one graph holds it, its waits and marks, and the device half.
+        with_copy = deferred is not None
+        graph = self._graphs.get((size, with_copy)) or self._capture(size, with_copy, stream)
+        if not with_copy:
+            self._copied.wait(stream)
+        graph.replay()
+        if not with_copy:
+            self._consumed.record(stream)
+        return self.output[:count]
 
     def _index_and_decode(self, count: int) -> torch.Tensor:
         if self._fused is not None:
@@ -326,26 +425,34 @@ class EmbeddingSource:
         self._decoder(rows, out=values)
         return values
 
-    def _capture(self, size: int, stream) -> torch.cuda.CUDAGraph:
-        """The device half for `size` positions as a CUDA graph, captured once per size."""
+    def _capture(self, size: int, with_copy: bool, stream) -> torch.cuda.CUDAGraph:
+        """The device half for `size` positions as a CUDA graph, captured once per size; `with_copy`:
+        preceded by the copy of the span's part that `size` positions can use (their rows fill the
+        staging rows from the end) and with the events the copy waits for and marks."""
         graph = torch.cuda.CUDAGraph()
         capture = torch.cuda.Stream(self.device)
         capture.wait_stream(stream)
         with torch.cuda.stream(capture):
             graph.capture_begin(capture_error_mode="thread_local")
             try:
+                if with_copy:
+                    self._launch_copy(((self.capacity - size) * self.table.row_bytes, self._index_at + 4 * size),
+                                      capture)
                 self._index_and_decode(size)
+                if with_copy:
+                    self._consumed.record(capture)
             finally:
                 graph.capture_end()
         stream.wait_stream(capture)
-        self._graphs[size] = graph
+        self._graphs[(size, with_copy)] = graph
         return graph
 
     def __call__(self, row_ids) -> torch.Tensor:
         """`start` inline then `finish`: bf16 values on the device, each row of ids concatenated;
         ids `(T, 16)` give `(T, 16 * values_per_row)`, flat ids `(n, values_per_row)`."""
         stream = self._current_stream()  # looked up once for both halves
-        self._start(row_ids, True, stream)
+        # Outside a capture, a small request's copy goes into finish's graph (one launch fewer).
+        self._start(row_ids, True, stream, defer_copy=self._cuda and not torch.cuda.is_current_stream_capturing())
         values = self._finish(None, stream)
         shape = tuple(row_ids.shape)
         if len(shape) < 2:
