@@ -24,8 +24,8 @@ def test_start_finish_equals_the_tables_values_across_tiers(fp8_table):
     with open_table(fp8_table) as table:
         rows = PrefetchedRows(table, device="cpu", resident_bytes=4000 * 160, max_tokens=64, heads=16)
         ids = np.random.default_rng(1).integers(0, FIXTURE_ROWS, (40, 16))
-        for request, wait in ((ids, False), (ids[:1], True), (ids[5:], False)):
-            rows.start(torch.from_numpy(request), wait=wait)
+        for request in (ids, ids[:1], ids[5:]):
+            rows.start(torch.from_numpy(request))
             values = rows.finish()
             assert values.shape == (len(request), 2560)
             np.testing.assert_array_equal(bits(values), expected_bits(table, request))
@@ -49,11 +49,10 @@ def test_a_rank_serves_its_rows_and_zeros_for_the_others(fp8_table, fp8_rank_tab
     np.testing.assert_array_equal(total, want)
 
 
-@pytest.mark.parametrize("wait", [False, True])
-def test_errors_of_the_started_lookup_surface_at_finish(fp8_table, wait):
+def test_errors_of_the_started_lookup_surface_at_finish(fp8_table):
     with open_table(fp8_table) as table:
         rows = PrefetchedRows(table, device="cpu", resident_bytes=0, max_tokens=4, heads=16)
-        rows.start(torch.full((1, 16), FIXTURE_ROWS), wait=wait)
+        rows.start(torch.full((1, 16), FIXTURE_ROWS))
         with pytest.raises(IndexError, match=f"row id {FIXTURE_ROWS} is outside"):
             rows.finish()
         with pytest.raises(RuntimeError, match="finished without a start"):

@@ -198,19 +198,6 @@ def test_rocm_copy_builds_vllms_class_when_off_and_refuses_a_configured_table(ta
         module.Qwen4ExpPLEPinnedHostEmbedding(1, 2)
 
 
-def test_start_prefetch_does_its_host_work_in_place_while_vllm_captures_graphs(tables, monkeypatch):
-    """No CUDA call from the worker thread may overlap vLLM's capture of the next graph segment."""
-    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
-
-    layer = build_layer(vllm_config(tables["fp8"]), text_config("fp8"), None)
-    tokens, query_start_loc, ngram_context = next(schedule())
-    monkeypatch.setattr(BreakableCUDAGraphCapture, "is_active", classmethod(lambda cls: True))
-    with set_current_vllm_config(vllm_config()):
-        layer.start_prefetch(tokens, query_start_loc, ngram_context)
-    assert layer.ngram_embedding.rows._pending.done()
-    assert layer.ngram_embedding.finalize_prefetch(len(tokens)).shape == (len(tokens), 2560)
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_refuses_a_model_dtype_other_than_bf16_naming_the_flag(tables, dtype):
     with pytest.raises(ValueError, match=rf"serves bf16 PLE values; the model runs in {dtype}: .*--dtype bfloat16"):

@@ -9,7 +9,6 @@ the rows of vLLM's own ETP-sharded table do.
 """
 from __future__ import annotations
 
-import concurrent.futures
 from collections.abc import Sequence
 
 import torch
@@ -82,11 +81,11 @@ def default_resident_bytes(table: Table) -> int:
 class PrefetchedRows:
     """bf16 PLE values for (tokens, heads) row ids: `start(ids)` early, `finish()` where they are used.
 
-    vLLM computes the ids on the device. `start` queues their copy to pinned host memory behind the
-    kernel that computes them and returns; a worker thread waits for that copy, then runs the
-    runtime's host half (`EmbeddingSource.start`: lookup, disk gather, copy to the device on a side
-    stream) while the model's earlier layers run. `finish` waits for the worker and runs the
-    runtime's device half, so the stream waits on an event, never the host on the device.
+    vLLM computes the ids on the device: `start` hands them to the runtime's split call
+    (`EmbeddingSource.start` with device ids: their copy to pinned memory is queued behind the
+    kernel that computes them, and a large request's lookup runs on a helper thread as soon as
+    they land, while vLLM launches decoder layer 0) and returns at once. `finish` completes it
+    (a decode step's lookup runs there, inline) and returns the values.
     """
 
     def __init__(self, table: Table, *, device: str | torch.device, resident_bytes: int, max_tokens: int,
@@ -96,80 +95,41 @@ class PrefetchedRows:
         self.source = EmbeddingSource(table, device=device, resident_bytes=resident_bytes,
                                       max_ids=max_tokens * heads)
         self.device = self.source.device
-        cuda = self.device.type == "cuda"
-        self._host_ids = torch.empty(max_tokens * heads, dtype=torch.int64, pin_memory=cuda)
-        self._ids_copied = torch.cuda.Event() if cuda else None
-        # The worker's copy runs on a stream of its own: a thread's current stream is the legacy
-        # default stream, which would serialise the copy with the model's work on other streams.
-        self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ple-prep-vllm")
         first, stop = table.row_range
         # A rank's file holds its block only; other ids read a stand-in row that is then zeroed.
         self._whole = (first, stop) == (0, table.manifest["total_rows"])
-        self._pending: concurrent.futures.Future | None = None
+        self._started: int | None = None
         self._owned: torch.Tensor | None = None
 
     @property
     def resident_bytes(self) -> int:
         return self.source.num_resident * self.table.row_bytes
 
-    def start(self, ids: torch.Tensor, *, wait: bool = False) -> None:
+    def start(self, ids: torch.Tensor) -> None:
         """Begin the lookup of `ids` (int64 (tokens, heads), on the device); returns at once.
 
-        With `wait`, the host half runs in the calling thread before `start` returns: while another
-        part of the program captures a CUDA graph, a CUDA call from the worker could break it.
+        A start that was never finished (its forward pass failed before the PLE layer) is dropped.
         """
-        if self._pending is not None:
-            # A forward pass abandoned between its start and its finish (an exception): drop that lookup.
-            self._drop_pending()
+        self.source.drop()
         flat = ids.reshape(-1)
         count = len(flat)
-        if count > len(self._host_ids):
-            raise ValueError(f"{count // self.heads} tokens exceed the {len(self._host_ids) // self.heads} "
+        if count > self.source.capacity:
+            raise ValueError(f"{count // self.heads} tokens exceed the {self.source.capacity // self.heads} "
                              "this PLE storage was sized for")
         if not self._whole:
             first, stop = self.table.row_range
             owned = (flat >= first) & (flat < stop)
             self._owned = owned.view(-1, self.heads, 1)
             flat = flat.where(owned, first)
-        self._host_ids[:count].copy_(flat, non_blocking=True)
-        if self._ids_copied is not None:
-            self._ids_copied.record()
-        if not wait:
-            self._pending = self._worker.submit(self._begin, count)
-            return
-        self._pending = concurrent.futures.Future()
-        try:
-            self._pending.set_result(self._begin(count))
-        except Exception as error:  # raised at finish(), as from the worker
-            self._pending.set_exception(error)
-
-    def _begin(self, count: int) -> int:
-        """On the worker: the ids on the host, then the runtime's host half."""
-        if self._ids_copied is not None:
-            self._ids_copied.synchronize()
-        ids = self._host_ids[:count].numpy()
-        if self._copy_stream is not None:
-            with torch.cuda.stream(self._copy_stream):
-                self.source.start(ids, inline=True)
-        else:
-            self.source.start(ids, inline=True)
-        return count
-
-    def _drop_pending(self) -> None:
-        pending, self._pending = self._pending, None
-        try:
-            pending.result()
-            self.source.join()
-        except Exception:  # the abandoned lookup's own error; the new one starts clean
-            pass
+        self.source.start(flat)
+        self._started = count
 
     def finish(self) -> torch.Tensor:
-        """bf16 (tokens, heads * values_per_row) of the last start; valid until the next finish."""
-        if self._pending is None:
+        """bf16 (tokens, heads * values_per_row) of the last start; valid until the next finish.
+        Errors of the lookup (ids outside the table, I/O) are raised here."""
+        if self._started is None:
             raise RuntimeError("the PLE lookup was finished without a start")
-        pending, self._pending = self._pending, None
-        count = pending.result()
+        count, self._started = self._started, None
         values = self.source.finish().view(count // self.heads, -1)
         if not self._whole:
             values.view(count // self.heads, self.heads, -1).masked_fill_(~self._owned, 0)

@@ -17,7 +17,6 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 from vllm.compilation.breakable_cudagraph import (
-    BreakableCUDAGraphCapture,
     eager_break_during_capture,
     is_breakable_cudagraph_enabled,
 )
@@ -193,9 +192,7 @@ class PreparedTableEmbedding(Qwen4ExpPLEEmbedding):
     def start_prefetch(self, ngram_ids: torch.Tensor) -> None:
         """Begin the lookup of this step's ids (all DP ranks' under ETP spanning DP)."""
         slot_size, _ = self._get_dp_gather_slot(ngram_ids.shape[0])
-        # While vLLM captures the step's graph segments (at startup), no CUDA call may come from
-        # another thread: the lookup's host half then runs here, between the segments.
-        self.rows.start(self._gather_dp_ids(ngram_ids, slot_size), wait=BreakableCUDAGraphCapture.is_active())
+        self.rows.start(self._gather_dp_ids(ngram_ids, slot_size))
 
     @eager_break_during_capture
     def _finalize_prefetch(self, output: torch.Tensor) -> None:
