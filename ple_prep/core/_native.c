@@ -246,6 +246,13 @@ __attribute__((target("popcnt"))) static void find_slots_popcnt(
 
 static find_slots_fn *find_slots = find_slots_portable;
 
+/* The error of a lookup that met a row id outside [first_row, first_row + num_rows). */
+static void refuse_row_id(int64_t id, long long first_row, long long num_rows)
+{
+    PyErr_Format(PyExc_IndexError, "row id %lld is outside this table's rows [%lld, %lld)", (long long)id, first_row,
+                 first_row + num_rows);
+}
+
 static PyObject *slot_of(PyObject *self, PyObject *args)
 {
     PyObject *ids_object, *rank_words_object, *sorted_slots_object, *out_object;
@@ -275,8 +282,7 @@ static PyObject *slot_of(PyObject *self, PyObject *args)
                (const uint32_t *)sorted_slots->buf, num_placed, (int64_t *)out->buf, &bad);
     Py_END_ALLOW_THREADS
     if (bad >= 0) {
-        PyErr_Format(PyExc_IndexError, "row id %lld is outside this table's rows [%lld, %lld)", (long long)id[bad],
-                     first_row, first_row + num_rows);
+        refuse_row_id(id[bad], first_row, num_rows);
         goto done;
     }
     result = Py_None;
@@ -603,8 +609,7 @@ static PyObject *finish_stage(stage_call *call)
 {
     PyObject *result = NULL;
     if (call->bad >= 0)
-        PyErr_Format(PyExc_IndexError, "row id %lld is outside this table's rows [%lld, %lld)",
-                     (long long)call->request.id[call->bad], call->first_row, call->first_row + call->num_rows);
+        refuse_row_id(call->request.id[call->bad], call->first_row, call->num_rows);
     else if (call->disk > call->out_rows)
         PyErr_Format(PyExc_ValueError, "out holds %zd rows, fewer than the %zd disk positions", call->out_rows,
                      call->disk);
@@ -665,19 +670,29 @@ static void *stage_job_main(void *argument)
     return NULL;
 }
 
+/* Wait for a job's thread (stopping it first with `cancel`); called with the GIL, released while
+ * waiting. Without `cancel`, the caller finishes the call (finish_stage); with it, it is dropped. */
+static void join_job(stage_job *job, int cancel)
+{
+    if (cancel)
+        atomic_store_explicit(&job->cancelled, 1, memory_order_relaxed);
+    Py_BEGIN_ALLOW_THREADS
+    pthread_join(job->thread, NULL);
+    Py_END_ALLOW_THREADS
+    job->joined = 1;
+    if (cancel) {
+        release(&job->call->held);
+        PyMem_RawFree(job->call);
+    }
+}
+
 static void stage_job_destroy(PyObject *capsule)
 {
     stage_job *job = PyCapsule_GetPointer(capsule, "ple_prep.stage_job");
     if (!job)
         return;
-    if (!job->joined) {
-        atomic_store_explicit(&job->cancelled, 1, memory_order_relaxed);
-        Py_BEGIN_ALLOW_THREADS
-        pthread_join(job->thread, NULL);
-        Py_END_ALLOW_THREADS
-        release(&job->call->held);
-        PyMem_RawFree(job->call);
-    }
+    if (!job->joined)
+        join_job(job, 1);
     PyMem_RawFree(job);
 }
 
@@ -744,16 +759,9 @@ static PyObject *stage_joined(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_RuntimeError, "stage_joined: this job was joined already");
         return NULL;
     }
-    if (cancel)
-        atomic_store_explicit(&job->cancelled, 1, memory_order_relaxed);
-    Py_BEGIN_ALLOW_THREADS
-    pthread_join(job->thread, NULL);
-    Py_END_ALLOW_THREADS
-    job->joined = 1;
+    join_job(job, cancel);
     if (!cancel)
         return finish_stage(job->call);
-    release(&job->call->held);
-    PyMem_RawFree(job->call);
     Py_RETURN_NONE;
 }
 

@@ -9,8 +9,9 @@ binary search of `sorted_rows` pays a dozen cache misses per id at that size (an
 on the uint32 map, numpy converts the whole map on every call), so lookups read a rank index built
 once: for each 64 rows a 16-byte pair, their bits (placed or not) and the count of placed rows
 before them, so one cache line per id (2 bits a row: 80 MB for the real table, a third of its map).
-It lies in huge pages, as `sorted_slots`' copy does, so the random reads take no TLB misses. The
-compiled helper (core/_native.c) walks it in one loop; numpy does the same in a dozen passes.
+It lies in huge pages, as the copy of `sorted_slots` it reads does (84 MB for the real table), so
+the random reads take no TLB misses. The compiled helper (core/_native.c) walks it in one loop;
+numpy does the same in a dozen passes.
 """
 from __future__ import annotations
 
@@ -35,10 +36,9 @@ HUGE_PAGE_BYTES = 1 << 21
 
 
 class RankIndex(NamedTuple):
-    """What a lookup reads: `rank_words`, (words, 2) uint64 in huge pages: each 64 rows' bits and
-    the placed rows before them; and `sorted_slots` copied to anonymous memory, which numpy backs
-    with huge pages (arrays of 4 MiB and more, where the kernel allows it): a lookup's random read
-    there then costs no TLB miss, which the file mapping's 4 KiB pages do (a third of a large
+    """What a lookup reads, both in huge pages (`_huge_page_array`): `rank_words`, (words, 2)
+    uint64, each 64 rows' bits and the placed rows before them; and a copy of `sorted_slots`, whose
+    random reads in the file mapping's 4 KiB pages cost a TLB miss each (a third of a large
     lookup's time)."""
 
     rank_words: np.ndarray
@@ -155,7 +155,9 @@ class RowOrder:
         rank_words[:, 0] = bits
         rank_words[0, 1] = 0
         np.cumsum(_popcount(bits[:-1]), dtype=np.uint64, out=rank_words[1:, 1])
-        return RankIndex(rank_words, np.array(self.sorted_slots))
+        sorted_slots = _huge_page_array(self.sorted_slots.shape, self.sorted_slots.dtype)
+        sorted_slots[:] = self.sorted_slots
+        return RankIndex(rank_words, sorted_slots)
 
     def rows_at(self, start: int, stop: int) -> np.ndarray:
         """Local row ids held by slots [start, stop), int64."""

@@ -67,16 +67,13 @@ _MINCORE = _load_mincore()
 class StageJob:
     """A stage running on a thread of the compiled helper (Gatherer.stage_when)."""
 
-    def __init__(self, job, budget):
+    def __init__(self, job, gatherer: "Gatherer"):
         self._job = job
-        self._budget = budget
+        self._gatherer = gatherer
 
     def join(self) -> tuple[int, bool]:
         """Wait for it: (number of disk positions, whether their rows were staged); its error if any."""
-        disk, staged = _native.stage_joined(self._job)
-        if disk and staged and self._budget is not None:
-            self._budget.charge(disk)
-        return disk, staged
+        return self._gatherer._staged(*_native.stage_joined(self._job))
 
     def cancel(self) -> None:
         """Stop it if it has not begun (else wait for it); its buffers are free after this."""
@@ -191,41 +188,45 @@ class Gatherer:
         """Table.stage, with the table's row order (format/order.py) and first row. The compiled
         helper checks the buffers itself; the numpy loops check them here."""
         if _native is not None:
-            rank_words, sorted_slots = order.rank_index
-            disk, staged = _native.stage(ids, first_row, order.num_rows, rank_words, sorted_slots, num_resident,
-                                         slots, index, self._mapping, out, self._data_offset, self._page_size,
-                                         self._rows_per_page, self._row_bytes, self._num_slots, PROBE_PAGES, threads)
-        else:
-            for name, array, dtype in (("slots", slots, np.int64), ("index", index, np.int32)):
-                if array.dtype != dtype or array.shape != ids.shape or not array.flags.c_contiguous:
-                    raise ValueError(f"{name} must be a contiguous {np.dtype(dtype)} array as long as ids")
-            if out.dtype != np.uint8 or out.ndim != 2 or out.shape[1] != self._row_bytes or not out.flags.c_contiguous:
-                raise ValueError(f"out must be C-contiguous uint8 rows of {self._row_bytes} bytes")
-            slots[:] = order.slot_of(ids, first_row)
-            resident = slots < num_resident
-            index[resident] = slots[resident]
-            positions = np.flatnonzero(~resident)
-            disk = len(positions)
-            staged = disk == 0 or self.cached(slots[positions])
-            if disk and staged:
-                first = len(out) - disk
-                self._copy(slots[positions], out[first:])
-                index[positions] = num_resident + first + np.arange(disk)
-        if disk and staged and self.budget is not None:
-            self.budget.charge(disk)
-        return disk, staged
+            return self._staged(*_native.stage(*self._stage_arguments(ids, order, first_row, num_resident, slots,
+                                                                      index, out, threads)))
+        for name, array, dtype in (("slots", slots, np.int64), ("index", index, np.int32)):
+            if array.dtype != dtype or array.shape != ids.shape or not array.flags.c_contiguous:
+                raise ValueError(f"{name} must be a contiguous {np.dtype(dtype)} array as long as ids")
+        if out.dtype != np.uint8 or out.ndim != 2 or out.shape[1] != self._row_bytes or not out.flags.c_contiguous:
+            raise ValueError(f"out must be C-contiguous uint8 rows of {self._row_bytes} bytes")
+        slots[:] = order.slot_of(ids, first_row)
+        resident = slots < num_resident
+        index[resident] = slots[resident]
+        positions = np.flatnonzero(~resident)
+        disk = len(positions)
+        staged = disk == 0 or self.cached(slots[positions])
+        if disk and staged:
+            first = len(out) - disk
+            self._copy(slots[positions], out[first:])
+            index[positions] = num_resident + first + np.arange(disk)
+        return self._staged(disk, staged)
 
     def stage_when(self, flags: np.ndarray, ids_value: int, free_value: int, ids: np.ndarray, order,
                    first_row: int, num_resident: int, slots: np.ndarray, index: np.ndarray, out: np.ndarray,
                    threads: int) -> "StageJob":
         """`stage` on a thread of the compiled helper once flags[0] == ids_value and flags[1] ==
         free_value (core/_native.c); `StageJob.join` returns what `stage` does."""
+        arguments = self._stage_arguments(ids, order, first_row, num_resident, slots, index, out, threads)
+        return StageJob(_native.stage_when(flags, ids_value, free_value, *arguments), self)
+
+    def _stage_arguments(self, ids, order, first_row, num_resident, slots, index, out, threads) -> tuple:
+        """The compiled helper's `stage` arguments (core/_native.c), this table's geometry included."""
         rank_words, sorted_slots = order.rank_index
-        job = _native.stage_when(flags, ids_value, free_value, ids, first_row, order.num_rows, rank_words,
-                                 sorted_slots, num_resident, slots, index, self._mapping, out, self._data_offset,
-                                 self._page_size, self._rows_per_page, self._row_bytes, self._num_slots,
-                                 PROBE_PAGES, threads)
-        return StageJob(job, self.budget)
+        return (ids, first_row, order.num_rows, rank_words, sorted_slots, num_resident, slots, index, self._mapping,
+                out, self._data_offset, self._page_size, self._rows_per_page, self._row_bytes, self._num_slots,
+                PROBE_PAGES, threads)
+
+    def _staged(self, disk: int, staged: bool) -> tuple[int, bool]:
+        """A stage's outcome, its copies through the mapping counted against the footprint budget."""
+        if disk and staged and self.budget is not None:
+            self.budget.charge(disk)
+        return disk, staged
 
     def _copy_in_parts(self, slots: np.ndarray, out: np.ndarray, parts: int) -> None:
         """Copy cached rows on `parts` threads (the helper and numpy's copy release the GIL)."""

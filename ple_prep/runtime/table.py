@@ -318,24 +318,21 @@ def open_table(path: str | Path, manifest: str | Path | None = None, *,
         os.close(descriptor)
         raise
     mapping.madvise(mmap.MADV_RANDOM)
-    budget = None
-    if mapped_budget_bytes is not None:
-        try:
-            budget = MappedBudget(mapping, header, mapped_budget_bytes, budget_advice)
-        except ValueError:
-            mapping.close()
-            watch.close()
-            raise
-    direct, note = None, None
-    if (read_path or DEFAULT_READ_PATH) == "direct":
-        try:
-            # Reopened through the validated descriptor: the same file, whatever `path` names now.
-            direct = DirectReader(f"/proc/self/fd/{descriptor}", header, queue_depth)
-        except DirectUnavailable as exc:
-            if read_path == "direct":
-                mapping.close()
-                watch.close()
-                raise BadInput(f"cannot read {path.name} with O_DIRECT: {exc.strerror}; "
-                               f"open it with read_path='mapped'") from None
-            note = f"O_DIRECT unavailable ({exc.strerror}): rows are read through the mapping"
+    try:
+        budget = None if mapped_budget_bytes is None else \
+            MappedBudget(mapping, header, mapped_budget_bytes, budget_advice)
+        direct, note = None, None
+        if (read_path or DEFAULT_READ_PATH) == "direct":
+            try:
+                # Reopened through the validated descriptor: the same file, whatever `path` names now.
+                direct = DirectReader(f"/proc/self/fd/{descriptor}", header, queue_depth)
+            except DirectUnavailable as exc:
+                if read_path == "direct":
+                    raise BadInput(f"cannot read {path.name} with O_DIRECT: {exc.strerror}; "
+                                   f"open it with read_path='mapped'") from None
+                note = f"O_DIRECT unavailable ({exc.strerror}): rows are read through the mapping"
+    except BaseException:
+        mapping.close()
+        watch.close()
+        raise
     return Table(path, meta, header, mapping, watch, window_pages, window_bytes, direct, note, budget)

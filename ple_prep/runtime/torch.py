@@ -148,6 +148,7 @@ class EmbeddingSource:
             self._device_ids = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
             self._device_ids_array = self._device_ids.numpy()
             self._flags = torch.zeros(2, dtype=torch.int32, pin_memory=True)
+            self._flags_array = self._flags.numpy()
             self._flag_values = torch.arange(1, FLAG_VALUES + 1, dtype=torch.int32, device=self.device)
             self._flags_written = 0
             self._ids_ready = torch.cuda.Event()
@@ -218,13 +219,12 @@ class EmbeddingSource:
     def _start_from_device(self, row_ids: torch.Tensor) -> _FromDevice:
         if row_ids.dtype.is_floating_point or row_ids.dtype.is_complex or row_ids.dtype == torch.bool:
             raise TypeError(f"row ids must be integers, not {row_ids.dtype}")
-        count = row_ids.numel()
-        if count > self.capacity:
-            raise ValueError(f"{count} row ids exceed this source's max_ids = {self.capacity}")
+        count = self._checked_count(row_ids.numel())
         flat = row_ids.reshape(-1)
         ids = self._device_ids_array[:count]
         if count <= INLINE_IDS or not self.table.compiled:
-            # A small request: its lookup at join costs less than a helper thread's start.
+            # The lookup at join: for a small request that costs less than a helper thread's start
+            # (and without the compiled helper there is no such thread).
             self._device_ids[:count].copy_(flat, non_blocking=True)
             self._ids_landed.record()
             return _FromDevice(ids)
@@ -239,9 +239,9 @@ class EmbeddingSource:
             self._device_ids[:count].copy_(flat, non_blocking=True)
             ids_value = self._write_flag(0)
             self._ids_landed.record(stream)
-        threads = max(1, min(LOOKUP_THREADS, count // LOOKUP_PART_IDS))
-        job = self.table.stage_when(self._flags.numpy(), ids_value, free_value, ids, self.num_resident,
-                                    self._slots[:count], self._host_index[:count], self._host_rows, threads)
+        job = self.table.stage_when(self._flags_array, ids_value, free_value, ids, self.num_resident,
+                                    self._slots[:count], self._host_index[:count], self._host_rows,
+                                    self._lookup_threads(count))
         return _FromDevice(ids, job)
 
     def _write_flag(self, which: int) -> int:
@@ -289,9 +289,17 @@ class EmbeddingSource:
         ids = np.asarray(row_ids)
         if ids.dtype.kind not in "iu":
             raise TypeError(f"row ids must be integers, not {ids.dtype}")
-        if ids.size > self.capacity:
-            raise ValueError(f"{ids.size} row ids exceed this source's max_ids = {self.capacity}")
+        self._checked_count(ids.size)
         return np.ascontiguousarray(ids.reshape(-1), dtype=np.int64)
+
+    def _checked_count(self, count: int) -> int:
+        if count > self.capacity:
+            raise ValueError(f"{count} row ids exceed this source's max_ids = {self.capacity}")
+        return count
+
+    def _lookup_threads(self, count: int) -> int:
+        """Threads of the compiled helper's pool for a request of `count` ids (1 without it)."""
+        return max(1, min(LOOKUP_THREADS, count // LOOKUP_PART_IDS)) if self.table.compiled else 1
 
     def close(self) -> None:
         """Release the worker thread (a pending start is finished first); the table stays open."""
@@ -323,8 +331,7 @@ class EmbeddingSource:
             if self._cuda:
                 # The previous copy has left the pinned span before this call rewrites it.
                 self._copied.synchronize()
-            threads = max(1, min(LOOKUP_THREADS, count // LOOKUP_PART_IDS)) if table.compiled else 1
-            disk, staged = table.stage(ids, resident, slots, index, self._host_rows, threads)
+            disk, staged = table.stage(ids, resident, slots, index, self._host_rows, self._lookup_threads(count))
         looked_up = split = gathered = time.perf_counter()
         if not staged:
             # Cold: each distinct row read once, through the table's read path.
@@ -396,7 +403,8 @@ class EmbeddingSource:
         if not self._cuda:
             return self._index_and_decode(count)
         stream = stream or self._current_stream()
-        deferred, self._deferred_copy = (None, self._deferred_copy) if capturing else (self._deferred_copy, None)
+        # Only an eager finish follows a deferring start or join (none runs while capturing).
+        deferred, self._deferred_copy = self._deferred_copy, None
         if capturing or not 0 < count <= INLINE_IDS:
             if deferred is not None:
                 self._launch_copy(deferred, stream)
