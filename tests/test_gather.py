@@ -412,3 +412,13 @@ def test_stage_when_raises_a_bad_id_at_join(table_path):
         job = table.stage_when(flags, 1, 1, ids, 100, slots, index, out, threads=4)
         with pytest.raises(IndexError, match="row id -1 is outside"):
             job.join()
+
+
+def test_stage_when_needs_the_compiled_helper(table_path, monkeypatch):
+    monkeypatch.setattr(gather_module, "_native", None)
+    with open_table(table_path, read_path="mapped") as table:
+        assert not table.compiled
+        ids = np.arange(10)
+        with pytest.raises(RuntimeError, match="stage_when needs the compiled helper"):
+            table.stage_when(np.zeros(2, np.int32), 1, 1, ids, 0, np.empty(10, np.int64), np.empty(10, np.int32),
+                             np.empty((10, table.row_bytes), np.uint8))

@@ -146,6 +146,31 @@ def test_device_ids_give_values_from_a_helper_thread_or_at_finish_across_poisone
 
 
 @needs_cuda
+def test_device_ids_are_refused_at_start_when_not_integers_or_too_many(table):
+    source = EmbeddingSource(table, device="cuda", resident_bytes=0, max_ids=64)
+    with pytest.raises(ValueError, match="65 row ids exceed this source's max_ids = 64"):
+        source.start(torch.zeros(65, dtype=torch.int64, device="cuda"))
+    for dtype in (torch.float32, torch.bool):
+        with pytest.raises(TypeError, match="row ids must be integers"):
+            source.start(torch.zeros(4, dtype=dtype, device="cuda"))
+    ids = token_ids(table, 4, 8)
+    source.start(torch.from_numpy(ids).cuda())
+    assert np.array_equal(bits(source.finish()), expected_bits(table, ids))
+
+
+@needs_cuda
+def test_a_small_device_start_finished_for_a_larger_count_copies_its_rows(table):
+    """A small request's copy waits for finish's graph; a finish padded past INLINE_IDS, which runs
+    no such graph, must still launch it."""
+    source = EmbeddingSource(table, device="cuda", resident_bytes=0, max_ids=4096)
+    ids = token_ids(table, 4, 9)
+    poison(source)
+    source.start(torch.from_numpy(ids).cuda())
+    values = source.finish(count=runtime_torch.INLINE_IDS + 16)
+    assert np.array_equal(bits(values[:ids.size]), expected_bits(table, ids))
+
+
+@needs_cuda
 def test_device_ids_errors_surface_at_finish_and_an_abandoned_start_is_dropped(table):
     source = EmbeddingSource(table, device="cuda", resident_bytes=0, max_ids=300 * 16)
     ids = token_ids(table, 300, 7)
