@@ -380,6 +380,31 @@ def test_stage_when_waits_for_both_flags_then_stages_as_stage_does(table_path):
             assert np.array_equal(array, expected)
 
 
+def test_stage_when_with_a_negative_free_value_waits_for_the_ids_flag_alone(table_path):
+    """The caller that knows the device's last read of `out` is done passes free_value < 0: the
+    job then starts on the ids' flag, whatever flags[1] holds."""
+    if gather_module._native is None:
+        pytest.skip("the compiled helper is not built here (no compiler at install)")
+    with open_table(table_path, read_path="mapped") as table:
+        ids = real_like_ids(table.num_rows, 3000, 50)
+
+        def buffers() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            return (np.full(len(ids), -1, np.int64), np.full(len(ids), -1, np.int32),
+                    np.full((len(ids), table.row_bytes), POISON, np.uint8))
+
+        want = buffers()
+        want_result = table.stage(ids, 100, *want, threads=2)
+        slots, index, out = buffers()
+        flags = np.array([0, 9], np.int32)
+        job = table.stage_when(flags, 5, -1, ids, 100, slots, index, out, threads=2)
+        time.sleep(0.05)
+        assert (slots == -1).all() and (out == POISON).all()
+        flags[0] = 5
+        assert job.join() == want_result
+        for array, expected in zip((slots, index, out), want):
+            assert np.array_equal(array, expected)
+
+
 def test_a_stage_when_job_cancelled_before_its_flags_stages_nothing(table_path):
     if gather_module._native is None:
         pytest.skip("the compiled helper is not built here (no compiler at install)")

@@ -145,6 +145,39 @@ def test_device_ids_give_values_from_a_helper_thread_or_at_finish_across_poisone
         assert np.array_equal(bits(values), expected_bits(table, ids))
 
 
+class CopyNotYetDone:
+    """The source's copy event as if the last copy out of the pinned rows were still running."""
+
+    def __init__(self, event):
+        self._event = event
+
+    def query(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._event, name)
+
+
+@needs_cuda
+def test_device_ids_wait_on_the_side_stream_for_a_copy_that_may_still_run(page_cache, loops):
+    """When the last copy out of the pinned rows may still be running, a large request's ids and
+    flags go on the side stream behind it: the helper thread waits for both flags."""
+    table = page_cache
+    if loops != "compiled":
+        pytest.skip("only the compiled helper's thread waits on flags")
+    source = EmbeddingSource(table, device="cuda", resident_bytes=3000 * table.row_bytes, max_ids=300 * 16)
+    source._copied = CopyNotYetDone(source._copied)
+    for tokens, seed in ((300, 11), (200, 12)):
+        ids = token_ids(table, tokens, seed)
+        poison(source)
+        written = source._flags_written
+        source.start(torch.from_numpy(ids).to("cuda"))
+        assert source._flags_written == written + 2  # a value for each flag
+        values = source.finish()
+        assert int(source._flags_array[1]) == (written + 1) % runtime_torch.FLAG_VALUES + 1
+        assert np.array_equal(bits(values), expected_bits(table, ids))
+
+
 @needs_cuda
 def test_device_ids_are_refused_at_start_when_not_integers_or_too_many(table):
     source = EmbeddingSource(table, device="cuda", resident_bytes=0, max_ids=64)

@@ -18,7 +18,8 @@
  * stage_when(flags, ids_value, free_value, *the arguments of stage) -> job
  * stage_joined(job, cancel=False) -> (disk, staged)
  *     `stage` on a thread of its own, started once flags[0] == ids_value and flags[1] == free_value
- *     (written by a device into pinned memory), and its result (runtime/torch.py's device ids);
+ *     (written by a device into pinned memory; a value below 0 is not waited for), and its result
+ *     (runtime/torch.py's device ids);
  *     with `cancel`, a job not yet started stages nothing and None is returned.
  * cached(mapping, slots, data_offset, page_size, rows_per_page, row_bytes, num_slots, probes)
  *     Whether the memory page holding the first byte of each of `probes` rows spread over the
@@ -296,7 +297,9 @@ done:
  * which on a virtual machine's slow wakeups cost more than the part itself. Workers take parts of
  * the current job by claiming them from one atomic ticket (generation, parts, next part), poll
  * for the next job for SPIN_NS after finishing one (a request's copy phase, which follows its
- * lookup within microseconds, then starts at once) and sleep on a condition variable after that. One job runs at a time (caller_lock). */
+ * lookup within microseconds, then starts at once) and sleep on a condition variable after that.
+ * A stage_when job waiting for its flags holds the pool (pool_hold): the workers poll meanwhile,
+ * so its parts start at once instead of after the wakeups. One job runs at a time (caller_lock). */
 
 #define MAX_THREADS 64
 #define SPIN_NS 50000
@@ -314,6 +317,7 @@ static struct {
     int workers;
     _Atomic uint64_t ticket; /* generation << 32 | parts << 16 | next part */
     _Atomic int done_parts;
+    _Atomic int held;        /* stage_when jobs about to run parts: workers poll, never sleep */
     pool_job jobs[2];        /* by generation parity: a late worker never sees the next job's */
 } pool = {.caller_lock = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER,
           .wake = PTHREAD_COND_INITIALIZER};
@@ -359,18 +363,36 @@ static void *pool_worker(void *unused)
         unsigned spins = 0;
         while ((generation = atomic_load_explicit(&pool.ticket, memory_order_acquire) >> 32) == seen) {
             cpu_relax();
-            if (++spins % 64 == 0 && monotonic_ns() - began > SPIN_NS) {
-                pthread_mutex_lock(&pool.lock);
-                while ((generation = atomic_load_explicit(&pool.ticket, memory_order_acquire) >> 32) == seen)
-                    pthread_cond_wait(&pool.wake, &pool.lock);
-                pthread_mutex_unlock(&pool.lock);
-                break;
+            if (++spins % 64 != 0)
+                continue;
+            if (atomic_load_explicit(&pool.held, memory_order_relaxed) > 0) {
+                began = monotonic_ns();
+                continue;
             }
+            if (monotonic_ns() - began <= SPIN_NS)
+                continue;
+            pthread_mutex_lock(&pool.lock);
+            while ((generation = atomic_load_explicit(&pool.ticket, memory_order_acquire) >> 32) == seen
+                   && atomic_load_explicit(&pool.held, memory_order_relaxed) == 0)
+                pthread_cond_wait(&pool.wake, &pool.lock);
+            pthread_mutex_unlock(&pool.lock);
+            began = monotonic_ns();
         }
         seen = generation;
         take_parts(generation);
     }
     return NULL;
+}
+
+/* Keep the workers polling (delta 1) or let them sleep again (delta -1). */
+static void pool_hold(int delta)
+{
+    atomic_fetch_add_explicit(&pool.held, delta, memory_order_relaxed);
+    if (delta > 0) {
+        pthread_mutex_lock(&pool.lock);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.lock);
+    }
 }
 
 /* After fork only the forking thread exists: the child starts its own workers when it needs them. */
@@ -380,6 +402,7 @@ static void pool_after_fork(void)
     pthread_mutex_init(&pool.lock, NULL);
     pthread_cond_init(&pool.wake, NULL);
     pool.workers = 0;
+    atomic_store_explicit(&pool.held, 0, memory_order_relaxed);
 }
 
 /* Run run(context, part) for parts 0..parts-1 on this thread and up to parts - 1 workers; returns
@@ -634,11 +657,14 @@ static PyObject *stage(PyObject *self, PyObject *args)
 /* --- stage_when: the same stage, run on a thread of its own once a device is done with two
  * things, each signalled by a value it writes into pinned host memory: flags[0] = ids_value after
  * it copied the ids there (the same stream, so in that order), flags[1] = free_value after its
- * last read of `out` (the previous request's rows). The thread polls the flags (SPIN_NS, then
- * sleeping WAIT_SLEEP_NS at a time), so the lookup runs while the caller goes on launching work.
+ * last read of `out` (the previous request's rows; free_value < 0: the caller knows that read is
+ * done, nothing to wait for). The thread polls the flags, holding the pool's workers awake, for
+ * HOLD_NS (a device usually copies the ids within tens of microseconds), then lets them sleep and
+ * polls WAIT_SLEEP_NS apart, so the lookup runs while the caller goes on launching work.
  * stage_joined waits for the thread and returns what stage returns. A job dropped unjoined (its
  * start abandoned) is cancelled: its thread stops waiting and stages nothing. */
 
+#define HOLD_NS 1000000
 #define WAIT_SLEEP_NS 20000
 
 typedef struct {
@@ -650,23 +676,37 @@ typedef struct {
     pthread_t thread;
 } stage_job;
 
+static int flags_hold_values(const stage_job *job)
+{
+    return __atomic_load_n(&job->flags[0], __ATOMIC_ACQUIRE) == job->values[0]
+           && (job->values[1] < 0 || __atomic_load_n(&job->flags[1], __ATOMIC_ACQUIRE) == job->values[1]);
+}
+
 static void *stage_job_main(void *argument)
 {
     stage_job *job = argument;
     uint64_t began = monotonic_ns();
     unsigned spins = 0;
-    while (__atomic_load_n(&job->flags[0], __ATOMIC_ACQUIRE) != job->values[0]
-           || __atomic_load_n(&job->flags[1], __ATOMIC_ACQUIRE) != job->values[1]) {
+    int holding = job->call->request.parts > 1;
+    if (holding)
+        pool_hold(1);
+    while (!flags_hold_values(job)) {
         if (atomic_load_explicit(&job->cancelled, memory_order_relaxed))
-            return NULL;
-        if (monotonic_ns() - began < SPIN_NS || ++spins % 64 != 0) {
+            break;
+        if (++spins % 64 != 0 || monotonic_ns() - began < HOLD_NS) {
             cpu_relax();
             continue;
         }
+        if (holding)
+            pool_hold(-1);
+        holding = 0;
         struct timespec pause = {0, WAIT_SLEEP_NS};
         nanosleep(&pause, NULL);
     }
-    run_stage(job->call);
+    if (holding)
+        pool_hold(-1);
+    if (!atomic_load_explicit(&job->cancelled, memory_order_relaxed))
+        run_stage(job->call);
     return NULL;
 }
 

@@ -43,10 +43,11 @@ from .torch_dequant import decoder_for
 from .triton_gather import fp8_gather_for
 
 # Up to this many ids, `start` does its host work inline (a hop to the worker thread costs more)
-# and copies on the caller's stream, and an eager `finish` replays a graph captured for the count
-# rounded up to a power of two (one launch instead of a handful).
+# and copies on the caller's stream, inside `finish`'s graph when `source(ids)` calls both.
 INLINE_IDS = 1024
-# The smallest such graph (a decode step's 16 ids).
+# An eager `finish` replays a graph captured for the count rounded up to a power of two, at least
+# this (a decode step's 16 ids): one launch instead of a handful, each 5-15 us of host time on the
+# H200's host, and a Triton launch from Python costs more than the chunk's replay.
 GRAPH_MIN_IDS = 16
 # Values the device writes into the pinned flags of a start from device ids, in turn (never 0).
 FLAG_VALUES = 256
@@ -149,7 +150,10 @@ class EmbeddingSource:
             self._device_ids_array = self._device_ids.numpy()
             self._flags = torch.zeros(2, dtype=torch.int32, pin_memory=True)
             self._flags_array = self._flags.numpy()
-            self._flag_values = torch.arange(1, FLAG_VALUES + 1, dtype=torch.int32, device=self.device)
+            # One-element views made once: slicing costs more than the copy's launch.
+            self._flag_targets = (self._flags[0:1], self._flags[1:2])
+            flag_values = torch.arange(1, FLAG_VALUES + 1, dtype=torch.int32, device=self.device)
+            self._flag_sources = [flag_values[k:k + 1] for k in range(FLAG_VALUES)]
             self._flags_written = 0
             self._ids_ready = torch.cuda.Event()
             self._ids_landed = torch.cuda.Event()
@@ -228,28 +232,44 @@ class EmbeddingSource:
             self._device_ids[:count].copy_(flat, non_blocking=True)
             self._ids_landed.record()
             return _FromDevice(ids)
-        # Every write of the flags goes through the side stream, so they land in the order written.
-        self._ids_ready.record()
-        stream = self._copy_stream
-        stream.wait_event(self._ids_ready)
-        flat.record_stream(stream)  # the caller may free its tensor before the copy has run
-        with torch.cuda.stream(stream):
-            stream.wait_event(self._copied)
-            free_value = self._write_flag(1)
-            self._device_ids[:count].copy_(flat, non_blocking=True)
-            ids_value = self._write_flag(0)
-            self._ids_landed.record(stream)
+        # Usually the last copy out of the pinned span has run (its finish waited for it): then the
+        # ids and their flag go on the caller's stream and the job waits for that flag alone;
+        # else, on the side stream, the flags land after that copy, in the order written.
+        span_free = self._copied.query()
+        free_value = -1 if span_free else self._next_flag_value()
+        ids_value = self._next_flag_value()
+        # The job first: its thread starts while the copies below are queued.
         job = self.table.stage_when(self._flags_array, ids_value, free_value, ids, self.num_resident,
                                     self._slots[:count], self._host_index[:count], self._host_rows,
                                     self._lookup_threads(count))
+        try:
+            if span_free:
+                self._device_ids[:count].copy_(flat, non_blocking=True)
+                self._write_flag(0, ids_value)
+                self._ids_landed.record()
+            else:
+                self._ids_ready.record()
+                stream = self._copy_stream
+                stream.wait_event(self._ids_ready)
+                flat.record_stream(stream)  # the caller may free its tensor before the copy has run
+                with torch.cuda.stream(stream):
+                    stream.wait_event(self._copied)
+                    self._write_flag(1, free_value)
+                    self._device_ids[:count].copy_(flat, non_blocking=True)
+                    self._write_flag(0, ids_value)
+                    self._ids_landed.record(stream)
+        except BaseException:
+            job.cancel()
+            raise
         return _FromDevice(ids, job)
 
-    def _write_flag(self, which: int) -> int:
-        """Queue the device's write of the next flag value into flags[which]; returns the value."""
-        value = self._flags_written % FLAG_VALUES + 1
+    def _next_flag_value(self) -> int:
         self._flags_written += 1
-        self._flags[which:which + 1].copy_(self._flag_values[value - 1:value], non_blocking=True)
-        return value
+        return self._flags_written % FLAG_VALUES + 1
+
+    def _write_flag(self, which: int, value: int) -> None:
+        """Queue the device's write of `value` into flags[which], on the current stream."""
+        self._flag_targets[which].copy_(self._flag_sources[value - 1], non_blocking=True)
 
     def join(self) -> int:
         """Wait for the last start's host work (the copy launched, not finished); raise its error.
@@ -405,7 +425,7 @@ class EmbeddingSource:
         stream = stream or self._current_stream()
         # Only an eager finish follows a deferring start or join (none runs while capturing).
         deferred, self._deferred_copy = self._deferred_copy, None
-        if capturing or not 0 < count <= INLINE_IDS:
+        if capturing or count == 0:
             if deferred is not None:
                 self._launch_copy(deferred, stream)
             self._copied.wait(stream)
