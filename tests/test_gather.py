@@ -447,3 +447,22 @@ def test_stage_when_needs_the_compiled_helper(table_path, monkeypatch):
         with pytest.raises(RuntimeError, match="stage_when needs the compiled helper"):
             table.stage_when(np.zeros(2, np.int32), 1, 1, ids, 0, np.empty(10, np.int64), np.empty(10, np.int32),
                              np.empty((10, table.row_bytes), np.uint8))
+
+
+@pytest.mark.parametrize("page_size, row_bytes", [(4096, 160), (4096, 2048), (4096, 4096), (512, 7), (8192, 80)])
+def test_the_compiled_copy_finds_every_slots_page_for_any_rows_per_page(page_size, row_bytes):
+    """Every slot of pages holding 1, 2, 25, 73 or 102 rows (after a data offset) is copied from
+    its page and position."""
+    native = gather_module._native
+    if native is None:
+        pytest.skip("the compiled helper is not built here (no compiler at install)")
+    rows_per_page, pages, offset = page_size // row_bytes, 40, 64
+    mapping = np.random.default_rng(row_bytes).integers(0, 256, offset + pages * page_size, dtype=np.uint8)
+    num_slots = rows_per_page * pages
+    slots = np.random.default_rng(1).permutation(num_slots).astype(np.int64)
+    out = np.full((num_slots, row_bytes), POISON, np.uint8)
+    native.copy_rows(mapping, slots, out, offset, page_size, rows_per_page, row_bytes, num_slots)
+    pages_of, positions = np.divmod(slots, rows_per_page)
+    starts = offset + pages_of * page_size + positions * row_bytes
+    assert np.array_equal(out, mapping[starts[:, None] + np.arange(row_bytes)])
+
