@@ -465,4 +465,3 @@ def test_the_compiled_copy_finds_every_slots_page_for_any_rows_per_page(page_siz
     pages_of, positions = np.divmod(slots, rows_per_page)
     starts = offset + pages_of * page_size + positions * row_bytes
     assert np.array_equal(out, mapping[starts[:, None] + np.arange(row_bytes)])
-

@@ -128,8 +128,8 @@ class Table:
         """`stage`, run on a thread of the compiled helper once a device has written ids_value into
         flags[0] and free_value into flags[1] (int32 in pinned host memory: after its copy of `ids`
         there, and after its last read of `out`; a free_value below 0 when that read is known to be
-        done); returns a job whose `join()` returns what `stage`
-        does. The buffers must stay untouched until then. Needs the compiled helper (`compiled`)."""
+        done); returns a job whose `join()` returns what `stage` does. The buffers must stay
+        untouched until then. Needs the compiled helper (`compiled`)."""
         if not self.compiled:
             raise RuntimeError("stage_when needs the compiled helper (core/_native.c)")
         self._watch.check()

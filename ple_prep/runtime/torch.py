@@ -229,8 +229,7 @@ class EmbeddingSource:
         if count <= INLINE_IDS or not self.table.compiled:
             # The lookup at join: for a small request that costs less than a helper thread's start
             # (and without the compiled helper there is no such thread).
-            self._device_ids[:count].copy_(flat, non_blocking=True)
-            self._ids_landed.record()
+            self._copy_ids(flat, count)
             return _FromDevice(ids)
         # Usually the last copy out of the pinned span has run (its finish waited for it): then the
         # ids and their flag go on the caller's stream and the job waits for that flag alone;
@@ -244,9 +243,7 @@ class EmbeddingSource:
                                     self._lookup_threads(count))
         try:
             if span_free:
-                self._device_ids[:count].copy_(flat, non_blocking=True)
-                self._write_flag(0, ids_value)
-                self._ids_landed.record()
+                self._copy_ids(flat, count, ids_value)
             else:
                 self._ids_ready.record()
                 stream = self._copy_stream
@@ -255,13 +252,19 @@ class EmbeddingSource:
                 with torch.cuda.stream(stream):
                     stream.wait_event(self._copied)
                     self._write_flag(1, free_value)
-                    self._device_ids[:count].copy_(flat, non_blocking=True)
-                    self._write_flag(0, ids_value)
-                    self._ids_landed.record(stream)
+                    self._copy_ids(flat, count, ids_value)
         except BaseException:
             job.cancel()
             raise
         return _FromDevice(ids, job)
+
+    def _copy_ids(self, flat: torch.Tensor, count: int, ids_value: int | None = None) -> None:
+        """Queue on the current stream the ids' copy into pinned memory, then (for a helper
+        thread's job) the flag that says they landed; `_ids_landed` marks them."""
+        self._device_ids[:count].copy_(flat, non_blocking=True)
+        if ids_value is not None:
+            self._write_flag(0, ids_value)
+        self._ids_landed.record()
 
     def _next_flag_value(self) -> int:
         self._flags_written += 1
