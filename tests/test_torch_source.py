@@ -179,6 +179,36 @@ def test_device_ids_wait_on_the_side_stream_for_a_copy_that_may_still_run(page_c
 
 
 @needs_cuda
+def test_a_large_device_start_after_its_last_copy_ran_waits_for_the_ids_flag_alone(table, loops):
+    """With the pinned rows' last copy done, the ids and one flag go on the caller's stream: the
+    flag of that copy's end is neither written nor waited for."""
+    if loops != "compiled":
+        pytest.skip("only the compiled helper's thread waits on flags")
+    source = EmbeddingSource(table, device="cuda", resident_bytes=500 * table.row_bytes, max_ids=200 * 16)
+    for tokens, seed in ((200, 13), (150, 14)):
+        ids = token_ids(table, tokens, seed)
+        torch.cuda.synchronize()
+        written, free_flag = source._flags_written, int(source._flags_array[1])
+        source.start(torch.from_numpy(ids).to("cuda"))
+        assert source._flags_written == written + 1
+        values = source.finish()
+        assert int(source._flags_array[1]) == free_flag
+        assert np.array_equal(bits(values), expected_bits(table, ids))
+
+
+@needs_cuda
+def test_an_eager_finish_of_a_large_request_replays_a_graph(table):
+    """Past INLINE_IDS too, the index and decode are one graph replay per power-of-two size."""
+    source = EmbeddingSource(table, device="cuda", resident_bytes=500 * table.row_bytes, max_ids=200 * 16)
+    ids = token_ids(table, 100, 15)  # 1,600 ids: the graph of 2,048 positions
+    poison(source)
+    source.start(ids)
+    values = source.finish()
+    assert (2048, False) in source._graphs
+    assert np.array_equal(bits(values), expected_bits(table, ids))
+
+
+@needs_cuda
 def test_device_ids_are_refused_at_start_when_not_integers_or_too_many(table):
     source = EmbeddingSource(table, device="cuda", resident_bytes=0, max_ids=64)
     with pytest.raises(ValueError, match="65 row ids exceed this source's max_ids = 64"):
