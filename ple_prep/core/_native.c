@@ -14,7 +14,8 @@
  *     it is below num_resident (the resident tier's rows); `disk` counts the other positions. If
  *     `probes` rows spread over those are in the page cache, the k-th of them (in position order)
  *     is copied to row len(out) - disk + k of `out` and index[i] = num_resident + that row, and
- *     `staged` is true. Split over `threads` threads (a pool kept by this module).
+ *     `staged` is true. Split over `threads` threads (a pool kept by this module). `out` and
+ *     `index` are written past the CPU caches (store_uncached): a device copies them next.
  * stage_when(flags, ids_value, free_value, *the arguments of stage) -> job
  * stage_joined(job, cancel=False) -> (disk, staged)
  *     `stage` on a thread of its own, started once flags[0] == ids_value and flags[1] == free_value
@@ -35,6 +36,9 @@
 #include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 /* Ids looked at ahead of the one being resolved: enough misses in flight to cover memory latency. */
 #define PREFETCH_AHEAD 16
@@ -88,6 +92,40 @@ static inline void prefetch_row(const char *row, Py_ssize_t row_bytes)
     for (Py_ssize_t line = 0; line < row_bytes; line += 64)
         __builtin_prefetch(row + line);
     __builtin_prefetch(row + row_bytes - 1);
+}
+
+/* --- Stores past the CPU caches (non-temporal) for what a device copies next: rows that the
+ * pool's threads leave modified in their own caches are read by the device's copy at a third of
+ * its speed (each line fetched from a core's cache; BENCHMARKS.md), rows in memory at full speed.
+ * Where SSE2 is missing, or a row is not in 16-byte pieces at a 16-byte boundary (NVFP4's), a
+ * plain copy. stores_done() orders them before the part that made them is counted done. */
+
+static inline void store_row_uncached(char *target, const char *source, Py_ssize_t row_bytes)
+{
+#if defined(__SSE2__)
+    if (((uintptr_t)target & 15) == 0 && row_bytes % 16 == 0) {
+        for (Py_ssize_t offset = 0; offset < row_bytes; offset += 16)
+            _mm_stream_si128((__m128i *)(target + offset), _mm_loadu_si128((const __m128i *)(source + offset)));
+        return;
+    }
+#endif
+    memcpy(target, source, (size_t)row_bytes);
+}
+
+static inline void store_index_uncached(int32_t *target, int32_t value)
+{
+#if defined(__SSE2__)
+    _mm_stream_si32((int *)target, value);
+#else
+    *target = value;
+#endif
+}
+
+static inline void stores_done(void)
+{
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
 }
 
 /* Whether the memory page holding `address` is in the page cache (mincore). */
@@ -473,10 +511,11 @@ static void split_part(void *context, int part)
     int64_t resident = request->num_resident;
     for (Py_ssize_t i = low; i < high; i++) {
         if (slot[i] < resident)
-            request->index[i] = (int32_t)slot[i];
+            store_index_uncached(&request->index[i], (int32_t)slot[i]);
         else
             disk++;
     }
+    stores_done();
     request->disk[part] = disk;
 }
 
@@ -497,10 +536,11 @@ static void copy_part(void *context, int part)
             prefetch_row(row_at(request, slot[i + PREFETCH_AHEAD]), row_bytes);
         if (slot[i] < resident)
             continue;
-        memcpy(request->out + next * row_bytes, row_at(request, slot[i]), (size_t)row_bytes);
-        request->index[i] = (int32_t)(resident + next);
+        store_row_uncached(request->out + next * row_bytes, row_at(request, slot[i]), row_bytes);
+        store_index_uncached(&request->index[i], (int32_t)(resident + next));
         next++;
     }
+    stores_done();
 }
 
 /* Whether the memory pages holding the first byte of `probes` disk rows spread over the request

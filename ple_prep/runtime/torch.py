@@ -224,7 +224,7 @@ class EmbeddingSource:
         if row_ids.dtype.is_floating_point or row_ids.dtype.is_complex or row_ids.dtype == torch.bool:
             raise TypeError(f"row ids must be integers, not {row_ids.dtype}")
         count = self._checked_count(row_ids.numel())
-        flat = row_ids.reshape(-1)
+        flat = row_ids if row_ids.dim() == 1 else row_ids.reshape(-1)
         ids = self._device_ids_array[:count]
         if count <= INLINE_IDS or not self.table.compiled:
             # The lookup at join: for a small request that costs less than a helper thread's start
@@ -280,9 +280,10 @@ class EmbeddingSource:
         Returns the number of ids. `finish` calls it; call it yourself before replaying a graph
         that captured `finish`. After it, the next `start` may come.
         """
-        return self._join(defer_copy=False)
+        return self._join(defer_copy=False, stream=None)
 
-    def _join(self, defer_copy: bool) -> int:
+    def _join(self, defer_copy: bool, stream) -> int:
+        """`join`; a small start from device ids copies on `stream` (default: the current one)."""
         pending, self._pending = self._pending, None
         if pending is None:
             if self._joined is None:
@@ -291,7 +292,10 @@ class EmbeddingSource:
         if isinstance(pending, _FromDevice):
             # Raises the device's error, if any; after it both flags have landed, so a job ends.
             self._ids_landed.synchronize()
-            stream = self._current_stream() if pending.job is None else self._copy_stream
+            if pending.job is not None:
+                stream = self._copy_stream
+            elif stream is None:
+                stream = self._current_stream()
             self._joined = self._prepare(pending.ids, stream, pending.job, defer_copy)
         else:
             self._joined = pending.result()
@@ -416,7 +420,9 @@ class EmbeddingSource:
             if count is None:
                 raise ValueError("finish() in a captured graph needs count (the graph's fixed size)")
         else:
-            joined = self._join(defer_copy=True)
+            # Looked up once for the join and the device half (each lookup costs microseconds).
+            stream = stream or self._current_stream()
+            joined = self._join(defer_copy=True, stream=stream)
             self._joined = None
             count = joined if count is None else count
             if count < joined:
