@@ -15,7 +15,7 @@
  *     `probes` rows spread over those are in the page cache, the k-th of them (in position order)
  *     is copied to row len(out) - disk + k of `out` and index[i] = num_resident + that row, and
  *     `staged` is true. Split over `threads` threads (a pool kept by this module). `out` and
- *     `index` are written past the CPU caches (store_uncached): a device copies them next.
+ *     `index` are written past the CPU caches (store_row_uncached): a device copies them next.
  * stage_when(flags, ids_value, free_value, *the arguments of stage) -> job
  * stage_joined(job, cancel=False) -> (disk, staged)
  *     `stage` on a thread of its own, started once flags[0] == ids_value and flags[1] == free_value
