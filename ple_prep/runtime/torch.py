@@ -224,7 +224,7 @@ class EmbeddingSource:
         if row_ids.dtype.is_floating_point or row_ids.dtype.is_complex or row_ids.dtype == torch.bool:
             raise TypeError(f"row ids must be integers, not {row_ids.dtype}")
         count = self._checked_count(row_ids.numel())
-        flat = row_ids if row_ids.dim() == 1 else row_ids.reshape(-1)
+        flat = row_ids.reshape(-1)
         ids = self._device_ids_array[:count]
         if count <= INLINE_IDS or not self.table.compiled:
             # The lookup at join: for a small request that costs less than a helper thread's start
@@ -292,10 +292,7 @@ class EmbeddingSource:
         if isinstance(pending, _FromDevice):
             # Raises the device's error, if any; after it both flags have landed, so a job ends.
             self._ids_landed.synchronize()
-            if pending.job is not None:
-                stream = self._copy_stream
-            elif stream is None:
-                stream = self._current_stream()
+            stream = self._copy_stream if pending.job is not None else stream or self._current_stream()
             self._joined = self._prepare(pending.ids, stream, pending.job, defer_copy)
         else:
             self._joined = pending.result()
@@ -414,14 +411,14 @@ class EmbeddingSource:
 
     def _finish(self, count: int | None, stream) -> torch.Tensor:
         capturing = self._cuda and torch.cuda.is_current_stream_capturing()
+        # Looked up once for the join and the device half (each lookup costs microseconds).
+        stream = stream or self._current_stream()
         if capturing:
             if self._pending is not None:
                 raise RuntimeError("join() the pending start() before capturing finish() in a graph")
             if count is None:
                 raise ValueError("finish() in a captured graph needs count (the graph's fixed size)")
         else:
-            # Looked up once for the join and the device half (each lookup costs microseconds).
-            stream = stream or self._current_stream()
             joined = self._join(defer_copy=True, stream=stream)
             self._joined = None
             count = joined if count is None else count
@@ -431,7 +428,6 @@ class EmbeddingSource:
             raise ValueError(f"count {count} is outside [0, max_ids = {self.capacity}]")
         if not self._cuda:
             return self._index_and_decode(count)
-        stream = stream or self._current_stream()
         # Only an eager finish follows a deferring start or join (none runs while capturing).
         deferred, self._deferred_copy = self._deferred_copy, None
         if capturing or count == 0:
