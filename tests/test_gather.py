@@ -395,7 +395,7 @@ def test_stage_when_waits_for_both_flags_then_stages_as_stage_does(table_path):
             time.sleep(0.05)
             assert (got[0] == -1).all() and (got[2] == POISON).all()
         flags[:] = 7, 3
-        assert job.join() == want_result
+        assert job.join() == (*want_result, False)  # staged, and no device copy asked for
         for array, expected in zip(got, want):
             assert np.array_equal(array, expected)
 
@@ -420,7 +420,7 @@ def test_stage_when_with_a_negative_free_value_waits_for_the_ids_flag_alone(tabl
         time.sleep(0.05)
         assert (slots == -1).all() and (out == POISON).all()
         flags[0] = 5
-        assert job.join() == want_result
+        assert job.join() == (*want_result, False)  # staged, and no device copy asked for
         for array, expected in zip((slots, index, out), want):
             assert np.array_equal(array, expected)
 
@@ -457,6 +457,21 @@ def test_stage_when_raises_a_bad_id_at_join(table_path):
         job = table.stage_when(flags, 1, 1, ids, 100, slots, index, out, threads=4)
         with pytest.raises(IndexError, match="row id -1 is outside"):
             job.join()
+
+
+def test_stage_when_refuses_a_device_copy_where_no_cuda_driver_loads(table_path):
+    if gather_module._native is None:
+        pytest.skip("the compiled helper is not built here (no compiler at install)")
+    try:
+        gather_module.device_context(0)
+        pytest.skip("a CUDA driver loads here (tests/test_torch_source.py covers the copy)")
+    except OSError as error:
+        assert "libcuda" in str(error)
+    with open_table(table_path, read_path="mapped") as table:
+        ids = np.arange(10)
+        with pytest.raises(ValueError, match="device copy needs the CUDA driver"):
+            table.stage_when(np.zeros(2, np.int32), 1, 1, ids, 0, np.empty(10, np.int64), np.empty(10, np.int32),
+                             np.empty((10, table.row_bytes), np.uint8), device_copy=(1, 2, 3, 4, 5))
 
 
 def test_stage_when_needs_the_compiled_helper(table_path, monkeypatch):

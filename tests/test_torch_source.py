@@ -145,6 +145,29 @@ def test_device_ids_give_values_from_a_helper_thread_or_at_finish_across_poisone
         assert np.array_equal(bits(values), expected_bits(table, ids))
 
 
+@needs_cuda
+def test_a_large_device_request_has_its_cached_rows_copied_by_the_helper_thread(page_cache, loops, request,
+                                                                               monkeypatch):
+    """Staged rows of a large request from device ids go to the device by the helper thread's own
+    copy, launched the moment they are staged; rows not in the page cache are read at join and
+    copied from Python as before. Bit-exact both ways, across poisoned buffers."""
+    if loops != "compiled":
+        pytest.skip("only the compiled helper's thread stages device ids")
+    table = page_cache
+    launched = []
+    launch = EmbeddingSource._launch_copy
+    monkeypatch.setattr(EmbeddingSource, "_launch_copy",
+                        lambda self, span, stream: (launched.append(span), launch(self, span, stream)))
+    source = EmbeddingSource(table, device="cuda", resident_bytes=2000 * table.row_bytes, max_ids=300 * 16)
+    for tokens, seed in ((300, 21), (250, 22), (300, 23)):
+        ids = token_ids(table, tokens, seed)
+        poison(source)
+        source.start(torch.from_numpy(ids).to("cuda"))
+        values = source.finish()
+        assert np.array_equal(bits(values), expected_bits(table, ids))
+    assert len(launched) == (0 if request.node.callspec.params["page_cache"] == "cached" else 3)
+
+
 class CopyNotYetDone:
     """The source's copy event as if the last copy out of the pinned rows were still running."""
 

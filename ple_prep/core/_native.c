@@ -31,6 +31,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <sys/mman.h>
@@ -700,17 +701,120 @@ static PyObject *stage(PyObject *self, PyObject *args)
  * last read of `out` (the previous request's rows; free_value < 0: the caller knows that read is
  * done, nothing to wait for). The thread polls the flags, holding the pool's workers awake, for
  * HOLD_NS (a device usually copies the ids within tens of microseconds), then lets them sleep and
- * polls WAIT_SLEEP_NS apart, so the lookup runs while the caller goes on launching work.
- * stage_joined waits for the thread and returns what stage returns. A job dropped unjoined (its
+ * polls WAIT_SLEEP_NS apart, so the lookup runs while the caller goes on launching work. With a
+ * device copy (below) it then queues the staged rows' copy to the device itself.
+ * stage_joined waits for the thread and returns what stage returns and whether it copied. A job dropped unjoined (its
  * start abandoned) is cancelled: its thread stops waiting and stages nothing. */
 
 #define HOLD_NS 1000000
 #define WAIT_SLEEP_NS 20000
 
+/* --- The copy of a staged request to a GPU, queued by the job's own thread through the CUDA
+ * driver (libcuda, opened at the first device_context call): the moment the rows are staged,
+ * without waking the Python thread that joins the job (a copy launched from Python costs that
+ * thread 40-150 us on the H200's host, BENCHMARKS.md). The job copies the bytes from the first
+ * staged row of `out` to the end of the request's `index` entries, which the caller lays out in one
+ * pinned span (runtime/torch.py), to the same offsets from `address`, on `stream`, after `wait_event`,
+ * then records `done_event`. The thread sets relaxed capture mode so that another thread's CUDA
+ * graph capture neither refuses these calls nor is broken by them. */
+
+typedef int cuda_result; /* CUresult: 0 is success */
+
+static struct {
+    int loaded;
+    cuda_result (*init)(unsigned);
+    cuda_result (*device_get)(int *, int);
+    cuda_result (*primary_context_retain)(void **, int);
+    cuda_result (*set_context)(void *);
+    cuda_result (*exchange_capture_mode)(int *);
+    cuda_result (*stream_wait_event)(void *, void *, unsigned);
+    cuda_result (*copy_to_device)(unsigned long long, const void *, size_t, void *);
+    cuda_result (*event_record)(void *, void *);
+} cuda;
+static pthread_once_t cuda_once = PTHREAD_ONCE_INIT;
+
+#define CUDA_CAPTURE_MODE_RELAXED 2
+
+static void load_cuda(void)
+{
+    void *library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!library)
+        return;
+    struct {
+        void **function;
+        const char *name;
+    } symbols[] = {
+        {(void **)&cuda.init, "cuInit"},
+        {(void **)&cuda.device_get, "cuDeviceGet"},
+        {(void **)&cuda.primary_context_retain, "cuDevicePrimaryCtxRetain"},
+        {(void **)&cuda.set_context, "cuCtxSetCurrent"},
+        {(void **)&cuda.exchange_capture_mode, "cuThreadExchangeStreamCaptureMode"},
+        {(void **)&cuda.stream_wait_event, "cuStreamWaitEvent"},
+        {(void **)&cuda.copy_to_device, "cuMemcpyHtoDAsync_v2"},
+        {(void **)&cuda.event_record, "cuEventRecord"},
+    };
+    for (size_t k = 0; k < sizeof(symbols) / sizeof(symbols[0]); k++)
+        if (!(*symbols[k].function = dlsym(library, symbols[k].name)))
+            return;
+    cuda.loaded = 1;
+}
+
+typedef struct {
+    void *context, *stream, *wait_event, *done_event;
+    unsigned long long address;  /* 0: no copy asked for */
+    cuda_result result;
+    int done;
+} device_copy;
+
+static void copy_staged(const stage_call *call, device_copy *copy)
+{
+    const stage_request *request = &call->request;
+    const char *span = request->out;
+    size_t low = (size_t)(call->out_rows - call->disk) * (size_t)request->row_bytes;
+    size_t high = (size_t)((const char *)(request->index + request->count) - span);
+    int mode = CUDA_CAPTURE_MODE_RELAXED;
+    cuda_result result = cuda.set_context(copy->context);
+    if (result == 0)
+        result = cuda.exchange_capture_mode(&mode);
+    if (result == 0)
+        result = cuda.stream_wait_event(copy->stream, copy->wait_event, 0);
+    if (result == 0)
+        result = cuda.copy_to_device(copy->address + low, span + low, high - low, copy->stream);
+    if (result == 0)
+        result = cuda.event_record(copy->done_event, copy->stream);
+    copy->result = result;
+    copy->done = result == 0;
+}
+
+/* The primary context of device `ordinal` (the one torch uses), retained, as an int. */
+static PyObject *device_context(PyObject *self, PyObject *args)
+{
+    int ordinal, device;
+    if (!PyArg_ParseTuple(args, "i", &ordinal))
+        return NULL;
+    pthread_once(&cuda_once, load_cuda);
+    if (!cuda.loaded) {
+        PyErr_SetString(PyExc_OSError, "the CUDA driver (libcuda.so.1) cannot be loaded");
+        return NULL;
+    }
+    void *context = NULL;
+    cuda_result result = cuda.init(0);
+    if (result == 0)
+        result = cuda.device_get(&device, ordinal);
+    if (result == 0)
+        result = cuda.primary_context_retain(&context, device);
+    if (result != 0) {
+        PyErr_Format(PyExc_RuntimeError, "CUDA error %d opening device %d's context", result, ordinal);
+        return NULL;
+    }
+    return PyLong_FromVoidPtr(context);
+}
+
 typedef struct {
     stage_call *call;
     const int32_t *flags;
     int32_t values[2];
+    device_copy copy;
     _Atomic int cancelled;
     int joined;
     pthread_t thread;
@@ -745,8 +849,11 @@ static void *stage_job_main(void *argument)
     }
     if (holding)
         pool_hold(-1);
-    if (!atomic_load_explicit(&job->cancelled, memory_order_relaxed))
+    if (!atomic_load_explicit(&job->cancelled, memory_order_relaxed)) {
         run_stage(job->call);
+        if (job->copy.address && job->call->staged)
+            copy_staged(job->call, &job->copy);
+    }
     return NULL;
 }
 
@@ -776,10 +883,35 @@ static void stage_job_destroy(PyObject *capsule)
     PyMem_RawFree(job);
 }
 
+static int parse_pointer(PyObject *object, void *pointer)
+{
+    *(void **)pointer = PyLong_AsVoidPtr(object);
+    return !PyErr_Occurred();
+}
+
+/* The device_copy of stage_when's `copy` argument: None, or (context, stream, wait_event, done_event,
+ * address) as ints; 0 on success, -1 with an exception set. */
+static int parse_device_copy(PyObject *object, device_copy *copy)
+{
+    *copy = (device_copy){0};
+    if (object == Py_None)
+        return 0;
+    if (!PyArg_ParseTuple(object, "O&O&O&O&K;copy must be (context, stream, wait_event, done_event, address)",
+                          parse_pointer, &copy->context, parse_pointer, &copy->stream, parse_pointer,
+                          &copy->wait_event, parse_pointer, &copy->done_event, &copy->address))
+        return -1;
+    pthread_once(&cuda_once, load_cuda);
+    if (!cuda.loaded || !copy->address) {
+        PyErr_SetString(PyExc_ValueError, "stage_when: a device copy needs the CUDA driver and a device address");
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *stage_when(PyObject *self, PyObject *args)
 {
-    if (PyTuple_GET_SIZE(args) < 3) {
-        PyErr_SetString(PyExc_TypeError, "stage_when(flags, ids_value, free_value, *stage arguments)");
+    if (PyTuple_GET_SIZE(args) < 4) {
+        PyErr_SetString(PyExc_TypeError, "stage_when(flags, ids_value, free_value, copy, *stage arguments)");
         return NULL;
     }
     long values[2];
@@ -788,6 +920,9 @@ static PyObject *stage_when(PyObject *self, PyObject *args)
         if (values[k] == -1 && PyErr_Occurred())
             return NULL;
     }
+    device_copy copy;
+    if (parse_device_copy(PyTuple_GET_ITEM(args, 3), &copy) != 0)
+        return NULL;
     Py_buffer flag;
     if (get_buffer(PyTuple_GET_ITEM(args, 0), &flag, 0, sizeof(int32_t), "flags") != 0)
         return NULL;
@@ -796,7 +931,7 @@ static PyObject *stage_when(PyObject *self, PyObject *args)
         PyBuffer_Release(&flag);
         return NULL;
     }
-    PyObject *stage_args = PyTuple_GetSlice(args, 3, PyTuple_GET_SIZE(args));
+    PyObject *stage_args = PyTuple_GetSlice(args, 4, PyTuple_GET_SIZE(args));
     if (!stage_args) {
         PyBuffer_Release(&flag);
         return NULL;
@@ -809,7 +944,8 @@ static PyObject *stage_when(PyObject *self, PyObject *args)
         PyErr_NoMemory();
     if (job) {
         /* The flags outlive the job: the caller holds their buffer until it joins or drops it. */
-        *job = (stage_job){.call = call, .flags = flag.buf, .values = {(int32_t)values[0], (int32_t)values[1]}};
+        *job = (stage_job){.call = call, .flags = flag.buf, .values = {(int32_t)values[0], (int32_t)values[1]},
+                           .copy = copy};
         if (pthread_create(&job->thread, NULL, stage_job_main, job) != 0)
             PyErr_SetString(PyExc_OSError, "stage_when: cannot start a thread");
         else if (!(capsule = PyCapsule_New(job, "ple_prep.stage_job", stage_job_destroy))) {
@@ -840,9 +976,20 @@ static PyObject *stage_joined(PyObject *self, PyObject *args)
         return NULL;
     }
     join_job(job, cancel);
-    if (!cancel)
-        return finish_stage(job->call);
-    Py_RETURN_NONE;
+    if (cancel)
+        Py_RETURN_NONE;
+    if (job->copy.result != 0) {
+        release(&job->call->held);
+        PyMem_RawFree(job->call);
+        return PyErr_Format(PyExc_RuntimeError, "the copy of the staged rows to the device failed (CUDA error %d)",
+                            job->copy.result);
+    }
+    PyObject *staged = finish_stage(job->call);
+    if (!staged)
+        return NULL;
+    PyObject *result = Py_BuildValue("OO", staged, job->copy.done ? Py_True : Py_False);
+    Py_DECREF(staged);
+    return result;
 }
 
 static PyObject *cached(PyObject *self, PyObject *args)
@@ -884,7 +1031,9 @@ static PyMethodDef methods[] = {
     {"slot_of", slot_of, METH_VARARGS, "File slots of row ids from the rank index."},
     {"stage", stage, METH_VARARGS, "A request's slots and tier rows, and its cached disk rows staged."},
     {"stage_when", stage_when, METH_VARARGS, "stage on a thread of its own once two flags hold values."},
-    {"stage_joined", stage_joined, METH_VARARGS, "Wait for (or cancel) a stage_when job; what stage returns."},
+    {"stage_joined", stage_joined, METH_VARARGS,
+     "Wait for (or cancel) a stage_when job: (what stage returns, whether it copied to the device)."},
+    {"device_context", device_context, METH_VARARGS, "The CUDA primary context of a device, for stage_when."},
     {"cached", cached, METH_VARARGS, "Whether a few rows spread over a request are in the page cache."},
     {NULL, NULL, 0, NULL},
 };

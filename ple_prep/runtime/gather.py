@@ -64,6 +64,14 @@ def _load_mincore():
 _MINCORE = _load_mincore()
 
 
+def device_context(ordinal: int) -> int:
+    """The CUDA primary context of device `ordinal`, for Table.stage_when's device copy; OSError
+    where the compiled helper or the CUDA driver is missing."""
+    if _native is None:
+        raise OSError("the compiled helper (core/_native.c) is not built")
+    return _native.device_context(ordinal)
+
+
 class StageJob:
     """A stage running on a thread of the compiled helper (Gatherer.stage_when)."""
 
@@ -71,9 +79,11 @@ class StageJob:
         self._job = job
         self._gatherer = gatherer
 
-    def join(self) -> tuple[int, bool]:
-        """Wait for it: (number of disk positions, whether their rows were staged); its error if any."""
-        return self._gatherer._staged(*_native.stage_joined(self._job))
+    def join(self) -> tuple[int, bool, bool]:
+        """Wait for it: (number of disk positions, whether their rows were staged, whether the job
+        queued their copy to the device); its error if any."""
+        (disk, staged), copied = _native.stage_joined(self._job)
+        return (*self._gatherer._staged(disk, staged), copied)
 
     def cancel(self) -> None:
         """Stop it if it has not begun (else wait for it); its buffers are free after this."""
@@ -209,11 +219,11 @@ class Gatherer:
 
     def stage_when(self, flags: np.ndarray, ids_value: int, free_value: int, ids: np.ndarray, order,
                    first_row: int, num_resident: int, slots: np.ndarray, index: np.ndarray, out: np.ndarray,
-                   threads: int) -> "StageJob":
+                   threads: int, device_copy: tuple | None) -> "StageJob":
         """`stage` on a thread of the compiled helper once flags[0] == ids_value and flags[1] ==
-        free_value (core/_native.c); `StageJob.join` returns what `stage` does."""
+        free_value, then the optional device copy (core/_native.c); see Table.stage_when."""
         arguments = self._stage_arguments(ids, order, first_row, num_resident, slots, index, out, threads)
-        return StageJob(_native.stage_when(flags, ids_value, free_value, *arguments), self)
+        return StageJob(_native.stage_when(flags, ids_value, free_value, device_copy, *arguments), self)
 
     def _stage_arguments(self, ids, order, first_row, num_resident, slots, index, out, threads) -> tuple:
         """The compiled helper's `stage` arguments (core/_native.c), this table's geometry included."""

@@ -124,17 +124,24 @@ class Table:
         return self._gatherer.stage(ids, self.order, self.first_row, num_resident, slots, index, out, threads)
 
     def stage_when(self, flags: np.ndarray, ids_value: int, free_value: int, ids: np.ndarray, num_resident: int,
-                   slots: np.ndarray, index: np.ndarray, out: np.ndarray, threads: int = 1):
+                   slots: np.ndarray, index: np.ndarray, out: np.ndarray, threads: int = 1,
+                   device_copy: tuple | None = None):
         """`stage`, run on a thread of the compiled helper once a device has written ids_value into
         flags[0] and free_value into flags[1] (int32 in pinned host memory: after its copy of `ids`
         there, and after its last read of `out`; a free_value below 0 when that read is known to be
-        done); returns a job whose `join()` returns what `stage` does. The buffers must stay
-        untouched until then. Needs the compiled helper (`compiled`)."""
+        done); returns a job whose `join()` returns what `stage` does and whether it copied. The
+        buffers must stay untouched until then. Needs the compiled helper (`compiled`).
+
+        `device_copy` (context, stream, wait_event, done_event, address), CUDA driver handles as
+        ints (context from `gather.device_context`): once the rows are staged, the job's thread
+        queues on `stream` a wait for `wait_event`, the copy of the bytes from the first staged row
+        of `out` to the end of the request's entries of `index` (which must follow `out` in the same
+        pinned allocation) to the same offsets from `address`, and a record of `done_event`."""
         if not self.compiled:
             raise RuntimeError("stage_when needs the compiled helper (core/_native.c)")
         self._watch.check()
         return self._gatherer.stage_when(flags, ids_value, free_value, ids, self.order, self.first_row, num_resident,
-                                         slots, index, out, threads)
+                                         slots, index, out, threads, device_copy)
 
     @property
     def compiled(self) -> bool:

@@ -37,6 +37,7 @@ import time
 import numpy as np
 import torch
 
+from .gather import device_context
 from .table import Table
 from .tiers import read_leading_slots
 from .torch_dequant import decoder_for
@@ -157,6 +158,14 @@ class EmbeddingSource:
             self._flags_written = 0
             self._ids_ready = torch.cuda.Event()
             self._ids_landed = torch.cuda.Event()
+            # A large request from device ids has its staged rows copied to the device by the
+            # helper's thread (Table.stage_when), which waits on and records these events: they
+            # must exist (torch creates an event at its first record) before it runs.
+            self._consumed.record()
+            self._copied.record(self._copy_stream)
+            self._device_copy = (device_context(self.device.index), self._copy_stream.cuda_stream,
+                                 self._consumed.cuda_event, self._copied.cuda_event,
+                                 self._span.data_ptr()) if table.compiled else None
         else:
             # On the CPU the host writes the span in place: there is nothing to copy.
             self._host_span = self._span
@@ -171,6 +180,7 @@ class EmbeddingSource:
         if self._fused is not None:
             self._fused(self._tiers, self._index[:1], self.output[:1])
         self._slots = np.empty(capacity, dtype=np.int64)
+        self._small_heads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         # A small request's copy to the device, left to finish's graph (the pinned span's bytes).
         self._deferred_copy: tuple[int, int] | None = None
@@ -208,7 +218,7 @@ class EmbeddingSource:
             inline = len(ids) <= INLINE_IDS
         if inline:
             try:
-                self._pending = _Done(self._prepare(ids, stream or self._current_stream(), defer_copy=defer_copy))
+                self._pending = _Done(self._prepare(ids, stream, defer_copy=defer_copy))
             except Exception as error:  # raised at finish(), as from the worker
                 self._pending = _Done(len(ids), error)
             return
@@ -224,7 +234,7 @@ class EmbeddingSource:
         if row_ids.dtype.is_floating_point or row_ids.dtype.is_complex or row_ids.dtype == torch.bool:
             raise TypeError(f"row ids must be integers, not {row_ids.dtype}")
         count = self._checked_count(row_ids.numel())
-        flat = row_ids.reshape(-1)
+        flat = row_ids if row_ids.dim() == 1 else row_ids.reshape(-1)
         ids = self._device_ids_array[:count]
         if count <= INLINE_IDS or not self.table.compiled:
             # The lookup at join: for a small request that costs less than a helper thread's start
@@ -240,7 +250,7 @@ class EmbeddingSource:
         # The job first: its thread starts while the copies below are queued.
         job = self.table.stage_when(self._flags_array, ids_value, free_value, ids, self.num_resident,
                                     self._slots[:count], self._host_index[:count], self._host_rows,
-                                    self._lookup_threads(count))
+                                    self._lookup_threads(count), self._device_copy)
         try:
             if span_free:
                 self._copy_ids(flat, count, ids_value)
@@ -261,7 +271,7 @@ class EmbeddingSource:
     def _copy_ids(self, flat: torch.Tensor, count: int, ids_value: int | None = None) -> None:
         """Queue on the current stream the ids' copy into pinned memory, then (for a helper
         thread's job) the flag that says they landed; `_ids_landed` marks them."""
-        self._device_ids[:count].copy_(flat, non_blocking=True)
+        self._heads(count)[0].copy_(flat, non_blocking=True)
         if ids_value is not None:
             self._write_flag(0, ids_value)
         self._ids_landed.record()
@@ -292,7 +302,7 @@ class EmbeddingSource:
         if isinstance(pending, _FromDevice):
             # Raises the device's error, if any; after it both flags have landed, so a job ends.
             self._ids_landed.synchronize()
-            stream = self._copy_stream if pending.job is not None else stream or self._current_stream()
+            stream = self._copy_stream if pending.job is not None else stream
             self._joined = self._prepare(pending.ids, stream, pending.job, defer_copy)
         else:
             self._joined = pending.result()
@@ -342,15 +352,17 @@ class EmbeddingSource:
 
     def _prepare(self, ids: np.ndarray, stream, job=None, defer_copy: bool = False) -> int:
         """Slots, the resident/disk split, the disk rows and the tier index into the span (or the
-        outcome of `job`, which did that on a helper thread); the copy on `stream` (the caller's
-        for inline work, where it is queued ahead of what comes next). With `defer_copy` (a finish
-        follows at once) a small request's copy is left to finish's graph instead."""
+        outcome of `job`, which did that on a helper thread and may have queued the copy too); the
+        copy on `stream` (None: the current one, looked up only then; for inline work the caller's,
+        where it is queued ahead of what comes next). With `defer_copy` (a finish follows at once)
+        a small request's copy is left to finish's graph instead."""
         count, resident, table = len(ids), self.num_resident, self.table
         began = time.perf_counter()
         self._deferred_copy = None
         slots, index = self._slots[:count], self._host_index[:count]
+        copied = False  # by the job's thread, right after it staged the rows
         if job is not None:
-            disk, staged = job.join()
+            disk, staged, copied = job.join()
         else:
             if self._cuda:
                 # The previous copy has left the pinned span before this call rewrites it.
@@ -373,10 +385,11 @@ class EmbeddingSource:
             gathered = time.perf_counter()
         self.last_disk_rows = disk
         span = ((self.capacity - disk) * self.table.row_bytes, self._index_at + 4 * count)
-        if self._cuda and defer_copy and 0 < count <= INLINE_IDS:
-            self._deferred_copy = span
-        elif self._cuda:
-            self._launch_copy(span, stream)
+        if self._cuda and not copied:
+            if defer_copy and 0 < count <= INLINE_IDS:
+                self._deferred_copy = span
+            else:
+                self._launch_copy(span, stream or self._current_stream())
         self.last_stages = {"lookup": looked_up - began, "split": split - looked_up,
                             "gather": gathered - split, "copy": time.perf_counter() - gathered}
         return count
@@ -411,8 +424,6 @@ class EmbeddingSource:
 
     def _finish(self, count: int | None, stream) -> torch.Tensor:
         capturing = self._cuda and torch.cuda.is_current_stream_capturing()
-        # Looked up once for the join and the device half (each lookup costs microseconds).
-        stream = stream or self._current_stream()
         if capturing:
             if self._pending is not None:
                 raise RuntimeError("join() the pending start() before capturing finish() in a graph")
@@ -430,6 +441,15 @@ class EmbeddingSource:
             return self._index_and_decode(count)
         # Only an eager finish follows a deferring start or join (none runs while capturing).
         deferred, self._deferred_copy = self._deferred_copy, None
+        size = min(self.capacity, max(GRAPH_MIN_IDS, 1 << (count - 1).bit_length()))
+        # With the copy deferred, one graph holds it, its waits and marks, and the device half:
+        # replayed on the current stream without naming it (each lookup of it costs microseconds).
+        with_copy = deferred is not None
+        graph = self._graphs.get((size, with_copy))
+        if with_copy and graph is not None:
+            graph.replay()
+            return self._heads(count)[1]
+        stream = stream or self._current_stream()
         if capturing or count == 0:
             if deferred is not None:
                 self._launch_copy(deferred, stream)
@@ -437,16 +457,23 @@ class EmbeddingSource:
             values = self._index_and_decode(count)
             self._consumed.record(stream)
             return values
-        size = min(self.capacity, max(GRAPH_MIN_IDS, 1 << (count - 1).bit_length()))
-        # With the copy deferred, one graph holds it, its waits and marks, and the device half.
-        with_copy = deferred is not None
-        graph = self._graphs.get((size, with_copy)) or self._capture(size, with_copy, stream)
+        graph = graph or self._capture(size, with_copy, stream)
         if not with_copy:
             self._copied.wait(stream)
         graph.replay()
         if not with_copy:
             self._consumed.record(stream)
-        return self.output[:count]
+        return self._heads(count)[1]
+
+    def _heads(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(device ids' pinned buffer[:count], output[:count]); for a small request (a decode step's
+        every layer) made once, not at every call."""
+        heads = self._small_heads.get(count)
+        if heads is None:
+            heads = (self._device_ids[:count], self.output[:count])
+            if count <= INLINE_IDS:
+                self._small_heads[count] = heads
+        return heads
 
     def _index_and_decode(self, count: int) -> torch.Tensor:
         if self._fused is not None:
