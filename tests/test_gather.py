@@ -16,8 +16,8 @@ from ple_prep.converters import open_source
 from ple_prep.format.layout import TableLayout
 from ple_prep.format.order import RowOrder
 from ple_prep.offline.writer import WriteOptions, convert
+from ple_prep.runtime import driver, open_table
 from ple_prep.runtime import gather as gather_module
-from ple_prep.runtime import open_table
 from ple_prep.runtime.gather import Gatherer
 from ple_prep.tools.benchmark import evict
 
@@ -463,7 +463,7 @@ def test_stage_when_refuses_a_device_copy_where_no_cuda_driver_loads(table_path)
     if gather_module._native is None:
         pytest.skip("the compiled helper is not built here (no compiler at install)")
     try:
-        gather_module.device_context(0)
+        driver.device_context(0)
         pytest.skip("a CUDA driver loads here (tests/test_torch_source.py covers the copy)")
     except OSError as error:
         assert "libcuda" in str(error)

@@ -725,10 +725,12 @@ static struct {
     cuda_result (*init)(unsigned);
     cuda_result (*device_get)(int *, int);
     cuda_result (*primary_context_retain)(void **, int);
+    cuda_result (*get_context)(void **);
     cuda_result (*set_context)(void *);
     cuda_result (*exchange_capture_mode)(int *);
     cuda_result (*stream_wait_event)(void *, void *, unsigned);
     cuda_result (*copy_to_device)(unsigned long long, const void *, size_t, void *);
+    cuda_result (*copy_to_host)(void *, unsigned long long, size_t, void *);
     cuda_result (*event_record)(void *, void *);
 } cuda;
 static pthread_once_t cuda_once = PTHREAD_ONCE_INIT;
@@ -747,10 +749,12 @@ static void load_cuda(void)
         {(void **)&cuda.init, "cuInit"},
         {(void **)&cuda.device_get, "cuDeviceGet"},
         {(void **)&cuda.primary_context_retain, "cuDevicePrimaryCtxRetain"},
+        {(void **)&cuda.get_context, "cuCtxGetCurrent"},
         {(void **)&cuda.set_context, "cuCtxSetCurrent"},
         {(void **)&cuda.exchange_capture_mode, "cuThreadExchangeStreamCaptureMode"},
         {(void **)&cuda.stream_wait_event, "cuStreamWaitEvent"},
         {(void **)&cuda.copy_to_device, "cuMemcpyHtoDAsync_v2"},
+        {(void **)&cuda.copy_to_host, "cuMemcpyDtoHAsync_v2"},
         {(void **)&cuda.event_record, "cuEventRecord"},
     };
     for (size_t k = 0; k < sizeof(symbols) / sizeof(symbols[0]); k++)
@@ -808,6 +812,51 @@ static PyObject *device_context(PyObject *self, PyObject *args)
         return NULL;
     }
     return PyLong_FromVoidPtr(context);
+}
+
+static int parse_pointer(PyObject *object, void *pointer)
+{
+    *(void **)pointer = PyLong_AsVoidPtr(object);
+    return !PyErr_Occurred();
+}
+
+/* queue_ids_copy(context, stream, event, target, source, bytes, flag, flag_source): on `stream`,
+ * the copy of `bytes` from device address `source` into pinned `target`, then (flag_source not 0)
+ * of the 4 bytes at device address `flag_source` into pinned `flag`, then a record of `event`.
+ * A start's ids copy in three driver calls, each a fraction of a torch call's cost on the H200's
+ * host (runtime/torch.py). `context` is made current for them and the caller's restored. */
+static PyObject *queue_ids_copy(PyObject *self, PyObject *args)
+{
+    void *context, *stream, *event, *target, *flag;
+    unsigned long long source, flag_source;
+    Py_ssize_t bytes;
+    if (!PyArg_ParseTuple(args, "O&O&O&O&KnO&K", parse_pointer, &context, parse_pointer, &stream, parse_pointer,
+                          &event, parse_pointer, &target, &source, &bytes, parse_pointer, &flag, &flag_source))
+        return NULL;
+    if (bytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "queue_ids_copy: bytes < 0");
+        return NULL;
+    }
+    pthread_once(&cuda_once, load_cuda);
+    if (!cuda.loaded) {
+        PyErr_SetString(PyExc_OSError, "the CUDA driver (libcuda.so.1) cannot be loaded");
+        return NULL;
+    }
+    void *previous = NULL;
+    cuda_result result = cuda.get_context(&previous);
+    if (result == 0 && previous != context)
+        result = cuda.set_context(context);
+    if (result == 0)
+        result = cuda.copy_to_host(target, source, (size_t)bytes, stream);
+    if (result == 0 && flag_source)
+        result = cuda.copy_to_host(flag, flag_source, sizeof(int32_t), stream);
+    if (result == 0)
+        result = cuda.event_record(event, stream);
+    if (previous != context)
+        cuda.set_context(previous);
+    if (result != 0)
+        return PyErr_Format(PyExc_RuntimeError, "queueing the ids' copy failed (CUDA error %d)", result);
+    Py_RETURN_NONE;
 }
 
 typedef struct {
@@ -881,12 +930,6 @@ static void stage_job_destroy(PyObject *capsule)
     if (!job->joined)
         join_job(job, 1);
     PyMem_RawFree(job);
-}
-
-static int parse_pointer(PyObject *object, void *pointer)
-{
-    *(void **)pointer = PyLong_AsVoidPtr(object);
-    return !PyErr_Occurred();
 }
 
 /* The device_copy of stage_when's `copy` argument: None, or (context, stream, wait_event, done_event,
@@ -1034,6 +1077,7 @@ static PyMethodDef methods[] = {
     {"stage_joined", stage_joined, METH_VARARGS,
      "Wait for (or cancel) a stage_when job: (what stage returns, whether it copied to the device)."},
     {"device_context", device_context, METH_VARARGS, "The CUDA primary context of a device, for stage_when."},
+    {"queue_ids_copy", queue_ids_copy, METH_VARARGS, "A start's ids copy to pinned memory, its flag and event."},
     {"cached", cached, METH_VARARGS, "Whether a few rows spread over a request are in the page cache."},
     {NULL, NULL, 0, NULL},
 };

@@ -64,14 +64,6 @@ def _load_mincore():
 _MINCORE = _load_mincore()
 
 
-def device_context(ordinal: int) -> int:
-    """The CUDA primary context of device `ordinal`, for Table.stage_when's device copy; OSError
-    where the compiled helper or the CUDA driver is missing."""
-    if _native is None:
-        raise OSError("the compiled helper (core/_native.c) is not built")
-    return _native.device_context(ordinal)
-
-
 class StageJob:
     """A stage running on a thread of the compiled helper (Gatherer.stage_when)."""
 

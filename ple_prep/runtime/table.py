@@ -133,7 +133,7 @@ class Table:
         buffers must stay untouched until then. Needs the compiled helper (`compiled`).
 
         `device_copy` (context, stream, wait_event, done_event, address), CUDA driver handles as
-        ints (context from `gather.device_context`): once the rows are staged, the job's thread
+        ints (context from `driver.device_context`): once the rows are staged, the job's thread
         queues on `stream` a wait for `wait_event`, the copy of the bytes from the first staged row
         of `out` to the end of the request's entries of `index` (which must follow `out` in the same
         pinned allocation) to the same offsets from `address`, and a record of `done_event`."""

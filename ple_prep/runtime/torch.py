@@ -37,7 +37,7 @@ import time
 import numpy as np
 import torch
 
-from .gather import device_context
+from .driver import device_context, queue_ids_copy
 from .table import Table
 from .tiers import read_leading_slots
 from .torch_dequant import decoder_for
@@ -155,17 +155,20 @@ class EmbeddingSource:
             self._flag_targets = (self._flags[0:1], self._flags[1:2])
             flag_values = torch.arange(1, FLAG_VALUES + 1, dtype=torch.int32, device=self.device)
             self._flag_sources = [flag_values[k:k + 1] for k in range(FLAG_VALUES)]
+            self._flag_values = flag_values
             self._flags_written = 0
             self._ids_ready = torch.cuda.Event()
             self._ids_landed = torch.cuda.Event()
-            # A large request from device ids has its staged rows copied to the device by the
-            # helper's thread (Table.stage_when), which waits on and records these events: they
-            # must exist (torch creates an event at its first record) before it runs.
+            # With the compiled helper, device ids are copied to pinned memory by driver calls
+            # (runtime/driver.py), and a large request's staged rows to the device by the helper's
+            # thread (Table.stage_when). They wait on and record these events, which must exist
+            # first (torch creates an event at its first record).
             self._consumed.record()
             self._copied.record(self._copy_stream)
-            self._device_copy = (device_context(self.device.index), self._copy_stream.cuda_stream,
-                                 self._consumed.cuda_event, self._copied.cuda_event,
-                                 self._span.data_ptr()) if table.compiled else None
+            self._ids_landed.record()
+            self._context = device_context(self.device.index) if table.compiled else None
+            self._device_copy = (self._context, self._copy_stream.cuda_stream, self._consumed.cuda_event,
+                                 self._copied.cuda_event, self._span.data_ptr()) if table.compiled else None
         else:
             # On the CPU the host writes the span in place: there is nothing to copy.
             self._host_span = self._span
@@ -247,34 +250,39 @@ class EmbeddingSource:
         span_free = self._copied.query()
         free_value = -1 if span_free else self._next_flag_value()
         ids_value = self._next_flag_value()
-        # The job first: its thread starts while the copies below are queued.
+        # The copies first: the device runs them while the job's thread starts (which then may
+        # find its flags written already).
+        if span_free:
+            self._copy_ids(flat, count, ids_value)
+        else:
+            self._ids_ready.record()
+            stream = self._copy_stream
+            stream.wait_event(self._ids_ready)
+            flat.record_stream(stream)  # the caller may free its tensor before the copy has run
+            with torch.cuda.stream(stream):
+                stream.wait_event(self._copied)
+                self._write_flag(1, free_value)
+                self._copy_ids(flat, count, ids_value)
         job = self.table.stage_when(self._flags_array, ids_value, free_value, ids, self.num_resident,
                                     self._slots[:count], self._host_index[:count], self._host_rows,
                                     self._lookup_threads(count), self._device_copy)
-        try:
-            if span_free:
-                self._copy_ids(flat, count, ids_value)
-            else:
-                self._ids_ready.record()
-                stream = self._copy_stream
-                stream.wait_event(self._ids_ready)
-                flat.record_stream(stream)  # the caller may free its tensor before the copy has run
-                with torch.cuda.stream(stream):
-                    stream.wait_event(self._copied)
-                    self._write_flag(1, free_value)
-                    self._copy_ids(flat, count, ids_value)
-        except BaseException:
-            job.cancel()
-            raise
         return _FromDevice(ids, job)
 
     def _copy_ids(self, flat: torch.Tensor, count: int, ids_value: int | None = None) -> None:
         """Queue on the current stream the ids' copy into pinned memory, then (for a helper
         thread's job) the flag that says they landed; `_ids_landed` marks them."""
-        self._heads(count)[0].copy_(flat, non_blocking=True)
-        if ids_value is not None:
-            self._write_flag(0, ids_value)
-        self._ids_landed.record()
+        if self._context is None:  # no compiled helper: torch's copies
+            self._heads(count)[0].copy_(flat, non_blocking=True)
+            if ids_value is not None:
+                self._write_flag(0, ids_value)
+            self._ids_landed.record()
+            return
+        if flat.dtype != torch.int64 or not flat.is_contiguous():
+            flat = flat.to(torch.int64).contiguous()
+        flag_source = 0 if ids_value is None else self._flag_values.data_ptr() + 4 * (ids_value - 1)
+        queue_ids_copy(self._context, torch._C._cuda_getCurrentRawStream(self.device.index),
+                       self._ids_landed.cuda_event, self._device_ids.data_ptr(), flat.data_ptr(), 8 * count,
+                       self._flags.data_ptr(), flag_source)
 
     def _next_flag_value(self) -> int:
         self._flags_written += 1
