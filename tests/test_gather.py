@@ -474,6 +474,25 @@ def test_stage_when_refuses_a_device_copy_where_no_cuda_driver_loads(table_path)
                              np.empty((10, table.row_bytes), np.uint8), device_copy=(1, 2, 3, 4, 5))
 
 
+def test_stage_when_refuses_a_device_copy_whose_index_does_not_follow_out(table_path):
+    """The job copies from the staged rows to the end of the index: an index before `out` would
+    make that a copy of the wrong bytes, so it is refused before anything is queued."""
+    if gather_module._native is None:
+        pytest.skip("the compiled helper is not built here (no compiler at install)")
+    try:
+        driver.device_context(0)
+    except OSError:
+        pytest.skip("no CUDA driver loads here")
+    except RuntimeError:
+        pass  # a driver without a device: the refusal comes before any CUDA call
+    with open_table(table_path, read_path="mapped") as table:
+        span = np.zeros(4 * 10 + 10 * table.row_bytes, np.uint8)
+        index, out = span[:40].view(np.int32), span[40:].reshape(10, table.row_bytes)
+        with pytest.raises(ValueError, match="index after out"):
+            table.stage_when(np.zeros(2, np.int32), 1, 1, np.arange(10), 0, np.empty(10, np.int64), index, out,
+                             device_copy=(1, 2, 3, 4, 5))
+
+
 def test_stage_when_needs_the_compiled_helper(table_path, monkeypatch):
     monkeypatch.setattr(gather_module, "_native", None)
     with open_table(table_path, read_path="mapped") as table:

@@ -702,9 +702,9 @@ static PyObject *stage(PyObject *self, PyObject *args)
  * done, nothing to wait for). The thread polls the flags, holding the pool's workers awake, for
  * HOLD_NS (a device usually copies the ids within tens of microseconds), then lets them sleep and
  * polls WAIT_SLEEP_NS apart, so the lookup runs while the caller goes on launching work. With a
- * device copy (below) it then queues the staged rows' copy to the device itself.
- * stage_joined waits for the thread and returns what stage returns and whether it copied. A job dropped unjoined (its
- * start abandoned) is cancelled: its thread stops waiting and stages nothing. */
+ * device copy (below) it then queues the staged rows' copy to the device itself. stage_joined
+ * waits for the thread and returns what stage returns and whether it copied. A job dropped
+ * unjoined (its start abandoned) is cancelled: its thread stops waiting and stages nothing. */
 
 #define HOLD_NS 1000000
 #define WAIT_SLEEP_NS 20000
@@ -981,6 +981,14 @@ static PyObject *stage_when(PyObject *self, PyObject *args)
     }
     stage_call *call = new_stage_call(stage_args);
     Py_DECREF(stage_args);
+    if (call && copy.address
+        && (const char *)call->request.index < call->request.out + call->out_rows * call->request.row_bytes) {
+        /* copy_staged copies from the staged rows up to the index's end: the index must follow. */
+        PyErr_SetString(PyExc_ValueError, "stage_when: a device copy needs index after out in one buffer");
+        release(&call->held);
+        PyMem_RawFree(call);
+        call = NULL;
+    }
     stage_job *job = call ? PyMem_RawCalloc(1, sizeof(stage_job)) : NULL;
     PyObject *capsule = NULL;
     if (call && !job)

@@ -6,12 +6,15 @@ libcuda itself, at the first call; torch has loaded it by then.
 """
 from __future__ import annotations
 
+import functools
+
 try:
     from ..core import _native
 except ImportError:  # built only where a C compiler was there at install (setup.py)
     _native = None
 
 
+@functools.cache  # the driver retains the context once per device, not once per source
 def device_context(ordinal: int) -> int:
     """The CUDA primary context of device `ordinal` (the one torch uses), as an int; OSError where
     the compiled helper or the CUDA driver is missing."""
