@@ -74,8 +74,11 @@ def in_memory_copy(table, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """An anonymous (num_rows, row_bytes) array holding the requested rows at their slots.
 
     Only the pages of requested rows are written (so memory stays small), each row at its slot's
-    place in a table-sized array: np.take then walks the same spread of pages a full copy would.
-    Huge pages are refused so the copy has the file mapping's 4 KiB pages.
+    place in a table-sized array. np.take then walks the same spread of virtual pages a full copy
+    would, but on a virtual machine those few pages lie closer together in the guest's memory and
+    read faster (19-27% here, BENCHMARKS.md, "Host lookups"), so this baseline flatters np.take;
+    bench/host_lookup_bench.py compares with a copy whose every page is written. Huge pages are
+    refused so the copy has the file mapping's 4 KiB pages.
     """
     slots = table.slot_of(ids)
     buffer = mmap.mmap(-1, table.num_rows * table.row_bytes)

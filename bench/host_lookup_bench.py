@@ -11,10 +11,12 @@ with its pages in the page cache and the mapped read path:
 1. Warm 18,000 distinct real-text rows: `gather(ids)`, `gather(ids, out=buffer)` (a reused buffer,
    as a pinned staging area is), each with the compiled helper and with the numpy fallback, against
    `np.take(memory, ids, axis=0)` over an anonymous in-memory table of the same shape holding those
-   rows at their ids (what a server holding the whole table in RAM does; only the touched pages are
-   written, no huge pages, so np.take walks the same spread of 4 KiB pages). All variants alternate
-   call by call, so load from other work on the host hits them alike; p50 of wall and thread-CPU
-   time, and each variant's ratio to np.take.
+   rows at their ids, every page of it written (what a server holding the whole table in RAM has;
+   4 KiB pages, no huge pages, as the page cache's). All variants alternate call by call, so load
+   from other work on the host hits them alike; p50 of wall and thread-CPU time, and each
+   variant's ratio to np.take. Beside them, np.take over a table of which only the requested rows'
+   pages were ever written: on a virtual machine those few pages lie close together in the guest's
+   memory, which makes their reads cheaper than any table of this size gets (BENCHMARKS.md).
 2. Decode-sized requests: 16 rows (one token's real-text ids), 3,000 requests, compiled and numpy
    alternating request by request; p50/p99 wall and thread-CPU.
 3. `slot_of` alone on the order map (16 and 18,000 ids), and the int64 binary search that numpy
@@ -52,11 +54,14 @@ def use_compiled(on: bool) -> None:
     gather_module._native = order_module._native = COMPILED if on else None
 
 
-def in_memory_table(table, ids: np.ndarray) -> np.ndarray:
-    """An anonymous (num_rows, row_bytes) array holding the requested rows at their ids."""
+def in_memory_table(table, ids: np.ndarray, *, every_page: bool = True) -> np.ndarray:
+    """An anonymous (num_rows, row_bytes) array holding the requested rows at their ids; with
+    `every_page`, each of its pages written first, as a table loaded into RAM has them."""
     buffer = mmap.mmap(-1, table.num_rows * table.row_bytes)
     buffer.madvise(mmap.MADV_NOHUGEPAGE)
     memory = np.frombuffer(buffer, dtype=np.uint8).reshape(table.num_rows, table.row_bytes)
+    if every_page:
+        memory.fill(0xFF)
     memory[ids] = table.gather(ids)
     return memory
 
@@ -85,6 +90,7 @@ def alternate(calls: dict, rounds: int) -> dict:
 
 def warm(table, ids: np.ndarray, rounds: int) -> dict:
     memory = in_memory_table(table, ids)
+    touched_only = in_memory_table(table, ids, every_page=False)
     expected = np.take(memory, ids, axis=0)
     buffer = np.empty_like(expected)
     variants = {}
@@ -96,6 +102,8 @@ def warm(table, ids: np.ndarray, rounds: int) -> dict:
         variants[f"gather, {loops}"] = (switch, lambda: table.gather(ids))
         variants[f"gather into a buffer, {loops}"] = (switch, lambda: table.gather(ids, out=buffer))
     variants["np.take over memory"] = (lambda: None, lambda: np.take(memory, ids, axis=0))
+    variants["np.take over the requested rows' pages only"] = (lambda: None,
+                                                                lambda: np.take(touched_only, ids, axis=0))
     report = alternate(variants, rounds)
     base = report["np.take over memory"]
     for figures in report.values():
