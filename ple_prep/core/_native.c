@@ -790,17 +790,22 @@ static void copy_staged(const stage_call *call, device_copy *copy)
     copy->done = result == 0;
 }
 
+/* 0 once the CUDA driver is loaded, else -1 with an OSError set. */
+static int cuda_ready(void)
+{
+    pthread_once(&cuda_once, load_cuda);
+    if (cuda.loaded)
+        return 0;
+    PyErr_SetString(PyExc_OSError, "the CUDA driver (libcuda.so.1) cannot be loaded");
+    return -1;
+}
+
 /* The primary context of device `ordinal` (the one torch uses), retained, as an int. */
 static PyObject *device_context(PyObject *self, PyObject *args)
 {
     int ordinal, device;
-    if (!PyArg_ParseTuple(args, "i", &ordinal))
+    if (!PyArg_ParseTuple(args, "i", &ordinal) || cuda_ready() != 0)
         return NULL;
-    pthread_once(&cuda_once, load_cuda);
-    if (!cuda.loaded) {
-        PyErr_SetString(PyExc_OSError, "the CUDA driver (libcuda.so.1) cannot be loaded");
-        return NULL;
-    }
     void *context = NULL;
     cuda_result result = cuda.init(0);
     if (result == 0)
@@ -837,11 +842,8 @@ static PyObject *queue_ids_copy(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "queue_ids_copy: bytes < 0");
         return NULL;
     }
-    pthread_once(&cuda_once, load_cuda);
-    if (!cuda.loaded) {
-        PyErr_SetString(PyExc_OSError, "the CUDA driver (libcuda.so.1) cannot be loaded");
+    if (cuda_ready() != 0)
         return NULL;
-    }
     void *previous = NULL;
     cuda_result result = cuda.get_context(&previous);
     if (result == 0 && previous != context)
@@ -943,9 +945,10 @@ static int parse_device_copy(PyObject *object, device_copy *copy)
                           parse_pointer, &copy->context, parse_pointer, &copy->stream, parse_pointer,
                           &copy->wait_event, parse_pointer, &copy->done_event, &copy->address))
         return -1;
-    pthread_once(&cuda_once, load_cuda);
-    if (!cuda.loaded || !copy->address) {
-        PyErr_SetString(PyExc_ValueError, "stage_when: a device copy needs the CUDA driver and a device address");
+    if (cuda_ready() != 0)
+        return -1;
+    if (!copy->address) {
+        PyErr_SetString(PyExc_ValueError, "stage_when: a device copy needs a device address");
         return -1;
     }
     return 0;
