@@ -76,7 +76,7 @@ def in_memory_copy(table, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     Only the pages of requested rows are written (so memory stays small), each row at its slot's
     place in a table-sized array. np.take then walks the same spread of virtual pages a full copy
     would, but on a virtual machine those few pages lie closer together in the guest's memory and
-    read faster (19-27% here, BENCHMARKS.md, "Host lookups"), so this baseline flatters np.take;
+    read 14-22% faster here (BENCHMARKS.md, "Host lookups"), so this baseline flatters np.take;
     bench/host_lookup_bench.py compares with a copy whose every page is written. Huge pages are
     refused so the copy has the file mapping's 4 KiB pages.
     """

@@ -1,6 +1,7 @@
 /* The host lookup's hot loops, compiled when a compiler is there at install (setup.py);
  * ple_prep/runtime/gather.py and ple_prep/format/order.py hold the numpy fallback of each, with
- * the same results bit for bit. All release the GIL, so work split over threads scales.
+ * the same results bit for bit (the CUDA driver calls at the end have none: runtime/torch.py uses
+ * torch's copies without the helper). All release the GIL, so work split over threads scales.
  *
  * copy_rows(mapping, slots, out, data_offset, page_size, rows_per_page, row_bytes, num_slots)
  *     out[i] = the row at file slot slots[i]: one memcpy per row, straight into `out`.
@@ -16,12 +17,16 @@
  *     is copied to row len(out) - disk + k of `out` and index[i] = num_resident + that row, and
  *     `staged` is true. Split over `threads` threads (a pool kept by this module). `out` and
  *     `index` are written past the CPU caches (store_row_uncached): a device copies them next.
- * stage_when(flags, ids_value, free_value, *the arguments of stage) -> job
- * stage_joined(job, cancel=False) -> (disk, staged)
+ * stage_when(flags, ids_value, free_value, copy, *the arguments of stage) -> job
+ * stage_joined(job, cancel=False) -> ((disk, staged), copied)
  *     `stage` on a thread of its own, started once flags[0] == ids_value and flags[1] == free_value
  *     (written by a device into pinned memory; a value below 0 is not waited for), and its result
- *     (runtime/torch.py's device ids);
- *     with `cancel`, a job not yet started stages nothing and None is returned.
+ *     (runtime/torch.py's device ids). With a `copy` (not None) the thread then queues the staged
+ *     rows' copy to the device itself, and `copied` says it did; with `cancel`, a job not yet
+ *     started stages nothing and None is returned.
+ * device_context(ordinal) -> context
+ * queue_ids_copy(context, stream, event, target, source, bytes, flag, flag_source)
+ *     A device's CUDA primary context, and a start's ids copy to pinned memory as driver calls.
  * cached(mapping, slots, data_offset, page_size, rows_per_page, row_bytes, num_slots, probes)
  *     Whether the memory page holding the first byte of each of `probes` rows spread over the
  *     request (first and last included) is in the page cache (mincore); slots outside the table are
@@ -767,7 +772,6 @@ typedef struct {
     void *context, *stream, *wait_event, *done_event;
     unsigned long long address;  /* 0: no copy asked for */
     cuda_result result;
-    int done;
 } device_copy;
 
 static void copy_staged(const stage_call *call, device_copy *copy)
@@ -787,7 +791,6 @@ static void copy_staged(const stage_call *call, device_copy *copy)
     if (result == 0)
         result = cuda.event_record(copy->done_event, copy->stream);
     copy->result = result;
-    copy->done = result == 0;
 }
 
 /* 0 once the CUDA driver is loaded, else -1 with an OSError set. */
@@ -1032,6 +1035,8 @@ static PyObject *stage_joined(PyObject *self, PyObject *args)
     join_job(job, cancel);
     if (cancel)
         Py_RETURN_NONE;
+    /* The thread queues the copy exactly when asked and the rows were staged (copy_staged). */
+    int copied = job->copy.address && job->call->staged;
     if (job->copy.result != 0) {
         release(&job->call->held);
         PyMem_RawFree(job->call);
@@ -1041,7 +1046,7 @@ static PyObject *stage_joined(PyObject *self, PyObject *args)
     PyObject *staged = finish_stage(job->call);
     if (!staged)
         return NULL;
-    PyObject *result = Py_BuildValue("OO", staged, job->copy.done ? Py_True : Py_False);
+    PyObject *result = Py_BuildValue("OO", staged, copied ? Py_True : Py_False);
     Py_DECREF(staged);
     return result;
 }

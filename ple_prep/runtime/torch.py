@@ -152,10 +152,9 @@ class EmbeddingSource:
             self._flags = torch.zeros(2, dtype=torch.int32, pin_memory=True)
             self._flags_array = self._flags.numpy()
             # One-element views made once: slicing costs more than the copy's launch.
-            self._flag_targets = (self._flags[0:1], self._flags[1:2])
-            flag_values = torch.arange(1, FLAG_VALUES + 1, dtype=torch.int32, device=self.device)
-            self._flag_sources = [flag_values[k:k + 1] for k in range(FLAG_VALUES)]
-            self._flag_values = flag_values
+            self._free_flag = self._flags[1:2]
+            self._flag_values = torch.arange(1, FLAG_VALUES + 1, dtype=torch.int32, device=self.device)
+            self._flag_sources = [self._flag_values[k:k + 1] for k in range(FLAG_VALUES)]
             self._flags_written = 0
             self._ids_ready = torch.cuda.Event()
             self._ids_landed = torch.cuda.Event()
@@ -167,8 +166,9 @@ class EmbeddingSource:
             self._copied.record(self._copy_stream)
             self._ids_landed.record()
             self._context = device_context(self.device.index) if table.compiled else None
-            self._device_copy = (self._context, self._copy_stream.cuda_stream, self._consumed.cuda_event,
-                                 self._copied.cuda_event, self._span.data_ptr()) if table.compiled else None
+            self._device_copy = None if self._context is None else (
+                self._context, self._copy_stream.cuda_stream, self._consumed.cuda_event, self._copied.cuda_event,
+                self._span.data_ptr())
         else:
             # On the CPU the host writes the span in place: there is nothing to copy.
             self._host_span = self._span
@@ -261,7 +261,7 @@ class EmbeddingSource:
             flat.record_stream(stream)  # the caller may free its tensor before the copy has run
             with torch.cuda.stream(stream):
                 stream.wait_event(self._copied)
-                self._write_flag(1, free_value)
+                self._write_free_flag(free_value)
                 self._copy_ids(flat, count, ids_value)
         job = self.table.stage_when(self._flags_array, ids_value, free_value, ids, self.num_resident,
                                     self._slots[:count], self._host_index[:count], self._host_rows,
@@ -271,10 +271,8 @@ class EmbeddingSource:
     def _copy_ids(self, flat: torch.Tensor, count: int, ids_value: int | None = None) -> None:
         """Queue on the current stream the ids' copy into pinned memory, then (for a helper
         thread's job) the flag that says they landed; `_ids_landed` marks them."""
-        if self._context is None:  # no compiled helper: torch's copies
+        if self._context is None:  # no compiled helper, so no helper thread and no flag: torch's copy
             self._device_ids[:count].copy_(flat, non_blocking=True)
-            if ids_value is not None:
-                self._write_flag(0, ids_value)
             self._ids_landed.record()
             return
         if flat.dtype != torch.int64 or not flat.is_contiguous():
@@ -290,9 +288,9 @@ class EmbeddingSource:
         self._flags_written += 1
         return self._flags_written % FLAG_VALUES + 1
 
-    def _write_flag(self, which: int, value: int) -> None:
-        """Queue the device's write of `value` into flags[which], on the current stream."""
-        self._flag_targets[which].copy_(self._flag_sources[value - 1], non_blocking=True)
+    def _write_free_flag(self, value: int) -> None:
+        """Queue the device's write of `value` into flags[1], on the current stream."""
+        self._free_flag.copy_(self._flag_sources[value - 1], non_blocking=True)
 
     def join(self) -> int:
         """Wait for the last start's host work (the copy launched, not finished); raise its error.
