@@ -493,6 +493,30 @@ def test_stage_when_refuses_a_device_copy_whose_index_does_not_follow_out(table_
                              device_copy=(1, 2, 3, 4, 5))
 
 
+def test_stage_and_launch_refuses_where_no_cuda_driver_loads(table_path):
+    if gather_module._native is None:
+        pytest.skip("the compiled helper is not built here (no compiler at install)")
+    try:
+        driver.device_context(0)
+        pytest.skip("a CUDA driver loads here (tests/test_torch_source.py covers the launch)")
+    except OSError as error:
+        assert "libcuda" in str(error)
+    with open_table(table_path, read_path="mapped") as table:
+        with pytest.raises(OSError, match="CUDA driver"):
+            table.stage_and_launch(np.arange(10), 0, np.empty(10, np.int64), np.empty(10, np.int32),
+                                   np.empty((10, table.row_bytes), np.uint8), context=1, events=(2, 3), graph=4,
+                                   stream=5)
+
+
+def test_stage_and_launch_needs_the_compiled_helper(table_path, monkeypatch):
+    monkeypatch.setattr(gather_module, "_native", None)
+    with open_table(table_path, read_path="mapped") as table:
+        with pytest.raises(RuntimeError, match="stage_and_launch needs the compiled helper"):
+            table.stage_and_launch(np.arange(10), 0, np.empty(10, np.int64), np.empty(10, np.int32),
+                                   np.empty((10, table.row_bytes), np.uint8), context=1, events=(), graph=0,
+                                   stream=0)
+
+
 def test_stage_when_needs_the_compiled_helper(table_path, monkeypatch):
     monkeypatch.setattr(gather_module, "_native", None)
     with open_table(table_path, read_path="mapped") as table:

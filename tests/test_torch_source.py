@@ -168,6 +168,41 @@ def test_a_large_device_request_has_its_cached_rows_copied_by_the_helper_thread(
     assert len(launched) == (0 if request.node.callspec.params["page_cache"] == "cached" else 3)
 
 
+@needs_cuda
+def test_small_device_requests_are_finished_in_one_call_of_the_helper_once_their_graph_exists(page_cache, loops,
+                                                                                             request, monkeypatch):
+    """From the second decode-sized start from device ids of a graph size on, finish waits for the
+    ids, stages them and launches the graph in one call of the compiled helper: no replay through
+    torch. Rows not in the page cache take the general path. The ids here are written behind a
+    long kernel, so a finish that did not wait for them would read stale ones. Bit-exact across
+    poisoned buffers."""
+    if loops != "compiled":
+        pytest.skip("only the compiled helper finishes in one call")
+    if not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
+        pytest.skip("this torch does not hand out its graphs' execs")
+    table = page_cache
+    replays = []
+    replay = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: (replays.append(self), replay(self)))
+    source = EmbeddingSource(table, device="cuda", resident_bytes=500 * table.row_bytes, max_ids=64 * 16)
+    written = torch.empty((4, 16), dtype=torch.int64, device="cuda")
+    steps = ((1, 31), (1, 32), (3, 33), (1, 34), (4, 35), (2, 36))  # graphs of 16, 16, 64, 16, 64, 32 positions
+    for tokens, seed in steps:
+        ids = token_ids(table, tokens, seed)
+        poison(source)
+        on_device = torch.from_numpy(ids).to("cuda")
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000)  # the kernel that computes the ids, running long
+        written[:tokens].copy_(on_device)
+        source.start(written[:tokens])
+        values = source.finish()
+        assert np.array_equal(bits(values), expected_bits(table, ids))
+        assert source.last_disk_rows == int((table.slot_of(ids.reshape(-1)) >= source.num_resident).sum())
+    cached = request.node.callspec.params["page_cache"] == "cached"
+    assert len(replays) == (3 if cached else len(steps))  # with the rows cached, each size's first only
+    assert sorted(source._graph_execs) == [16, 32, 64]
+
+
 class CopyNotYetDone:
     """The source's copy event as if the last copy out of the pinned rows were still running."""
 

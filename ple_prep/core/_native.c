@@ -27,6 +27,9 @@
  * device_context(ordinal) -> context
  * queue_ids_copy(context, stream, event, target, source, bytes, flag, flag_source)
  *     A device's CUDA primary context, and a start's ids copy to pinned memory as driver calls.
+ * stage_and_launch(context, events, graph, stream, *the arguments of stage) -> ((disk, staged), launched)
+ *     `stage` once CUDA events have completed, then, if the rows were staged, a CUDA graph's launch:
+ *     a small device-ids request's finish in one call.
  * cached(mapping, slots, data_offset, page_size, rows_per_page, row_bytes, num_slots, probes)
  *     Whether the memory page holding the first byte of each of `probes` rows spread over the
  *     request (first and last included) is in the page cache (mincore); slots outside the table are
@@ -737,6 +740,8 @@ static struct {
     cuda_result (*copy_to_device)(unsigned long long, const void *, size_t, void *);
     cuda_result (*copy_to_host)(void *, unsigned long long, size_t, void *);
     cuda_result (*event_record)(void *, void *);
+    cuda_result (*event_synchronize)(void *);
+    cuda_result (*graph_launch)(void *, void *);
 } cuda;
 static pthread_once_t cuda_once = PTHREAD_ONCE_INIT;
 
@@ -761,6 +766,8 @@ static void load_cuda(void)
         {(void **)&cuda.copy_to_device, "cuMemcpyHtoDAsync_v2"},
         {(void **)&cuda.copy_to_host, "cuMemcpyDtoHAsync_v2"},
         {(void **)&cuda.event_record, "cuEventRecord"},
+        {(void **)&cuda.event_synchronize, "cuEventSynchronize"},
+        {(void **)&cuda.graph_launch, "cuGraphLaunch"},
     };
     for (size_t k = 0; k < sizeof(symbols) / sizeof(symbols[0]); k++)
         if (!(*symbols[k].function = dlsym(library, symbols[k].name)))
@@ -862,6 +869,75 @@ static PyObject *queue_ids_copy(PyObject *self, PyObject *args)
     if (result != 0)
         return PyErr_Format(PyExc_RuntimeError, "queueing the ids' copy failed (CUDA error %d)", result);
     Py_RETURN_NONE;
+}
+
+/* stage_and_launch(context, events, graph, stream, *the arguments of stage): once each CUDA event
+ * of `events` (a tuple of handles) has completed, `stage`; then, if the rows were staged and `graph`
+ * (a CUDA graph exec) is not 0, the graph's launch on `stream`. A small start from device ids is
+ * finished in this one call (runtime/torch.py): the wait for its ids and for the span's last copy,
+ * its lookup, and the graph that copies its rows and decodes them, where each CUDA call from
+ * Python costs 5-15 us of the H200's host (BENCHMARKS.md). `context` is made current for it and
+ * the caller's restored. */
+#define MAX_WAIT_EVENTS 4
+
+static PyObject *stage_and_launch(PyObject *self, PyObject *args)
+{
+    if (PyTuple_GET_SIZE(args) < 4) {
+        PyErr_SetString(PyExc_TypeError, "stage_and_launch(context, events, graph, stream, *stage arguments)");
+        return NULL;
+    }
+    void *context, *graph, *stream, *events[MAX_WAIT_EVENTS];
+    PyObject *event_handles = PyTuple_GET_ITEM(args, 1);
+    if (!parse_pointer(PyTuple_GET_ITEM(args, 0), &context) || !parse_pointer(PyTuple_GET_ITEM(args, 2), &graph)
+        || !parse_pointer(PyTuple_GET_ITEM(args, 3), &stream))
+        return NULL;
+    if (!PyTuple_Check(event_handles) || PyTuple_GET_SIZE(event_handles) > MAX_WAIT_EVENTS) {
+        PyErr_Format(PyExc_ValueError, "stage_and_launch: events must be a tuple of at most %d handles",
+                     MAX_WAIT_EVENTS);
+        return NULL;
+    }
+    Py_ssize_t num_events = PyTuple_GET_SIZE(event_handles);
+    for (Py_ssize_t k = 0; k < num_events; k++)
+        if (!parse_pointer(PyTuple_GET_ITEM(event_handles, k), &events[k]))
+            return NULL;
+    if (cuda_ready() != 0)
+        return NULL;
+    PyObject *stage_args = PyTuple_GetSlice(args, 4, PyTuple_GET_SIZE(args));
+    if (!stage_args)
+        return NULL;
+    stage_call *call = new_stage_call(stage_args);
+    Py_DECREF(stage_args);
+    if (!call)
+        return NULL;
+    int launched = 0;
+    cuda_result result;
+    Py_BEGIN_ALLOW_THREADS
+    void *previous = NULL;
+    result = cuda.get_context(&previous);
+    if (result == 0 && previous != context)
+        result = cuda.set_context(context);
+    for (Py_ssize_t k = 0; k < num_events && result == 0; k++)
+        result = cuda.event_synchronize(events[k]);
+    if (result == 0) {
+        run_stage(call);
+        if (call->staged && graph) {
+            result = cuda.graph_launch(graph, stream);
+            launched = result == 0;
+        }
+    }
+    if (previous != context)
+        cuda.set_context(previous);
+    Py_END_ALLOW_THREADS
+    if (result != 0) {
+        release(&call->held);
+        PyMem_RawFree(call);
+        return PyErr_Format(PyExc_RuntimeError, "a device-ids lookup's CUDA wait or launch failed (CUDA error %d)",
+                            result);
+    }
+    PyObject *staged = finish_stage(call);
+    if (!staged)
+        return NULL;
+    return Py_BuildValue("NO", staged, launched ? Py_True : Py_False);
 }
 
 typedef struct {
@@ -1094,6 +1170,8 @@ static PyMethodDef methods[] = {
      "Wait for (or cancel) a stage_when job: (what stage returns, whether it copied to the device)."},
     {"device_context", device_context, METH_VARARGS, "The CUDA primary context of a device, for stage_when."},
     {"queue_ids_copy", queue_ids_copy, METH_VARARGS, "A start's ids copy to pinned memory, its flag and event."},
+    {"stage_and_launch", stage_and_launch, METH_VARARGS,
+     "stage after CUDA events, then a CUDA graph's launch: ((disk, staged), launched)."},
     {"cached", cached, METH_VARARGS, "Whether a few rows spread over a request are in the page cache."},
     {NULL, NULL, 0, NULL},
 };

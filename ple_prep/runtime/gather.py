@@ -217,6 +217,15 @@ class Gatherer:
         arguments = self._stage_arguments(ids, order, first_row, num_resident, slots, index, out, threads)
         return StageJob(_native.stage_when(flags, ids_value, free_value, device_copy, *arguments), self)
 
+    def stage_and_launch(self, ids: np.ndarray, order, first_row: int, num_resident: int, slots: np.ndarray,
+                         index: np.ndarray, out: np.ndarray, threads: int, context: int, events: tuple[int, ...],
+                         graph: int, stream: int) -> tuple[int, bool, bool]:
+        """`stage` after CUDA events, then a CUDA graph's launch if the rows were staged (core/_native.c);
+        see Table.stage_and_launch."""
+        arguments = self._stage_arguments(ids, order, first_row, num_resident, slots, index, out, threads)
+        (disk, staged), launched = _native.stage_and_launch(context, events, graph, stream, *arguments)
+        return (*self._staged(disk, staged), launched)
+
     def _stage_arguments(self, ids, order, first_row, num_resident, slots, index, out, threads) -> tuple:
         """The compiled helper's `stage` arguments (core/_native.c), this table's geometry included."""
         rank_words, sorted_slots = order.rank_index

@@ -185,6 +185,9 @@ class EmbeddingSource:
         self._slots = np.empty(capacity, dtype=np.int64)
         self._small_outputs: dict[int, torch.Tensor] = {}
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        # The graphs with a copy as CUDA graph execs, by size, for the compiled helper to launch
+        # (`_finish_in_one_call`); torch builds without `raw_cuda_graph_exec` replay through torch.
+        self._graph_execs: dict[int, int] = {}
         # A small request's copy to the device, left to finish's graph (the pinned span's bytes).
         self._deferred_copy: tuple[int, int] | None = None
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
@@ -193,7 +196,8 @@ class EmbeddingSource:
         # Rows the last start copied from the disk tier: each disk position when they were cached,
         # each distinct disk row once when they were not.
         self.last_disk_rows = 0
-        # Seconds of the last start's host stages: lookup, split, gather, copy (the launch).
+        # Seconds of the last start's host stages: lookup, split, gather, copy (the launch); for a
+        # start from device ids finished in one call, that call's seconds as the lookup.
         self.last_stages: dict[str, float] = {}
 
     # --- the host half -------------------------------------------------------------------------
@@ -234,15 +238,15 @@ class EmbeddingSource:
         return torch.cuda.current_stream(self.device) if self._cuda else None
 
     def _start_from_device(self, row_ids: torch.Tensor) -> _FromDevice:
-        if row_ids.dtype.is_floating_point or row_ids.dtype.is_complex or row_ids.dtype == torch.bool:
-            raise TypeError(f"row ids must be integers, not {row_ids.dtype}")
+        dtype = row_ids.dtype
+        if dtype is not torch.int64 and (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
+            raise TypeError(f"row ids must be integers, not {dtype}")
         count = self._checked_count(row_ids.numel())
-        flat = row_ids if row_ids.dim() == 1 else row_ids.reshape(-1)
         ids = self._device_ids_array[:count]
         if count <= INLINE_IDS or not self.table.compiled:
             # The lookup at join: for a small request that costs less than a helper thread's start
             # (and without the compiled helper there is no such thread).
-            self._copy_ids(flat, count)
+            self._copy_ids(row_ids, count)
             return _FromDevice(ids)
         # Usually the last copy out of the pinned span has run (its finish waited for it): then the
         # ids and their flag go on the caller's stream and the job waits for that flag alone;
@@ -253,35 +257,36 @@ class EmbeddingSource:
         # The copies first: the device runs them while the job's thread starts (which then may
         # find its flags written already).
         if span_free:
-            self._copy_ids(flat, count, ids_value)
+            self._copy_ids(row_ids, count, ids_value)
         else:
             self._ids_ready.record()
             stream = self._copy_stream
             stream.wait_event(self._ids_ready)
-            flat.record_stream(stream)  # the caller may free its tensor before the copy has run
+            row_ids.record_stream(stream)  # the caller may free its tensor before the copy has run
             with torch.cuda.stream(stream):
                 stream.wait_event(self._copied)
                 self._write_free_flag(free_value)
-                self._copy_ids(flat, count, ids_value)
+                self._copy_ids(row_ids, count, ids_value)
         job = self.table.stage_when(self._flags_array, ids_value, free_value, ids, self.num_resident,
                                     self._slots[:count], self._host_index[:count], self._host_rows,
                                     self._lookup_threads(count), self._device_copy)
         return _FromDevice(ids, job)
 
-    def _copy_ids(self, flat: torch.Tensor, count: int, ids_value: int | None = None) -> None:
-        """Queue on the current stream the ids' copy into pinned memory, then (for a helper
-        thread's job) the flag that says they landed; `_ids_landed` marks them."""
+    def _copy_ids(self, row_ids: torch.Tensor, count: int, ids_value: int | None = None) -> None:
+        """Queue on the current stream the copy of `row_ids` into pinned memory (any shape: a
+        contiguous tensor's bytes are its ids in order), then (for a helper thread's job) the flag
+        that says they landed; `_ids_landed` marks them."""
         if self._context is None:  # no compiled helper, so no helper thread and no flag: torch's copy
-            self._device_ids[:count].copy_(flat, non_blocking=True)
+            self._device_ids[:count].copy_(row_ids.reshape(-1), non_blocking=True)
             self._ids_landed.record()
             return
-        if flat.dtype != torch.int64 or not flat.is_contiguous():
-            flat = flat.to(torch.int64).contiguous()
+        if row_ids.dtype is not torch.int64 or not row_ids.is_contiguous():
+            row_ids = row_ids.to(torch.int64).contiguous()
         flag_source = 0 if ids_value is None else self._flag_values.data_ptr() + 4 * (ids_value - 1)
         # The current stream's handle without a Stream object (torch.cuda.current_stream builds
         # one, 3.5-7 us on the H200's host).
         queue_ids_copy(self._context, torch._C._cuda_getCurrentRawStream(self.device.index),
-                       self._ids_landed.cuda_event, self._device_ids.data_ptr(), flat.data_ptr(), 8 * count,
+                       self._ids_landed.cuda_event, self._device_ids.data_ptr(), row_ids.data_ptr(), 8 * count,
                        self._flags.data_ptr(), flag_source)
 
     def _next_flag_value(self) -> int:
@@ -438,6 +443,9 @@ class EmbeddingSource:
             if count is None:
                 raise ValueError("finish() in a captured graph needs count (the graph's fixed size)")
         else:
+            values = self._finish_in_one_call(count)
+            if values is not None:
+                return values
             joined = self._join(defer_copy=True, stream=stream)
             self._joined = None
             count = joined if count is None else count
@@ -449,7 +457,7 @@ class EmbeddingSource:
             return self._index_and_decode(count)
         # Only an eager finish follows a deferring start or join (none runs while capturing).
         deferred, self._deferred_copy = self._deferred_copy, None
-        size = min(self.capacity, max(GRAPH_MIN_IDS, 1 << (count - 1).bit_length()))
+        size = self._graph_size(count)
         # With the copy deferred, one graph holds it, its waits and marks, and the device half:
         # replayed on the current stream without naming it (each lookup of it costs microseconds).
         with_copy = deferred is not None
@@ -471,6 +479,38 @@ class EmbeddingSource:
         graph.replay()
         if not with_copy:
             self._consumed.record(stream)
+        return self._output_view(count)
+
+    def _graph_size(self, count: int) -> int:
+        """The positions of the graph an eager finish of `count` positions replays."""
+        return min(self.capacity, max(GRAPH_MIN_IDS, 1 << (count - 1).bit_length()))
+
+    def _finish_in_one_call(self, count: int | None) -> torch.Tensor | None:
+        """An eager finish of a small start from device ids in one call of the compiled helper
+        (Table.stage_and_launch): the waits for its ids and for the span's last copy, its lookup, and
+        the launch of the graph that copies its rows and decodes them, with no CUDA call from Python
+        (each costs 5-15 us of the H200's host). None, the start still pending, where that graph is
+        not captured yet (the general path captures it) or the rows are not cached (the general path
+        reads them, after repeating the lookup's microseconds)."""
+        pending = self._pending
+        if not isinstance(pending, _FromDevice) or pending.job is not None or not self._graph_execs:
+            return None
+        started = len(pending.ids)
+        count = started if count is None else count
+        graph = self._graph_execs.get(self._graph_size(count)) if 0 < started <= count <= self.capacity else None
+        if graph is None:
+            return None
+        began = time.perf_counter()
+        self._pending = None  # as in `_join`: a raised error leaves no start pending
+        disk, _, launched = self.table.stage_and_launch(
+            pending.ids, self.num_resident, self._slots[:started], self._host_index[:started], self._host_rows,
+            context=self._context, events=(self._ids_landed.cuda_event, self._copied.cuda_event), graph=graph,
+            stream=torch._C._cuda_getCurrentRawStream(self.device.index))
+        if not launched:
+            self._pending = pending
+            return None
+        self.last_disk_rows = disk
+        self.last_stages = {"lookup": time.perf_counter() - began, "split": 0.0, "gather": 0.0, "copy": 0.0}
         return self._output_view(count)
 
     def _output_view(self, count: int) -> torch.Tensor:
@@ -512,6 +552,8 @@ class EmbeddingSource:
                 graph.capture_end()
         stream.wait_stream(capture)
         self._graphs[(size, with_copy)] = graph
+        if with_copy and self._context is not None and hasattr(graph, "raw_cuda_graph_exec"):
+            self._graph_execs[size] = graph.raw_cuda_graph_exec()
         return graph
 
     def __call__(self, row_ids) -> torch.Tensor:

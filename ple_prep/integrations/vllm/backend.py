@@ -100,6 +100,9 @@ class PrefetchedRows:
         self._whole = (first, stop) == (0, table.manifest["total_rows"])
         self._started: int | None = None
         self._owned: torch.Tensor | None = None
+        # The last finish's values shaped (tokens, heads * values): a view made again only when the
+        # count changes (every decode step of a batch has the same; a view costs microseconds).
+        self._shaped: torch.Tensor | None = None
 
     @property
     def resident_bytes(self) -> int:
@@ -111,17 +114,16 @@ class PrefetchedRows:
         A start that was never finished (its forward pass failed before the PLE layer) is dropped.
         """
         self.source.drop()
-        flat = ids.reshape(-1)
-        count = len(flat)
+        count = ids.numel()
         if count > self.source.capacity:
             raise ValueError(f"{count // self.heads} tokens exceed the {self.source.capacity // self.heads} "
                              "this PLE storage was sized for")
         if not self._whole:
             first, stop = self.table.row_range
-            owned = (flat >= first) & (flat < stop)
+            owned = (ids >= first) & (ids < stop)
             self._owned = owned.view(-1, self.heads, 1)
-            flat = flat.where(owned, first)
-        self.source.start(flat)
+            ids = ids.where(owned, first)
+        self.source.start(ids)  # the source reads the ids in row-major order, any shape
         self._started = count
 
     def finish(self) -> torch.Tensor:
@@ -130,7 +132,10 @@ class PrefetchedRows:
         if self._started is None:
             raise RuntimeError("the PLE lookup was finished without a start")
         count, self._started = self._started, None
-        values = self.source.finish().view(count // self.heads, -1)
+        values = self.source.finish()
+        if self._shaped is None or len(self._shaped) * self.heads != count:
+            self._shaped = values.view(count // self.heads, -1)
+        values = self._shaped
         if not self._whole:
             values.view(count // self.heads, self.heads, -1).masked_fill_(~self._owned, 0)
         return values
