@@ -201,6 +201,15 @@ def test_small_device_requests_are_finished_in_one_call_of_the_helper_once_their
     cached = request.node.callspec.params["page_cache"] == "cached"
     assert len(replays) == (3 if cached else len(steps))  # with the rows cached, each size's first only
     assert sorted(source._graph_execs) == [16, 32, 64]
+    # An id outside the table is raised by that call, and the next start is served as before.
+    outside = token_ids(table, 1, 37)
+    outside[0, 3] = table.num_rows
+    source.start(torch.from_numpy(outside).to("cuda"))
+    with pytest.raises(IndexError, match=f"row id {table.num_rows} is outside"):
+        source.finish()
+    ids = token_ids(table, 1, 38)
+    source.start(torch.from_numpy(ids).to("cuda"))
+    assert np.array_equal(bits(source.finish()), expected_bits(table, ids))
 
 
 class CopyNotYetDone:

@@ -19,7 +19,8 @@ to them; one non-blocking copy on a side stream carries both to the device. Ids 
 serving stack that computes them there) are copied to pinned memory behind the kernel that wrote
 them; a large request's lookup starts on a helper thread of core/_native.c as soon as they land,
 while the caller goes on launching work, a small one's runs at `finish` (which waits on the host
-for those ids: the device is usually past them by then). `finish` makes the
+for those ids: the device is usually past them by then; with the compiled helper, once a graph of
+its size exists, that wait, the lookup and the graph's launch are one call). `finish` makes the
 current stream wait for that copy (an event: no host synchronisation when the copy was launched in
 time), then one index picks every position's row from its tier and the decoder writes bf16 into an
 output buffer allocated once (FP8 with Triton: one kernel does both, runtime/triton_gather.py).
@@ -487,11 +488,12 @@ class EmbeddingSource:
 
     def _finish_in_one_call(self, count: int | None) -> torch.Tensor | None:
         """An eager finish of a small start from device ids in one call of the compiled helper
-        (Table.stage_and_launch): the waits for its ids and for the span's last copy, its lookup, and
-        the launch of the graph that copies its rows and decodes them, with no CUDA call from Python
-        (each costs 5-15 us of the H200's host). None, the start still pending, where that graph is
-        not captured yet (the general path captures it) or the rows are not cached (the general path
-        reads them, after repeating the lookup's microseconds)."""
+        (Table.stage_and_launch): the waits for its ids and for the span's last copy, its lookup,
+        and the launch of the graph that copies its rows and decodes them, with no torch call for
+        them (each costs the H200's host several microseconds: BENCHMARKS.md). None, the start
+        still pending, where that graph is not captured yet (the general path captures it) or the
+        rows are not cached (the general path reads them, after repeating the lookup's
+        microseconds)."""
         pending = self._pending
         if not isinstance(pending, _FromDevice) or pending.job is not None or not self._graph_execs:
             return None
