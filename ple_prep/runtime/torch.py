@@ -167,8 +167,12 @@ class EmbeddingSource:
             self._copied.record(self._copy_stream)
             self._ids_landed.record()
             self._context = device_context(self.device.index) if table.compiled else None
+            # The raw handles and addresses of every step's driver calls, read once: each torch
+            # accessor costs the H200's host up to a microsecond.
+            self._ids_landed_handle, self._copied_handle = self._ids_landed.cuda_event, self._copied.cuda_event
+            self._device_ids_address, self._flags_address = self._device_ids.data_ptr(), self._flags.data_ptr()
             self._device_copy = None if self._context is None else (
-                self._context, self._copy_stream.cuda_stream, self._consumed.cuda_event, self._copied.cuda_event,
+                self._context, self._copy_stream.cuda_stream, self._consumed.cuda_event, self._copied_handle,
                 self._span.data_ptr())
         else:
             # On the CPU the host writes the span in place: there is nothing to copy.
@@ -286,9 +290,8 @@ class EmbeddingSource:
         flag_source = 0 if ids_value is None else self._flag_values.data_ptr() + 4 * (ids_value - 1)
         # The current stream's handle without a Stream object (torch.cuda.current_stream builds
         # one, 3.5-7 us on the H200's host).
-        queue_ids_copy(self._context, torch._C._cuda_getCurrentRawStream(self.device.index),
-                       self._ids_landed.cuda_event, self._device_ids.data_ptr(), row_ids.data_ptr(), 8 * count,
-                       self._flags.data_ptr(), flag_source)
+        queue_ids_copy(self._context, torch._C._cuda_getCurrentRawStream(self.device.index), self._ids_landed_handle,
+                       self._device_ids_address, row_ids.data_ptr(), 8 * count, self._flags_address, flag_source)
 
     def _next_flag_value(self) -> int:
         self._flags_written += 1
@@ -506,7 +509,7 @@ class EmbeddingSource:
         self._pending = None  # as in `_join`: a raised error leaves no start pending
         disk, _, launched = self.table.stage_and_launch(
             pending.ids, self.num_resident, self._slots[:started], self._host_index[:started], self._host_rows,
-            context=self._context, events=(self._ids_landed.cuda_event, self._copied.cuda_event), graph=graph,
+            context=self._context, events=(self._ids_landed_handle, self._copied_handle), graph=graph,
             stream=torch._C._cuda_getCurrentRawStream(self.device.index))
         if not launched:
             self._pending = pending
