@@ -875,9 +875,9 @@ static PyObject *queue_ids_copy(PyObject *self, PyObject *args)
  * of `events` (a tuple of handles) has completed, `stage`; then, if the rows were staged and `graph`
  * (a CUDA graph exec) is not 0, the graph's launch on `stream`. A small start from device ids is
  * finished in this one call (runtime/torch.py): the wait for its ids and for the span's last copy,
- * its lookup, and the graph that copies its rows and decodes them, where each CUDA call from
- * Python costs 5-15 us of the H200's host (BENCHMARKS.md). `context` is made current for it and
- * the caller's restored. */
+ * its lookup, and the graph that copies its rows and decodes them, where each CUDA call through
+ * torch costs the H200's host 5-10 us and a driver call 0.5-3 us (BENCHMARKS.md). `context` is
+ * made current for it and the caller's restored. */
 #define MAX_WAIT_EVENTS 4
 
 static PyObject *stage_and_launch(PyObject *self, PyObject *args)
