@@ -459,19 +459,21 @@ def test_stage_when_raises_a_bad_id_at_join(table_path):
             job.join()
 
 
-def test_stage_when_refuses_a_device_copy_where_no_cuda_driver_loads(table_path):
+def test_a_device_copy_or_a_graph_launch_is_refused_where_no_cuda_driver_loads(table_path):
     if gather_module._native is None:
         pytest.skip("the compiled helper is not built here (no compiler at install)")
     try:
         driver.device_context(0)
-        pytest.skip("a CUDA driver loads here (tests/test_torch_source.py covers the copy)")
+        pytest.skip("a CUDA driver loads here (tests/test_torch_source.py covers the copy and the launch)")
     except OSError as error:
         assert "libcuda" in str(error)
     with open_table(table_path, read_path="mapped") as table:
         ids = np.arange(10)
+        slots, index, out = np.empty(10, np.int64), np.empty(10, np.int32), np.empty((10, table.row_bytes), np.uint8)
         with pytest.raises(OSError, match="CUDA driver"):
-            table.stage_when(np.zeros(2, np.int32), 1, 1, ids, 0, np.empty(10, np.int64), np.empty(10, np.int32),
-                             np.empty((10, table.row_bytes), np.uint8), device_copy=(1, 2, 3, 4, 5))
+            table.stage_when(np.zeros(2, np.int32), 1, 1, ids, 0, slots, index, out, device_copy=(1, 2, 3, 4, 5))
+        with pytest.raises(OSError, match="CUDA driver"):
+            table.stage_and_launch(ids, 0, slots, index, out, context=1, events=(2, 3), graph=4, stream=5)
 
 
 def test_stage_when_refuses_a_device_copy_whose_index_does_not_follow_out(table_path):
@@ -491,21 +493,6 @@ def test_stage_when_refuses_a_device_copy_whose_index_does_not_follow_out(table_
         with pytest.raises(ValueError, match="index after out"):
             table.stage_when(np.zeros(2, np.int32), 1, 1, np.arange(10), 0, np.empty(10, np.int64), index, out,
                              device_copy=(1, 2, 3, 4, 5))
-
-
-def test_stage_and_launch_refuses_where_no_cuda_driver_loads(table_path):
-    if gather_module._native is None:
-        pytest.skip("the compiled helper is not built here (no compiler at install)")
-    try:
-        driver.device_context(0)
-        pytest.skip("a CUDA driver loads here (tests/test_torch_source.py covers the launch)")
-    except OSError as error:
-        assert "libcuda" in str(error)
-    with open_table(table_path, read_path="mapped") as table:
-        with pytest.raises(OSError, match="CUDA driver"):
-            table.stage_and_launch(np.arange(10), 0, np.empty(10, np.int64), np.empty(10, np.int32),
-                                   np.empty((10, table.row_bytes), np.uint8), context=1, events=(2, 3), graph=4,
-                                   stream=5)
 
 
 def test_stage_and_launch_needs_the_compiled_helper(table_path, monkeypatch):
