@@ -19,13 +19,19 @@ from ple_prep.integrations.vllm.backend import (  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
 from ple_prep.tools.fixtures import FIXTURE_ROWS  # noqa: E402
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
-def test_start_finish_equals_the_tables_values_across_tiers(fp8_table):
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_start_finish_equals_the_tables_values_across_tiers(fp8_table, device):
+    """Ids on the device, as vLLM gives them: chunks and decode steps of one and two tokens, each
+    size more than once (on a GPU, from the second of a size a step is finished in one call of the
+    compiled helper), the values' shape following the count."""
     with open_table(fp8_table) as table:
-        rows = PrefetchedRows(table, device="cpu", resident_bytes=4000 * 160, max_tokens=64, heads=16)
+        rows = PrefetchedRows(table, device=device, resident_bytes=4000 * 160, max_tokens=64, heads=16)
         ids = np.random.default_rng(1).integers(0, FIXTURE_ROWS, (40, 16))
-        for request in (ids, ids[:1], ids[5:]):
-            rows.start(torch.from_numpy(request))
+        for request in (ids, ids[:1], ids[1:2], ids[2:4], ids[4:5], ids[6:8], ids[5:], ids[8:9]):
+            rows.start(torch.from_numpy(request).to(device))
             values = rows.finish()
             assert values.shape == (len(request), 2560)
             np.testing.assert_array_equal(bits(values), expected_bits(table, request))
