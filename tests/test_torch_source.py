@@ -181,9 +181,10 @@ def test_small_device_requests_are_finished_in_one_call_of_the_helper_once_their
     if not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
         pytest.skip("this torch does not hand out its graphs' execs")
     table = page_cache
-    replays = []
-    replay = torch.cuda.CUDAGraph.replay
+    replays, stages = [], []
+    replay, stage = torch.cuda.CUDAGraph.replay, type(table).stage
     monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: (replays.append(self), replay(self)))
+    monkeypatch.setattr(type(table), "stage", lambda self, *args: (stages.append(args), stage(self, *args))[1])
     source = EmbeddingSource(table, device="cuda", resident_bytes=500 * table.row_bytes, max_ids=64 * 16)
     written = torch.empty((4, 16), dtype=torch.int64, device="cuda")
     steps = ((1, 31), (1, 32), (3, 33), (1, 34), (4, 35), (2, 36))  # graphs of 16, 16, 64, 16, 64, 32 positions
@@ -200,6 +201,7 @@ def test_small_device_requests_are_finished_in_one_call_of_the_helper_once_their
         assert source.last_disk_rows == int((table.slot_of(ids.reshape(-1)) >= source.num_resident).sum())
     cached = request.node.callspec.params["page_cache"] == "cached"
     assert len(replays) == (3 if cached else len(steps))  # with the rows cached, each size's first only
+    assert len(stages) == 3  # each size's first; the rest looked up once, in the helper's call, cached or not
     assert sorted(source._graph_execs) == [16, 32, 64]
     # An id outside the table is raised by that call, and the next start is served as before.
     outside = token_ids(table, 1, 37)

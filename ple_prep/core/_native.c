@@ -835,6 +835,22 @@ static int parse_pointer(PyObject *object, void *pointer)
     return !PyErr_Occurred();
 }
 
+/* Make `context` current on this thread for a few driver calls; *previous gets the caller's, which
+ * leave_context restores. */
+static cuda_result enter_context(void *context, void **previous)
+{
+    cuda_result result = cuda.get_context(previous);
+    if (result == 0 && *previous != context)
+        result = cuda.set_context(context);
+    return result;
+}
+
+static void leave_context(void *context, void *previous)
+{
+    if (previous != context)
+        cuda.set_context(previous);
+}
+
 /* queue_ids_copy(context, stream, event, target, source, bytes, flag, flag_source): on `stream`,
  * the copy of `bytes` from device address `source` into pinned `target`, then (flag_source not 0)
  * of the 4 bytes at device address `flag_source` into pinned `flag`, then a record of `event`.
@@ -855,17 +871,14 @@ static PyObject *queue_ids_copy(PyObject *self, PyObject *args)
     if (cuda_ready() != 0)
         return NULL;
     void *previous = NULL;
-    cuda_result result = cuda.get_context(&previous);
-    if (result == 0 && previous != context)
-        result = cuda.set_context(context);
+    cuda_result result = enter_context(context, &previous);
     if (result == 0)
         result = cuda.copy_to_host(target, source, (size_t)bytes, stream);
     if (result == 0 && flag_source)
         result = cuda.copy_to_host(flag, flag_source, sizeof(int32_t), stream);
     if (result == 0)
         result = cuda.event_record(event, stream);
-    if (previous != context)
-        cuda.set_context(previous);
+    leave_context(context, previous);
     if (result != 0)
         return PyErr_Format(PyExc_RuntimeError, "queueing the ids' copy failed (CUDA error %d)", result);
     Py_RETURN_NONE;
@@ -913,9 +926,7 @@ static PyObject *stage_and_launch(PyObject *self, PyObject *args)
     cuda_result result;
     Py_BEGIN_ALLOW_THREADS
     void *previous = NULL;
-    result = cuda.get_context(&previous);
-    if (result == 0 && previous != context)
-        result = cuda.set_context(context);
+    result = enter_context(context, &previous);
     for (Py_ssize_t k = 0; k < num_events && result == 0; k++)
         result = cuda.event_synchronize(events[k]);
     if (result == 0) {
@@ -925,8 +936,7 @@ static PyObject *stage_and_launch(PyObject *self, PyObject *args)
             launched = result == 0;
         }
     }
-    if (previous != context)
-        cuda.set_context(previous);
+    leave_context(context, previous);
     Py_END_ALLOW_THREADS
     if (result != 0) {
         release(&call->held);

@@ -218,11 +218,11 @@ class Gatherer:
         return StageJob(_native.stage_when(flags, ids_value, free_value, device_copy, *arguments), self)
 
     def stage_and_launch(self, ids: np.ndarray, order, first_row: int, num_resident: int, slots: np.ndarray,
-                         index: np.ndarray, out: np.ndarray, threads: int, context: int, events: tuple[int, ...],
-                         graph: int, stream: int) -> tuple[int, bool, bool]:
+                         index: np.ndarray, out: np.ndarray, context: int, events: tuple[int, ...], graph: int,
+                         stream: int) -> tuple[int, bool, bool]:
         """`stage` after CUDA events, then a CUDA graph's launch if the rows were staged (core/_native.c);
         see Table.stage_and_launch."""
-        arguments = self._stage_arguments(ids, order, first_row, num_resident, slots, index, out, threads)
+        arguments = self._stage_arguments(ids, order, first_row, num_resident, slots, index, out, 1)
         (disk, staged), launched = _native.stage_and_launch(context, events, graph, stream, *arguments)
         return (*self._staged(disk, staged), launched)
 

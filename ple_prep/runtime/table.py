@@ -144,18 +144,19 @@ class Table:
                                          slots, index, out, threads, device_copy)
 
     def stage_and_launch(self, ids: np.ndarray, num_resident: int, slots: np.ndarray, index: np.ndarray,
-                         out: np.ndarray, *, context: int, events: tuple[int, ...], graph: int, stream: int,
-                         threads: int = 1) -> tuple[int, bool, bool]:
+                         out: np.ndarray, *, context: int, events: tuple[int, ...], graph: int,
+                         stream: int) -> tuple[int, bool, bool]:
         """`stage` once each CUDA event of `events` has completed, then, if the rows were staged, the
         launch of CUDA graph exec `graph` on `stream` (raw driver handles as ints; `context` from
         `driver.device_context`), in one call of the compiled helper: a small request from device
-        ids finished without a CUDA call from Python (runtime/torch.py). Returns what `stage` does
-        and whether the graph was launched. Needs the compiled helper (`compiled`)."""
+        ids finished without a CUDA call from Python (runtime/torch.py), on this thread alone.
+        Returns what `stage` does and whether the graph was launched. Needs the compiled helper
+        (`compiled`)."""
         if not self.compiled:
             raise RuntimeError("stage_and_launch needs the compiled helper (core/_native.c)")
         self._watch.check()
         return self._gatherer.stage_and_launch(ids, self.order, self.first_row, num_resident, slots, index, out,
-                                               threads, context, events, graph, stream)
+                                               context, events, graph, stream)
 
     @property
     def compiled(self) -> bool:

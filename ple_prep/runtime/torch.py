@@ -98,6 +98,17 @@ class _Done:
         return self.count
 
 
+class _Staged:
+    """A small start's stage already run by Table.stage_and_launch (its rows not cached), shaped
+    like a helper thread's job for `_prepare`."""
+
+    def __init__(self, disk: int, staged: bool):
+        self.outcome = (disk, staged, False)
+
+    def join(self) -> tuple[int, bool, bool]:
+        return self.outcome
+
+
 class _FromDevice:
     """A start from device ids: their copy to pinned memory queued, and for a large request the
     lookup waiting on a helper thread for them to land (`job`); the rest runs at join."""
@@ -369,7 +380,8 @@ class EmbeddingSource:
 
     def _prepare(self, ids: np.ndarray, stream, job=None, defer_copy: bool = False) -> int:
         """Slots, the resident/disk split, the disk rows and the tier index into the span (or the
-        outcome of `job`, which did that on a helper thread and may have queued the copy too); the
+        outcome of `job`, a stage already run: on a helper thread, which may have queued the copy
+        too, or by `_finish_in_one_call`); the
         copy on `stream` (None: the current one, looked up only then; for inline work the caller's,
         where it is queued ahead of what comes next). With `defer_copy` (a finish follows at once)
         a small request's copy is left to finish's graph instead."""
@@ -493,10 +505,10 @@ class EmbeddingSource:
         """An eager finish of a small start from device ids in one call of the compiled helper
         (Table.stage_and_launch): the waits for its ids and for the span's last copy, its lookup,
         and the launch of the graph that copies its rows and decodes them, with no torch call for
-        them (each costs the H200's host several microseconds: BENCHMARKS.md). None, the start
-        still pending, where that graph is not captured yet (the general path captures it) or the
-        rows are not cached (the general path reads them, after repeating the lookup's
-        microseconds)."""
+        them (each costs the H200's host several microseconds: BENCHMARKS.md). None where that
+        graph is not captured yet (the start still pending: the general path captures it) or the
+        rows are not cached (then read here as `_join` does, and the general path replays the
+        graph)."""
         pending = self._pending
         if not isinstance(pending, _FromDevice) or pending.job is not None or not self._graph_execs:
             return None
@@ -507,12 +519,12 @@ class EmbeddingSource:
             return None
         began = time.perf_counter()
         self._pending = None  # as in `_join`: a raised error leaves no start pending
-        disk, _, launched = self.table.stage_and_launch(
+        disk, staged, launched = self.table.stage_and_launch(
             pending.ids, self.num_resident, self._slots[:started], self._host_index[:started], self._host_rows,
             context=self._context, events=(self._ids_landed_handle, self._copied_handle), graph=graph,
             stream=torch._C._cuda_getCurrentRawStream(self.device.index))
         if not launched:
-            self._pending = pending
+            self._joined = self._prepare(pending.ids, None, _Staged(disk, staged), defer_copy=True)
             return None
         self.last_disk_rows = disk
         self.last_stages = {"lookup": time.perf_counter() - began, "split": 0.0, "gather": 0.0, "copy": 0.0}
