@@ -1,10 +1,20 @@
 """Settings of the vLLM plugin (standard library only: runs without vLLM)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from ple_prep.core.errors import BadInput
-from ple_prep.integrations.vllm.settings import Settings, parse_bytes, read_settings
+from ple_prep.integrations.vllm.settings import (
+    KEYS,
+    MAX_BYTES,
+    Settings,
+    host_memory_bytes,
+    parse_bytes,
+    read_settings,
+)
+from ple_prep.runtime import READ_PATHS
 
 
 def test_read_settings_none_without_a_table():
@@ -25,16 +35,32 @@ def test_additional_config_wins_key_by_key():
         Settings("/a.bin", 0, "mapped")
 
 
-@pytest.mark.parametrize("text, count", [("4GiB", 4 << 30), ("512M", 512 << 20), ("1.5g", 3 << 29),
-                                         ("1000", 1000), (7, 7), (" 2 KiB ", 2048)])
-def test_parse_bytes(text, count):
+@pytest.mark.parametrize("text, count", [
+    ("4GiB", 4 << 30), ("4G", 4 << 30), ("4GB", 4 * 10**9), ("4 GB", 4 * 10**9), ("512M", 512 << 20),
+    ("512MB", 512 * 10**6), ("1.5g", 3 << 29), ("1000", 1000), (7, 7), (" 2 KiB ", 2048), ("3kb", 3000),
+    ("1TiB", 1 << 40), ("0.5K", 512), ("10B", 10)])
+def test_parse_bytes_reads_decimal_and_binary_units(text, count):
     assert parse_bytes(text, "x") == count
 
 
-@pytest.mark.parametrize("text", ["-1", "4 GB", "lots", "", True, -5])
-def test_parse_bytes_refuses_what_is_not_a_byte_count(text):
-    with pytest.raises(BadInput):
+@pytest.mark.parametrize("text", [
+    "-1", "lots", "", True, -5, 4.0, None, [4], "4 G B", "4GiBs", "1e9", "0x10", "4_000",
+    "\uff14GiB",            # a fullwidth digit
+    "\u0664GiB",            # an Arabic-Indic digit
+    "4\u00a0GiB",           # a no-break space
+    "9" * 400,              # 400 digits: no OverflowError, no huge int
+    "99999999999999999999TiB", "2TiB", 1 << 41])
+def test_parse_bytes_refuses_what_is_not_a_bounded_ascii_byte_count(text):
+    with pytest.raises(BadInput, match="^PLE_PREP_RESIDENT_BYTES="):
         parse_bytes(text, "PLE_PREP_RESIDENT_BYTES")
+
+
+def test_parse_bytes_bound_is_documented_and_can_be_the_hosts_memory():
+    assert parse_bytes(MAX_BYTES, "x") == MAX_BYTES
+    memory = host_memory_bytes()
+    assert parse_bytes(memory, "x", limit=memory) == memory
+    with pytest.raises(BadInput, match=r"PLE_PREP_X=\d+: more than the \d+ bytes"):
+        parse_bytes(str(memory + 1), "PLE_PREP_X", limit=memory)
 
 
 def test_refuses_unknown_keys_and_non_objects():
@@ -44,12 +70,46 @@ def test_refuses_unknown_keys_and_non_objects():
         read_settings({"ple_prep": "/x.bin"}, {})
 
 
-def test_table_path_names_each_ranks_file():
-    settings = Settings("/nvme/ple.tp{rank}of{size}.bin", None)
-    assert settings.table_path(1, 2) == "/nvme/ple.tp1of2.bin"
-    assert Settings("/nvme/ple.bin", None).table_path(0, 1) == "/nvme/ple.bin"
-    with pytest.raises(BadInput, match=r"only \{rank\} and \{size\}"):
-        Settings("/nvme/{host}.bin", None).table_path(0, 1)
+def test_table_path_names_each_ranks_file(tmp_path):
+    (tmp_path / "ple.tp1of2.bin").write_bytes(b"")
+    (tmp_path / "ple.bin").write_bytes(b"")
+    settings = read_settings({}, {"PLE_PREP_TABLE": f"{tmp_path}/ple.tp{{rank}}of{{size}}.bin"})
+    assert settings.table_path(1, 2) == f"{tmp_path}/ple.tp1of2.bin"
+    assert Settings(f"{tmp_path}/ple.bin").table_path(0, 1) == f"{tmp_path}/ple.bin"
+    assert Settings(f"{tmp_path}/{{{{rank}}}}.bin").table == f"{tmp_path}/{{{{rank}}}}.bin"
+
+
+def test_a_missing_table_is_refused_naming_the_setting(tmp_path):
+    with pytest.raises(BadInput, match=f"^PLE_PREP_TABLE={tmp_path}/x.bin: no such file$"):
+        read_settings({}, {"PLE_PREP_TABLE": f"{tmp_path}/x.bin"}).table_path(0, 1)
+    with pytest.raises(BadInput, match=r"^additional_config\['ple_prep'\]\['table'\]=.*rank 1 of 2: .*tp1\.bin"
+                                       r".*: no such file$"):
+        read_settings({"ple_prep": {"table": f"{tmp_path}/tp{{rank}}.bin"}}, {}).table_path(1, 2)
+    with pytest.raises(BadInput, match="a directory"):
+        read_settings({}, {"PLE_PREP_TABLE": str(tmp_path)}).table_path(0, 1)
+
+
+@pytest.mark.parametrize("template", [
+    "/nvme/{rank:>9999999999}.bin",   # would build a 10 GB string
+    "/nvme/{rank.__class__}.bin", "/nvme/{rank[0]}.bin", "/nvme/{rank!r}.bin", "/nvme/{size:d}.bin",
+    "/nvme/{host}.bin", "/nvme/{}.bin", "/nvme/{0}.bin", "/nvme/{rank", "/nvme/rank}.bin"])
+def test_table_templates_hold_only_rank_and_size_and_are_checked_at_parse_time(template):
+    started = time.monotonic()
+    with pytest.raises(BadInput, match="^PLE_PREP_TABLE=/nvme/"):
+        read_settings({}, {"PLE_PREP_TABLE": template})
+    assert time.monotonic() - started < 1.0
+
+
+@pytest.mark.parametrize("read_path", ["Direct", "o_direct", 0, 1, False, ["direct"], "mapped "])
+def test_read_paths_come_from_a_closed_list_at_parse_time(read_path):
+    with pytest.raises(BadInput, match=r"^additional_config\['ple_prep'\]\['read_path'\]=.*: the read path is one of "
+                                       + ", ".join(READ_PATHS)):
+        read_settings({"ple_prep": {"table": "/a.bin", "read_path": read_path}}, {})
+
+
+def test_each_read_path_is_accepted():
+    for read_path in READ_PATHS:
+        assert read_settings({}, {"PLE_PREP_TABLE": "/a.bin", "PLE_PREP_READ_PATH": read_path}).read_path == read_path
 
 
 def test_an_empty_environment_value_counts_as_unset():
@@ -59,7 +119,13 @@ def test_an_empty_environment_value_counts_as_unset():
 
 
 def test_a_bad_byte_count_names_where_it_was_set():
-    with pytest.raises(BadInput, match=r"^additional_config\['ple_prep'\]\['resident_bytes'\] must be a byte count"):
+    with pytest.raises(BadInput, match=r"^additional_config\['ple_prep'\]\['resident_bytes'\]=\"lots\": not a byte"):
         read_settings({"ple_prep": {"table": "/a.bin", "resident_bytes": "lots"}}, {"PLE_PREP_RESIDENT_BYTES": "1G"})
-    with pytest.raises(BadInput, match=r"^PLE_PREP_RESIDENT_BYTES must be a byte count"):
+    with pytest.raises(BadInput, match=r"^PLE_PREP_RESIDENT_BYTES=lots: not a byte count"):
         read_settings({"ple_prep": {"table": "/a.bin"}}, {"PLE_PREP_RESIDENT_BYTES": "lots"})
+
+
+def test_every_key_is_a_settings_field():
+    fields = {field for field in Settings.__dataclass_fields__ if field != "origins"}
+    assert {key.field for key in KEYS} == fields
+    assert all(key.variable.startswith("PLE_PREP_") for key in KEYS)

@@ -5,51 +5,134 @@
 
 The additional config wins over the environment, key by key. With tensor parallelism the table
 path names each rank's file through `{rank}` and `{size}` (`/nvme/ple.tp{rank}of{size}.bin`, the
-names `ple-prep convert --tp-size` writes). Standard library only: nothing here needs vLLM or torch.
+names `ple-prep convert --tp-size` writes). Everything is checked here, when vLLM starts, and a
+refusal names the setting it comes from (`PLE_PREP_TABLE=/nvme/x.bin: no such file`). No vLLM or
+torch: this runs in vLLM's every process before a model is built.
+
+A new setting is one `Settings` field and one `Key` in `KEYS` (its parser takes the raw value and
+the name of where it was set, and raises `BadInput` through `refuse`).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
-from collections.abc import Mapping
+import string
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ...core.errors import BadInput
+from ...runtime import READ_PATHS
 
 CONFIG_KEY = "ple_prep"
 TABLE_VARIABLE = "PLE_PREP_TABLE"
 RESIDENT_VARIABLE = "PLE_PREP_RESIDENT_BYTES"
 READ_PATH_VARIABLE = "PLE_PREP_READ_PATH"
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30,
-          "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+# Byte units, by their lowercase spelling: GB, MB, KB, TB are powers of 1000 (4GB = 4 * 10**9), GiB,
+# MiB, KiB, TiB and the bare letters G, M, K, T powers of 1024 (4GiB = 4G = 4 * 2**30).
+UNITS = {"": 1, "b": 1,
+         "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
+         "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+# The most a byte count may say where nothing tighter applies: 1 TiB, above any one GPU's memory and
+# 20 times the whole FP8 table, so that a typo of a few digits is refused rather than believed.
+MAX_BYTES = 1 << 40
+# A number with an optional fraction and unit, ASCII only ("4GiB", "1.5 G", "4294967296").
+_BYTE_COUNT = re.compile(r"([0-9]{1,15})(?:\.([0-9]{1,9}))? ?([A-Za-z]{0,3})", re.ASCII)
+_TEMPLATE_FIELDS = ("rank", "size")
+
+
+def refuse(where: str, value: Any, cause: str) -> BadInput:
+    """The error for a setting: the place it was set, the value as written there, and why."""
+    shown = value if where.isidentifier() and isinstance(value, str) else json.dumps(value, default=repr)
+    return BadInput(f"{where}={shown}: {cause}")
+
+
+def parse_bytes(value: Any, where: str, limit: int = MAX_BYTES) -> int:
+    """A byte count: an integer, or ASCII digits with an optional fraction and unit (`UNITS`:
+    4GB = 4 * 10**9, 4GiB = 4G = 4 * 2**30), at most `limit`; a fraction of a byte rounds down."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        count = value
+    elif isinstance(value, str):
+        found = _BYTE_COUNT.fullmatch(value.strip())
+        unit = found.group(3).lower() if found else None
+        if unit not in UNITS:
+            raise refuse(where, value, "not a byte count; write one such as 4GiB (4 * 2**30), 4GB (4 * 10**9) "
+                                       "or 4294967296")
+        whole, fraction = found.group(1), found.group(2) or ""
+        count = (int(whole) * UNITS[unit]) + (int(fraction or "0") * UNITS[unit]) // 10**len(fraction)
+    else:
+        raise refuse(where, value, "not a byte count; write one such as 4GiB or 4294967296")
+    if count < 0:
+        raise refuse(where, value, "a byte count must not be negative")
+    if count > limit:
+        raise refuse(where, value, f"more than the {limit} bytes ({limit / 2**30:g} GiB) a byte count may say here")
+    return count
+
+
+def host_memory_bytes() -> int:
+    """This host's physical memory: the bound of a byte count of host memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def parse_table(value: Any, where: str) -> str:
+    """A table path whose braces hold only `{rank}` and `{size}`: no format spec, conversion,
+    attribute or index (those could build huge strings or reach into objects)."""
+    if not isinstance(value, str) or not value:
+        raise refuse(where, value, "the table must be a path")
+    try:
+        fields = list(string.Formatter().parse(value))
+    except ValueError as exc:
+        raise refuse(where, value, f"{exc}; write a literal brace as {{{{ or }}}}") from None
+    for _literal, name, spec, conversion in fields:
+        if name is not None and (name not in _TEMPLATE_FIELDS or spec or conversion):
+            text = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+            raise refuse(where, value, f"only {{rank}} and {{size}} may stand in braces, without a format "
+                                       f"spec, conversion, attribute or index; not {text}")
+    return value
+
+
+def parse_read_path(value: Any, where: str) -> str:
+    if value not in READ_PATHS or not isinstance(value, str):
+        raise refuse(where, value, f"the read path is one of {', '.join(READ_PATHS)}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """One setting: its field of `Settings` (also its key in the additional config), its
+    environment variable, and its parser (raw value, where it was set) -> value."""
+    field: str
+    variable: str
+    parse: Callable[[Any, str], Any]
+
+
+KEYS = (
+    Key("table", TABLE_VARIABLE, parse_table),
+    Key("resident_bytes", RESIDENT_VARIABLE, parse_bytes),
+    Key("read_path", READ_PATH_VARIABLE, parse_read_path),
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
     table: str                  # the path, possibly with {rank} and {size}
-    resident_bytes: int | None  # None: from the table's residency hints
+    resident_bytes: int | None = None  # None: from the table's residency hints
     read_path: str | None = None  # the disk tier's read path (open_table's read_path); None: its default
+    # Where each set field came from (`PLE_PREP_TABLE` or `additional_config['ple_prep']['table']`).
+    origins: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def table_path(self, rank: int, size: int) -> str:
-        try:
-            return self.table.format(rank=rank, size=size)
-        except (KeyError, IndexError, ValueError):
-            raise BadInput(f"table path {self.table!r}: only {{rank}} and {{size}} may stand in braces") from None
-
-
-def parse_bytes(text: str | int, what: str) -> int:
-    """A byte count: an integer, or a number with a unit (4GiB, 512M, 1.5G; binary units)."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        count = text
-    else:
-        found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-        unit = found and found.group(2).lower()
-        if not found or unit not in _UNITS:
-            raise BadInput(f"{what} must be a byte count such as 4GiB or 4294967296, not {text!r}")
-        count = int(float(found.group(1)) * _UNITS[unit])
-    if count < 0:
-        raise BadInput(f"{what} must not be negative")
-    return count
+        """This rank's table file, which must exist."""
+        where = self.origins.get("table", TABLE_VARIABLE)
+        path = parse_table(self.table, where).format(rank=rank, size=size)
+        named = self.table if path == self.table else f"{self.table} (rank {rank} of {size}: {path})"
+        if not os.path.exists(path):
+            raise refuse(where, named, "no such file")
+        if os.path.isdir(path):
+            raise refuse(where, named, "a directory, not a table file")
+        return path
 
 
 def read_settings(additional_config: Mapping[str, Any] | None, environ: Mapping[str, str]) -> Settings | None:
@@ -57,15 +140,21 @@ def read_settings(additional_config: Mapping[str, Any] | None, environ: Mapping[
     section = (additional_config or {}).get(CONFIG_KEY) or {}
     if not isinstance(section, Mapping):
         raise BadInput(f"additional_config[{CONFIG_KEY!r}] must be an object with 'table'")
-    unknown = set(section) - {"table", "resident_bytes", "read_path"}
+    unknown = set(section) - {key.field for key in KEYS}
     if unknown:
-        raise BadInput(f"additional_config[{CONFIG_KEY!r}] has unknown keys: {', '.join(sorted(unknown))}")
-    table = section.get("table") or environ.get(TABLE_VARIABLE)
-    if not table:
+        raise BadInput(f"additional_config[{CONFIG_KEY!r}] has unknown keys: {', '.join(sorted(map(str, unknown)))}"
+                       f" (known: {', '.join(key.field for key in KEYS)})")
+    values: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    for key in KEYS:
+        if key.field in section and section[key.field] not in (None, ""):
+            where, raw = f"additional_config[{CONFIG_KEY!r}][{key.field!r}]", section[key.field]
+        elif environ.get(key.variable):
+            where, raw = key.variable, environ[key.variable]
+        else:
+            continue
+        values[key.field] = key.parse(raw, where)
+        origins[key.field] = where
+    if "table" not in values:
         return None
-    resident = section.get("resident_bytes", environ.get(RESIDENT_VARIABLE))
-    where = f"additional_config[{CONFIG_KEY!r}]['resident_bytes']" if "resident_bytes" in section \
-        else RESIDENT_VARIABLE
-    read_path = section.get("read_path", environ.get(READ_PATH_VARIABLE)) or None
-    return Settings(str(table), None if resident in (None, "") else parse_bytes(resident, where),
-                    None if read_path is None else str(read_path))
+    return Settings(**values, origins=origins)
