@@ -6,14 +6,18 @@
 An FP8 fixture checkpoint (`--base` sets its size: 100000 gives 1.6M rows, 256 MB of table) and its
 prepared table are written once under `--work`. Each round runs, alternating, one child per side
 with the checkpoint evicted from the page cache first: the child builds vLLM 0.33.0's real
-Qwen4ExpNGramEmbedding (tests/vllm_plugin/vllm_layer.py) and loads the checkpoint through vLLM's own
-safetensors iterator, either into vLLM's device table (no plugin setting) or with the plugin
-serving the prepared table. Per side: bytes read from storage (/proc/self/io read_bytes), the
-checkpoint's bytes in the page cache afterwards, peak RSS and seconds. Prints JSON.
+Qwen4ExpNGramEmbedding (tests/vllm_plugin/vllm_layer.py) and loads the checkpoint through the model
+loader vLLM picks for its default load format (with the plugin installed: the plugin's, which
+leaves the shards of a served layer unread), either into vLLM's device table (no plugin setting) or
+with the plugin serving the prepared table. Per side: bytes read from storage (/proc/self/io
+read_bytes), the checkpoint's bytes in the page cache afterwards, peak RSS, seconds, and a digest of
+the layer's outputs over the test schedule (equal on both sides when the plugin serves exactly).
+The report adds the PLE shards' bytes and the plugin side's reads as a fraction of them. Prints JSON.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import resource
 import subprocess
@@ -40,24 +44,42 @@ def io_counters() -> dict[str, int]:
 
 def child(side: str, checkpoint: Path, table: Path, base: int) -> dict:
     """One boot of the layer; runs in a fresh process."""
+    import torch
     from worker import start_worker
 
     start_worker()
-    from vllm_layer import build_layer, checkpoint_weights, text_config, vllm_config
+    from vllm_layer import build_layer, loader_weights, ple_input, schedule, text_config, vllm_config
 
     files = sorted(checkpoint.glob("*.safetensors"))
     before = io_counters()
     began = time.perf_counter()
     config = vllm_config(str(table)) if side == "plugin" else vllm_config()
-    layer = build_layer(config, text_config("fp8", ngram_vocab_size_base=base), checkpoint_weights(checkpoint))
+    layer = build_layer(config, text_config("fp8", ngram_vocab_size_base=base), loader_weights(checkpoint))
     seconds = time.perf_counter() - began
     after = io_counters()
     storage = layer.ngram_embedding
+    digest = hashlib.sha256()
+    for step in schedule():
+        digest.update(ple_input(layer, *step).view(torch.int16).numpy().tobytes())
     return {"side": type(storage).__name__, "seconds": round(seconds, 2),
             "read_bytes": after["read_bytes"] - before["read_bytes"], "rchar": after["rchar"] - before["rchar"],
             "checkpoint_cached_bytes": int(sum(cached_fraction(f) * f.stat().st_size for f in files)),
             "table_weight_bytes": storage.weight.numel() * storage.weight.element_size(),
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "outputs_sha256": digest.hexdigest()}
+
+
+def shard_bytes(files: list[Path]) -> int:
+    """Bytes of the checkpoint's PLE shard tensors, from the safetensors headers."""
+    from ple_prep.integrations.vllm.loader import PLE_SHARD
+
+    total = 0
+    for path in files:
+        with open(path, "rb") as file:
+            header = json.loads(file.read(int.from_bytes(file.read(8), "little")))
+        total += sum(entry["data_offsets"][1] - entry["data_offsets"][0] for name, entry in header.items()
+                     if name != "__metadata__" and PLE_SHARD.search(name))
+    return total
 
 
 def main() -> None:
@@ -87,11 +109,14 @@ def main() -> None:
             output = subprocess.run([sys.executable, __file__, "--base", str(args.base), "--child", side,
                                      str(checkpoint), str(table)], check=True, capture_output=True, text=True)
             results[side].append(json.loads(output.stdout.strip().splitlines()[-1]))
-    report = {"checkpoint_bytes": sum(f.stat().st_size for f in files), "table_file_bytes": table.stat().st_size,
-              "rounds": args.rounds}
+    report = {"checkpoint_bytes": sum(f.stat().st_size for f in files), "ple_shard_bytes": shard_bytes(files),
+              "table_file_bytes": table.stat().st_size, "rounds": args.rounds}
     for side, runs in results.items():
         report[side] = {key: float(np.median([run[key] for run in runs]))
-                        for key in runs[0] if key != "side"} | {"storage": runs[0]["side"]}
+                        for key in runs[0] if key not in ("side", "outputs_sha256")} | {"storage": runs[0]["side"]}
+    digests = {run["outputs_sha256"] for runs in results.values() for run in runs}
+    report["outputs_equal"] = len(digests) == 1
+    report["plugin_read_fraction_of_shards"] = report["plugin"]["read_bytes"] / report["ple_shard_bytes"]
     print(json.dumps(report, indent=1))
 
 

@@ -18,6 +18,7 @@ from vllm.config import set_current_vllm_config
 from vllm_layer import (
     build_layer,
     checkpoint_weights,
+    loader_weights,
     ple_input,
     schedule,
     text_config,
@@ -28,6 +29,7 @@ from worker import free_port
 from ple_prep.format.manifest import manifest_path
 from ple_prep.integrations.vllm import storage
 from ple_prep.integrations.vllm.backend import TableMismatch
+from ple_prep.integrations.vllm.loader import PreparedTableLoader
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +62,44 @@ def test_plugin_output_equals_vllm_device_table_bit_for_bit(checkpoints, tables,
         got = ple_input(served, tokens, query_start_loc, ngram_context)
         assert got.dtype == expected.dtype == torch.bfloat16 and got.shape == (len(tokens), 2560)
         assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.parametrize("variant", ["fp8", "nvfp4", "bf16"])
+def test_vllms_default_loader_hands_the_served_shards_unread_and_the_output_is_unchanged(checkpoints, tables,
+                                                                                        variant):
+    """With the plugin serving the layer, vLLM's default load format reads no PLE shard (meta tensors of
+    the header's shape and dtype) yet the scale and hash checks run; without it, every tensor is read."""
+    text = text_config(variant)
+    reference = build_layer(vllm_config(), text, loader_weights(checkpoints[variant]))
+    served = build_layer(vllm_config(tables[variant]), text, loader_weights(checkpoints[variant]))
+    assert type(reference.ngram_embedding).__name__ == "Qwen4ExpPLEDeviceEmbedding"
+    assert served.ngram_embedding._shard_rows_dropped == served.ngram_embedding.table.num_rows
+    for step in schedule():
+        expected = ple_input(reference, *step)
+        assert torch.equal(ple_input(served, *step).view(torch.int16), expected.view(torch.int16))
+    handed = dict(loader_weights(checkpoints[variant])(served))
+    shards = {name for name in handed if ".shard_" in name and not name.endswith("weight_scale_2")}
+    assert shards and all(handed[name].is_meta for name in shards)
+    assert not any(tensor.is_meta for name, tensor in handed.items() if name not in shards)
+    assert not any(tensor.is_meta for _, tensor in loader_weights(checkpoints[variant])(reference))
+
+
+def test_the_plugins_loader_is_vllms_for_its_default_load_formats():
+    from vllm.config import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    for load_format in ("auto", "safetensors"):
+        assert type(get_model_loader(LoadConfig(load_format=load_format))) is PreparedTableLoader
+
+
+def test_other_load_strategies_read_the_shards_as_vllm_does(checkpoints, tables):
+    from vllm.config import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    served = build_layer(vllm_config(tables["fp8"]), text_config("fp8"), None)
+    loader = get_model_loader(LoadConfig(load_format="auto", safetensors_load_strategy="eager"))
+    model_config = types.SimpleNamespace(model=str(checkpoints["fp8"]), revision=None)
+    assert not any(tensor.is_meta for _, tensor in loader.get_all_weights(model_config, served))
 
 
 def test_tensor_parallel_ranks_serve_their_own_files_and_sum_to_the_whole_input(checkpoints, fp8_rank_tables,

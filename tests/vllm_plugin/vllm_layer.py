@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import glob
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from transformers import Qwen4ExpTextConfig
-from vllm.config import CUDAGraphMode, VllmConfig, set_current_vllm_config
+from vllm.config import CUDAGraphMode, LoadConfig, VllmConfig, set_current_vllm_config
+from vllm.model_executor.model_loader import get_model_loader
 from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
 from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
@@ -40,12 +41,30 @@ def checkpoint_weights(checkpoint: Path, rename: dict[str, torch.Tensor] | None 
                        ) -> Iterator[tuple[str, torch.Tensor]]:
     """The PLE layer's tensors as vLLM's own safetensors iterator reads them, named below the layer.
 
-    The fixture's NVFP4 global scale sits beside every shard; vLLM loads exactly one, beside the
-    shards (`ngram_embedding.weight_scale_2`), so the copies (all equal) become that one.
     `rename` replaces tensors by name, as another checkpoint would hold them.
     """
     files = sorted(glob.glob(str(checkpoint / "*.safetensors")))
-    for name, tensor in safetensors_weights_iterator(files, False):
+    return _below_the_layer(safetensors_weights_iterator(files, False), rename)
+
+
+def loader_weights(checkpoint: Path, load_format: str = "auto"
+                   ) -> Callable[[torch.nn.Module], Iterator[tuple[str, torch.Tensor]]]:
+    """For `build_layer`: the layer's tensors as the model loader vLLM picks for `load_format` reads them
+    for a model holding the layer (with the plugin installed: its loader)."""
+    def weights(layer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        loader = get_model_loader(LoadConfig(load_format=load_format))
+        model_config = types.SimpleNamespace(model=str(checkpoint), revision=None)
+        return _below_the_layer(loader.get_all_weights(model_config, layer), None)
+
+    return weights
+
+
+def _below_the_layer(weights: Iterable[tuple[str, torch.Tensor]], rename: dict[str, torch.Tensor] | None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The layer's tensors of a checkpoint's, named below the layer. The fixture's NVFP4 global scale
+    sits beside every shard; vLLM loads exactly one, beside the shards
+    (`ngram_embedding.weight_scale_2`), so the copies (all equal) become that one."""
+    for name, tensor in weights:
         if not name.startswith(PREFIX):
             continue
         name = name[len(PREFIX):]
@@ -66,13 +85,15 @@ def vllm_config(table: str | None = None, *, cudagraph_mode: str | None = None, 
     return config
 
 
-def build_layer(config: VllmConfig, text: Qwen4ExpTextConfig, weights: Iterator[tuple[str, torch.Tensor]] | None,
-                *, params_dtype: torch.dtype = torch.bfloat16) -> Qwen4ExpNGramEmbedding:
+def build_layer(config: VllmConfig, text: Qwen4ExpTextConfig, weights, *,
+                params_dtype: torch.dtype = torch.bfloat16) -> Qwen4ExpNGramEmbedding:
     """Build the layer as vLLM does (under its config, the model in `params_dtype`), load `weights`
-    and run the post-load step."""
+    (None, (name, tensor) pairs, or `loader_weights`' function of the layer) and run the post-load step."""
     with set_current_vllm_config(config):
         layer = Qwen4ExpNGramEmbedding(text, int(text.ple_embed_dim), 0, MAX_TOKENS, data_parallel_rank=0,
                                        prefix=LAYER_PREFIX, params_dtype=params_dtype)
+        if callable(weights):
+            weights = weights(layer)
         if weights is not None:
             layer.load_weights(weights)
             loader_config = types.SimpleNamespace(word_embeddings_untied_by_checkpoint=False, quantization=None)

@@ -3,8 +3,10 @@
 `register` is the `vllm.general_plugins` entry point (pyproject.toml); vLLM calls it in every
 process before a model is built. It imports nothing of vLLM: it only arranges that, when vLLM
 imports the module that picks the n-gram embedding's storage class, `storage.install` swaps that
-choice. The table is configured by `PLE_PREP_TABLE` or vLLM's additional config (`settings.py`);
-without either, vLLM builds its own storage as before.
+choice, and that, when vLLM imports its model loaders, `loader.register` makes its default load
+formats skip the PLE shards a prepared table serves. The table is configured by `PLE_PREP_TABLE`
+or vLLM's additional config (`settings.py`); without either, vLLM builds its own storage and
+loads every tensor as before.
 """
 from __future__ import annotations
 
@@ -16,9 +18,17 @@ from types import ModuleType
 # vLLM's modules that choose the n-gram embedding's storage class: CUDA, and ROCm's copy.
 NVIDIA_MODULE = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
 ROCM_MODULE = "vllm.models.qwen4_exp.amd.ple_layer"
+# vLLM's registry of model loaders by load format.
+LOADER_MODULE = "vllm.model_executor.model_loader"
+_PATCHED = (NVIDIA_MODULE, ROCM_MODULE, LOADER_MODULE)
 
 
 def _patch(module: ModuleType) -> None:
+    if module.__name__ == LOADER_MODULE:
+        from . import loader
+
+        loader.register()
+        return
     from . import storage
 
     storage.install(module, storage.select_storage if module.__name__ == NVIDIA_MODULE else storage.refuse_storage)
@@ -40,7 +50,7 @@ class _PatchingLoader(importlib.abc.Loader):
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path, target=None):
-        if name not in (NVIDIA_MODULE, ROCM_MODULE):
+        if name not in _PATCHED:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is not None and spec.loader is not None:
@@ -50,7 +60,7 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
 
 def register() -> None:
     """vLLM's general plugin hook; safe to call many times."""
-    for name in (NVIDIA_MODULE, ROCM_MODULE):
+    for name in _PATCHED:
         if name in sys.modules:
             _patch(sys.modules[name])
     if not any(isinstance(finder, _PatchAfterImport) for finder in sys.meta_path):
