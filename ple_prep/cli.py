@@ -23,6 +23,8 @@ from .core.errors import BadInput, CheckFailed
 
 EXIT_BUG = 70  # EX_SOFTWARE of sysexits.h: an internal software error
 DEBUG_VARIABLE = "PLE_PREP_DEBUG"
+# click 8.2 and later raise this for a bare group (click 8.1 printed the help and exited 0 itself).
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
 
 def _report_bug(exc: BaseException, debug: bool) -> None:
@@ -49,6 +51,10 @@ class _Group(click.Group):
             return super().main(*args, standalone_mode=False, **kwargs)
         except click.exceptions.Exit as exc:
             sys.exit(exc.exit_code)
+        except _NO_ARGS_IS_HELP as exc:
+            # A bare `ple-prep` asks what there is: the help, not an error.
+            click.echo(exc.ctx.get_help())
+            sys.exit(0)
         except (click.ClickException, BadInput) as exc:
             message = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
             click.echo(f"error: {message}", err=True)
@@ -280,6 +286,9 @@ def verify(table: Path, model: Path | None, sample: int | None, seed: int, as_js
             click.echo(f"source: {problem}")
         for problem in report.file_problems:
             click.echo(f"file: {problem}")
+    if report.converted_from is not None:
+        raise CheckFailed(f"{table} was converted from {report.converted_from}, not from {model}: "
+                          f"give that checkpoint to --model (or convert {model} again)")
     if not report.ok:
         raise CheckFailed(f"{table} does not match"
                           + (f": rows {report.first_mismatches} differ" if report.first_mismatches else ""))
@@ -300,9 +309,12 @@ def inspect(table: Path, plot_path: Path | None, force: bool, as_json: bool) -> 
         ple-prep inspect /nvme/ple.bin --plot residency.png
     """
     from .format.manifest import load_table_manifest, manifest_path, validate_with_schema
+    from .runtime import open_table
 
     manifest = load_table_manifest(table)
     validate_with_schema(manifest, manifest_path(table).name)
+    # The file and its manifest must be one conversion's, as verify and open_table require.
+    open_table(table).close()
     if plot_path is not None:
         from .tools.plot import plot_residency
 
@@ -362,26 +374,24 @@ def _residency_lines(manifest: dict[str, Any]) -> list[str]:
 @click.option("--gguf-files", type=click.IntRange(min=1), default=1, show_default=True,
               help="GGUF: split into NAME-0000k-of-0000N.gguf files.")
 @click.option("--seed", default=0, show_default=True)
+@click.option("--force", is_flag=True, help="Replace an existing fixture folder.")
 def make_fixture(out: Path, variant: str, base: int, shards: int, gguf_layout: str,
-                 gguf_files: int, seed: int) -> None:
-    """Write a small checkpoint in the model's real layout.
+                 gguf_files: int, seed: int, force: bool) -> None:
+    """Write a small checkpoint in the model's real layout into the folder OUT.
 
     \b
     Example:
         ple-prep make-fixture ./tiny-fp8 --variant fp8
         ple-prep make-fixture ./tiny-iq4 --variant gguf-iq4_nl --gguf-layout split --gguf-files 3
     """
+    from .tools.fixtures import make_fixture as write_fixture
+
+    write_fixture(out, variant, force=force, base=base, num_shards=shards, gguf_layout=gguf_layout,
+                  gguf_files=gguf_files, seed=seed)
     if variant.startswith("gguf-"):
-        from .tools.fixtures import make_gguf
-
-        make_gguf(out, variant.removeprefix("gguf-"), layout=gguf_layout, num_files=gguf_files,
-                  base=base, seed=seed)
         click.echo(f"wrote {variant} {gguf_layout} model to {out}")
-        return
-    from .tools.fixtures import make_checkpoint
-
-    make_checkpoint(out, variant, base=base, num_shards=shards, seed=seed)
-    click.echo(f"wrote {variant} checkpoint to {out}")
+    else:
+        click.echo(f"wrote {variant} checkpoint to {out}")
 
 
 @cli.command()

@@ -57,6 +57,7 @@ def test_make_fixture_unsplittable_shards_refused(runner, tmp_path):
     result = runner.invoke(cli, ["make-fixture", str(tmp_path / "x"), "--shards", "16000"])
     assert result.exit_code == 2
     assert result.stderr.startswith(f"error: {FIXTURE_ROWS} rows cannot be split into 16000 shards")
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
 
 
 @pytest.mark.parametrize("variant", ["fp8", "bf16", "nvfp4"])
@@ -79,3 +80,37 @@ def test_demo_prints_summary_in_temporary_folder(runner):
     assert lines["files"] == "written to a temporary folder and removed (keep them with --dir DIR)"
     summary = json.loads(runner.invoke(cli, ["demo", "--json", "-q"]).stdout)
     assert summary["checkpoint"] is None and summary["table"] is None and summary["verified"] is True
+
+
+def test_make_fixture_refuses_an_existing_folder_without_force(runner, tmp_path):
+    out = tmp_path / "tiny"
+    assert runner.invoke(cli, ["make-fixture", str(out)]).exit_code == 0
+    before = folder_digest(out)
+    result = runner.invoke(cli, ["make-fixture", str(out), "--seed", "3"])
+    assert result.exit_code == 2
+    assert result.stderr == f"error: {out} exists; pass --force to replace it\n"
+    assert folder_digest(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]
+
+
+def test_make_fixture_force_replaces_the_folder_whole(runner, tmp_path):
+    out = tmp_path / "tiny"
+    assert runner.invoke(cli, ["make-fixture", str(out)]).exit_code == 0
+    result = runner.invoke(cli, ["make-fixture", str(out), "--variant", "gguf-q8_0", "--force"])
+    assert result.exit_code == 0, result.output
+    # Only the GGUF model: no safetensors files of the fp8 fixture left beside it for convert to refuse.
+    assert sorted(p.name for p in out.iterdir()) == ["model.gguf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]
+    converted = runner.invoke(cli, ["convert", "--model", str(out), "--out", str(tmp_path / "t.bin"), "-q"])
+    assert converted.exit_code == 0, converted.output
+
+
+def test_make_fixture_force_never_replaces_other_files(runner, tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep")
+    result = runner.invoke(cli, ["make-fixture", str(out), "--force"])
+    assert result.exit_code == 2
+    assert "holds files a fixture does not write (notes.txt)" in result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]

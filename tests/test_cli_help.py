@@ -70,3 +70,30 @@ def test_help_data_commands_take_json_and_quiet():
         assert "--json" in options[f"ple-prep {path}"], path
     for path in ("verify", "profile", "bench", "convert", "demo"):
         assert "--quiet" in options[f"ple-prep {path}"], path
+
+
+def test_bare_command_prints_the_help_and_exits_zero():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "ple_prep"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("Usage: ple-prep [OPTIONS] COMMAND [ARGS]...") and "Commands:" in done.stdout
+    assert done.stderr == ""
+
+
+def test_every_exit_status_is_documented_where_users_read():
+    import re
+    from pathlib import Path
+
+    import ple_prep.cli as cli_module
+
+    root = Path(__file__).resolve().parent.parent
+    source = Path(cli_module.__file__).read_text()
+    codes = {int(code) for code in re.findall(r"sys\.exit\((\d+)\)", source)} | {cli_module.EXIT_BUG}
+    assert {1, 2, 70, 130} <= codes
+    readme = (root / "README.md").read_text()
+    sentence = re.search(r"Exit status: (.*?\.)\n\n", readme, flags=re.S)
+    assert sentence, "the README's Scripting paragraph lists the exit status"
+    documented = {int(code) for code in re.findall(r"(?<![\w.])(\d+) [a-z]", sentence.group(1))}
+    assert documented == codes | {0}, f"README lists {sorted(documented)}, the CLI exits with {sorted(codes | {0})}"

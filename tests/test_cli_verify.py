@@ -9,7 +9,7 @@ from handmade import find, load_tensors
 
 from ple_prep.cli import cli
 from ple_prep.converters.safetensors import read_header
-from ple_prep.tools.fixtures import FIXTURE_ROWS
+from ple_prep.tools.fixtures import FIXTURE_ROWS, make_checkpoint
 
 
 @pytest.fixture
@@ -117,6 +117,35 @@ def test_verify_other_source_reported(converted, bf16_checkpoint, runner):
     assert "\nsource: " in result.stdout and "rows: 0 compared" in result.stdout
 
 
+def test_verify_another_checkpoint_names_the_one_the_table_came_from(converted, runner, tmp_path):
+    model, out = converted
+    other = make_checkpoint(tmp_path / "other", "fp8", seed=7)
+    result = runner.invoke(cli, ["verify", str(out), "--model", str(other)])
+    assert result.exit_code == 1
+    assert result.stderr == (f"error: {out} was converted from {model.resolve()}, not from {other}: give that "
+                             f"checkpoint to --model (or convert {other} again)\n")
+    assert "source: another checkpoint: the 256 sampled rows differ" in result.stdout
+    assert "changed since conversion" not in result.output
+    report = json.loads(runner.invoke(cli, ["verify", str(out), "--model", str(other), "--json", "-q"]).stdout)
+    assert report["converted_from"] == str(model.resolve()) and report["ok"] is False
+
+
+def test_verify_changed_checkpoint_says_it_changed(converted, runner):
+    model, out = converted
+    tensors = {}
+    for path in model.glob("*.safetensors"):
+        tensors.update(read_header(path))
+    scale = next(info for name, info in tensors.items() if name.endswith("ngram_embedding.weight_scale"))
+    with open(scale.path, "r+b") as handle:  # the table's own checkpoint, its scale changed in place
+        handle.seek(scale.offset)
+        handle.write(bytes([0x54, 0x39]))
+    result = runner.invoke(cli, ["verify", str(out), "--model", str(model), "--json", "-q"])
+    assert result.exit_code == 1
+    report = json.loads(result.stdout)
+    assert report["converted_from"] is None
+    assert report["source_problems"] == ["changed since conversion: the scale was 5339, now 5439"]
+
+
 def test_verify_missing_table_is_bad_input(runner, tmp_path):
     result = runner.invoke(cli, ["verify", str(tmp_path / "none.bin")])
     assert result.exit_code == 2
@@ -156,6 +185,19 @@ def test_inspect_json(converted, runner):
     manifest = json.loads(result.stdout)
     assert manifest == json.loads(out.with_name("t.bin.json").read_text())
     assert manifest["num_rows"] == FIXTURE_ROWS and manifest["encoding"] == "fp8_e4m3"
+
+
+def test_inspect_refuses_a_manifest_of_another_conversion(converted, runner, tmp_path):
+    model, out = converted
+    other = tmp_path / "other.bin"
+    assert runner.invoke(cli, ["convert", "--model", str(model), "--out", str(other), "-q"]).exit_code == 0
+    shutil.copy(other.with_name("other.bin.json"), out.with_name("t.bin.json"))
+    for command in (["inspect", str(out)], ["inspect", str(out), "--json"]):
+        result = runner.invoke(cli, command)
+        assert result.exit_code == 2 and result.stdout == "", command
+        assert result.stderr.startswith("error: t.bin and t.bin.json come from different conversions")
+    verified = runner.invoke(cli, ["verify", str(out)])  # what inspect now agrees with
+    assert verified.exit_code == 1 and "t.bin and t.bin.json come from different conversions" in verified.stdout
 
 
 def test_inspect_not_a_table(runner, tmp_path):

@@ -83,17 +83,17 @@ def _copy_checkpoint(checkpoint, destination):
 
 def test_open_table_refuses_source_with_same_sizes_other_values(table_path, tmp_path):
     other = make_checkpoint(tmp_path / "reexport", "fp8", seed=7)
-    with pytest.raises(BadInput, match="stale: .* sampled rows differ"):
+    with pytest.raises(BadInput, match="was converted from .*, not from .*reexport: .* sampled rows differ"):
         open_checked(table_path, other)
 
 
 def test_open_table_refuses_source_with_other_files(table_path, tmp_path):
     other = make_checkpoint(tmp_path / "refiled", "fp8", num_files=4)
-    with pytest.raises(BadInput, match="stale: .*model-00001-of-00003.safetensors is gone; "
+    with pytest.raises(BadInput, match="not from .*refiled: .*model-00001-of-00003.safetensors is gone; "
                                        "model-00001-of-00004.safetensors is new"):
         open_checked(table_path, other)
     resharded = make_checkpoint(tmp_path / "resharded", "fp8", num_shards=64)
-    with pytest.raises(BadInput, match="stale: .* bytes, now"):
+    with pytest.raises(BadInput, match="not from .*resharded: .* bytes, now"):
         open_checked(table_path, resharded)
 
 
@@ -106,8 +106,24 @@ def test_open_table_refuses_source_with_other_scale(fp8_checkpoint, table_path, 
     with open(scale.path, "r+b") as handle:
         handle.seek(scale.offset)
         handle.write(np.array([0x3954], dtype="<u2").tobytes())
-    with pytest.raises(BadInput, match="stale: .*the scale was 5339, now 5439"):
+    with pytest.raises(BadInput, match="not from .*rescaled: .*the scale was 5339, now 5439"):
         open_checked(table_path, copy)
+
+
+def test_open_checked_says_its_own_checkpoint_changed(fp8_checkpoint, tmp_path):
+    model = _copy_checkpoint(fp8_checkpoint, tmp_path / "ckpt")
+    with open_source(model) as source:
+        convert(source, tmp_path / "t.bin")
+    tensors = {}
+    for path in model.glob("*.safetensors"):
+        tensors.update(read_header(path))
+    scale = next(t for name, t in tensors.items() if name.endswith(SCALE_SUFFIX))
+    with open(scale.path, "r+b") as handle:  # the same folder, its scale changed since conversion
+        handle.seek(scale.offset)
+        handle.write(np.array([0x3954], dtype="<u2").tobytes())
+    with pytest.raises(BadInput, match=f"t.bin is stale: {model} changed since conversion: "
+                                       f"the scale was 5339, now 5439"):
+        open_checked(tmp_path / "t.bin", model)
 
 
 def test_verify_reports_changed_source(runner, table_path, tmp_path):
@@ -116,7 +132,7 @@ def test_verify_reports_changed_source(runner, table_path, tmp_path):
     assert result.exit_code == 1
     report = json.loads(result.output[:result.output.rindex("}") + 1])
     assert report["source_problems"] == [
-        "changed since conversion: the 256 sampled rows differ (same sizes, other values)"]
+        "another checkpoint: the 256 sampled rows differ (same sizes, other values)"]
     assert report["rows_compared"] == FIXTURE_ROWS and report["mismatched_rows"] > 16_000
 
 

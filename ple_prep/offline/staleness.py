@@ -43,12 +43,23 @@ def source_changes(manifest: dict[str, Any], source: TableSource) -> list[str]:
     return changes
 
 
+def converted_elsewhere(manifest: dict[str, Any], source: TableSource) -> str | None:
+    """Where the table was converted from, when `source` lies elsewhere: a difference then means
+    another checkpoint, not a change to this one (a copy that is unchanged passes `source_changes`)."""
+    recorded = manifest["source"].get("model")
+    return recorded if recorded and recorded != str(Path(source.model_dir).resolve()) else None
+
+
 def check_source(manifest: dict[str, Any], source_dir: str | Path, table_name: str) -> None:
     """BadInput unless `source_dir` is still the checkpoint the table was converted from."""
     with open_source(source_dir) as source:
         changes = source_changes(manifest, source)
+        origin = converted_elsewhere(manifest, source)
     if changes:
         shown = "; ".join(changes[:5]) + (f" (and {len(changes) - 5} more)" if len(changes) > 5 else "")
+        if origin is not None:
+            raise BadInput(f"{table_name} was converted from {origin}, not from {source_dir}: {shown}; "
+                           f"give that checkpoint, or convert again")
         raise BadInput(f"{table_name} is stale: {source_dir} changed since conversion: {shown}; "
                        f"convert again")
 

@@ -14,7 +14,7 @@ from ..core.errors import BadInput
 from ..core.fileio import open_input, open_regular, read_exactly
 from ..format.manifest import load_table_manifest, manifest_path, validate_with_schema
 from ..runtime import open_table
-from .staleness import source_changes
+from .staleness import converted_elsewhere, source_changes
 
 CHUNK_ROWS = 1 << 16
 CHECKSUM_READ_BYTES = 8 << 20
@@ -31,6 +31,8 @@ class VerifyReport:
     mismatched_rows: int = 0
     first_mismatches: list[int] = dataclasses.field(default_factory=list)
     source_problems: list[str] = dataclasses.field(default_factory=list)
+    # Where the table came from, when the checkpoint given is another one (None otherwise).
+    converted_from: str | None = None
     file_problems: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -65,7 +67,11 @@ def verify(path: str | Path, model: str | Path | None = None, *, sample: int | N
             with open_source(model) as source:
                 # A changed source fails the check; rows are still compared so the report names them.
                 changes = source_changes(table.manifest, source)
-                report.source_problems += [f"changed since conversion: {c}" for c in changes]
+                if changes:
+                    report.converted_from = converted_elsewhere(table.manifest, source)
+                # Elsewhere than the table's own source, a difference is another checkpoint, not a change.
+                prefix = "changed since conversion" if report.converted_from is None else "another checkpoint"
+                report.source_problems += [f"{prefix}: {c}" for c in changes]
                 _compare_with_source(table, source, report, sample, seed, progress)
     return report
 

@@ -7,6 +7,10 @@ constants sit in other files than the shards, and the last shard may be shorter.
 from __future__ import annotations
 
 import json
+import os
+import re
+import secrets
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +141,57 @@ def make_checkpoint(out: str | Path, variant: str = "fp8", *, base: int = FIXTUR
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     if with_tokenizer:
         write_tokenizer(out, config["eos_token_id"])
+    return out
+
+
+# The names make_checkpoint and make_gguf write: the only files `force` may replace in a folder.
+_FIXTURE_FILE = re.compile(r"config\.json|model\.safetensors\.index\.json|tokenizer(_config)?\.json"
+                           r"|model-\d{5}-of-\d{5}\.(safetensors|gguf)|model\.gguf")
+
+
+def make_fixture(out: str | Path, variant: str = "fp8", *, force: bool = False, base: int = FIXTURE_BASE,
+                 num_shards: int = FIXTURE_SHARDS, gguf_layout: str = "joined", gguf_files: int = 1,
+                 seed: int = 0) -> Path:
+    """The example checkpoint (`variant` fp8, bf16, nvfp4 or gguf-TYPE) in the folder `out`, whole.
+
+    An existing `out` is replaced only with `force`, and only when it holds nothing but the files a
+    fixture has: the new folder is written beside it and renamed over it, so `out` never mixes two
+    variants (a folder with both GGUF and safetensors files is one convert refuses) and a refused
+    or failed run leaves nothing behind.
+    """
+    out = Path(out)
+    if os.path.lexists(out):
+        if not out.is_dir() or out.is_symlink():
+            raise BadInput(f"{out} exists and is not a folder; choose another folder")
+        names = sorted(path.name for path in out.iterdir())
+        strangers = [name for name in names if not _FIXTURE_FILE.fullmatch(name)]
+        if names and not force:
+            raise BadInput(f"{out} exists; pass --force to replace it")
+        if strangers:
+            raise BadInput(f"{out} holds files a fixture does not write ({', '.join(strangers[:3])}"
+                           f"{', ...' if len(strangers) > 3 else ''}): choose another folder "
+                           f"(even --force replaces only a fixture's folder)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial-{secrets.token_hex(4)}")
+    try:
+        if variant.startswith("gguf-"):
+            make_gguf(partial, variant.removeprefix("gguf-"), layout=gguf_layout, num_files=gguf_files,
+                      base=base, seed=seed)
+        else:
+            make_checkpoint(partial, variant, base=base, num_shards=num_shards, seed=seed)
+        if os.path.lexists(out):
+            old = out.with_name(f".{out.name}.old-{secrets.token_hex(4)}")
+            os.rename(out, old)
+            try:
+                os.rename(partial, out)
+            except BaseException:
+                os.rename(old, out)
+                raise
+            shutil.rmtree(old)
+        else:
+            os.rename(partial, out)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     return out
 
 
