@@ -574,9 +574,15 @@ def bench(table: Path, prefill_requests: int, decode_requests: int, fio_seconds:
         echo_json(report)
         return
     cached = report["cached_after_evict"]
-    click.echo(f"table: {table} ({_size(report['file_bytes'])}), advice window "
-               f"{report['window_pages']} pages / {_size(report['window_bytes'])}, page cache "
-               f"after evicting: {'unknown' if cached is None else f'{cached:.1%}'}")
+    if report["read_path"] == "direct":
+        read_path = "direct (O_DIRECT reads, nothing left in the page cache)"
+    else:
+        read_path = (f"mapped (page faults behind an advice window of {report['window_pages']} pages / "
+                     f"{_size(report['window_bytes'])})"
+                     + (f": {report['read_path_note']}" if report["read_path_note"] else ""))
+    click.echo(f"table: {table} ({_size(report['file_bytes'])}), page cache after evicting: "
+               f"{'unknown' if cached is None else f'{cached:.1%}'}")
+    click.echo(f"cold rows: {read_path}; warm rows: from the page cache")
     click.echo(f"{'':24}{'requests':>9}{'rows':>9}{'distinct':>9}{'p50 us':>10}{'p99 us':>10}"
                f"{'rows/s':>12}{'major faults':>14}")
     for key, label in _BENCH_ROWS:
@@ -590,6 +596,8 @@ def bench(table: Path, prefill_requests: int, decode_requests: int, fio_seconds:
     else:
         click.echo(f"fio 4 KiB random reads, queue depth {fio['queue_depth']}: {fio['iops']:,} IOPS; "
                    f"cold prefill reads {report['cold_vs_fio']:.2f}x that in distinct rows/s")
+    for note in report["notes"]:
+        click.echo(f"note: {note}")
 
 
 if __name__ == "__main__":

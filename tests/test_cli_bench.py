@@ -58,3 +58,35 @@ def test_bench_missing_table_is_bad_input(runner, tmp_path):
     result = runner.invoke(cli, ["bench", str(tmp_path / "absent.bin")])
     assert result.exit_code == 2
     assert result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_bench_names_the_read_path_and_its_settings(runner, fp8_table):
+    result = runner.invoke(cli, ["bench", str(fp8_table), "--prefill-requests", "1", "--decode-requests", "5",
+                                 "--fio-seconds", "0"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(runner.invoke(cli, ["bench", str(fp8_table), "--json", "--prefill-requests", "1",
+                                            "--decode-requests", "5", "--fio-seconds", "0"]).stdout)
+    lines = result.stdout.splitlines()
+    if report["read_path"] == "direct":
+        # O_DIRECT takes no read-ahead advice: no window is named for it.
+        assert lines[1].startswith("cold rows: direct (O_DIRECT reads") and "advice window" not in result.stdout
+    else:
+        assert lines[1].startswith("cold rows: mapped (page faults behind an advice window of 128 pages")
+
+
+def test_bench_says_a_small_tables_figures_mean_nothing(runner, fp8_table):
+    result = runner.invoke(cli, ["bench", str(fp8_table), "--prefill-requests", "1", "--decode-requests", "5",
+                                 "--fio-seconds", "0"])
+    assert result.exit_code == 0, result.output
+    note = result.stdout.splitlines()[-1]
+    assert note.startswith("note: this table holds 16,896 rows, the model's 320,001,536") and "say nothing" in note
+    report = json.loads(runner.invoke(cli, ["bench", str(fp8_table), "--json", "--prefill-requests", "1",
+                                            "--decode-requests", "5", "--fio-seconds", "0"]).stdout)
+    assert report["notes"] == [note.removeprefix("note: ")]
+
+
+def test_bench_notes_nothing_for_a_table_of_the_models_size():
+    from ple_prep.tools.benchmark import MODEL_TABLE_ROWS, table_notes
+
+    assert table_notes({"total_rows": MODEL_TABLE_ROWS}, 52 << 30) == []
+    assert len(table_notes({"total_rows": MODEL_TABLE_ROWS // 8}, 6 << 30)) == 1
