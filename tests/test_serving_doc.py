@@ -98,7 +98,7 @@ def test_serving_doc_tensor_parallel_ranks_sum_to_the_full_input(served):
 def test_serving_doc_pick_budget_follows_the_hints(served):
     namespace = _run(_blocks()[2], served, {})
     manifest = json.loads((served / "ple.bin.json").read_text())
-    disk_rows_per_s = json.loads((served / "bench.json").read_text())["cold_prefill"]["rows_per_s"]
+    disk_rows_per_s = json.loads((served / "bench.json").read_text())["cold_prefill"]["distinct_rows_per_s"]
     pick_budget = namespace["pick_budget"]
     hints = sorted((h for h in manifest["residency"] if h["hit_fraction"] is not None),
                    key=lambda h: h["rows"])
@@ -112,6 +112,19 @@ def test_serving_doc_pick_budget_follows_the_hints(served):
     if choice is not None:
         assert choice["disk_rows_per_s_needed"] <= 0.5 * disk_rows_per_s
         assert choice["resident_bytes"] == choice["rows"] * manifest["row_bytes"] <= 8 << 30
+
+
+def test_serving_doc_pick_budget_takes_the_rows_the_disk_read(served, tmp_path):
+    # bench's rows_per_s counts a chunk's repeated ids too; the disk read each distinct row once.
+    bench = json.loads((served / "bench.json").read_text())
+    bench["cold_prefill"] |= {"rows_per_s": 1e18, "distinct_rows_per_s": 1e-9}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    for name in ("ple.bin", "ple.bin.json"):
+        (tmp_path / name).symlink_to(served / name)
+    namespace = _run(_blocks()[2], tmp_path, {})
+    manifest, pick_budget = namespace["manifest"], namespace["pick_budget"]
+    assert namespace["choice"] == pick_budget(manifest, 1e-9, 20_000, max_bytes=8 << 30)
+    assert namespace["choice"] != pick_budget(manifest, 1e18, 20_000, max_bytes=8 << 30)
 
 
 # --- The prefetch section: the split call in a model, and its CUDA-graph recipe (on a GPU) --------
