@@ -9,7 +9,14 @@ venv="${1:-$repo/.venv-vllm}"
 python3 -m venv "$venv"
 . "$venv/bin/activate"
 pip() { python -m pip install -q "$@"; }
-pip torch==2.13.0
+# torch's CPU build. On the package index torch==2.13.0 for Linux is a CUDA build (several GB of CUDA
+# libraries); the CPU wheel is on PyTorch's own index (TORCH_INDEX_URL names another, a mirror say).
+# Where pip's own configuration already offers the CPU wheel (a local index or --find-links), it is taken.
+torch_index=()
+if ! python -m pip install -q --dry-run --no-deps --report - torch==2.13.0 2>/dev/null | grep -q '"version": "2.13.0+cpu"'; then
+    torch_index=(--index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}")
+fi
+pip torch==2.13.0 ${torch_index[@]+"${torch_index[@]}"}
 pip --no-deps vllm==0.33.0
 # vLLM's imports on the path tests take, at the versions its wheel pins where it pins one.
 pip 'transformers>=5.16.1,<5.21' pydantic msgspec cachetools regex cbor2 psutil pyzmq aiohttp requests openai \

@@ -20,7 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"^```(\w+)\n(.*?)^```$", README, flags=re.M | re.S)
 VENV = "python3 -m venv .venv && . .venv/bin/activate"
-INSTALLS = {"pip install .", "pip install '.[torch,plot]'", "pip install torch==2.13.0 -e '.[test]'"}
+CPU_TORCH_INDEX = "--index-url https://download.pytorch.org/whl/cpu"
+INSTALLS = {"pip install .", "pip install '.[torch,plot]'", "pip install torch==2.13.0 -e '.[test]'",
+            f"pip install torch {CPU_TORCH_INDEX}   # only on a machine without a GPU"}
 TESTS = "ruff check ple_prep tests bench && python -m pytest -q"
 
 
@@ -93,3 +95,12 @@ def test_readme_commands_and_snippets_run_as_written(tmp_path):
                                   capture_output=True, text=True, timeout=300)
             assert done.returncode == 0, f"{body}\n--- stderr\n{done.stderr}"
             assert "torch.Size([3, 2560]) torch.bfloat16" in done.stdout
+
+
+def test_readme_and_the_vllm_script_say_where_the_cpu_torch_is():
+    # On the package index torch's Linux wheels are CUDA builds: the CPU build is on PyTorch's index.
+    assert f"pip install torch==2.13.0 {CPU_TORCH_INDEX}" in README
+    script = (ROOT / "scripts" / "vllm-test-env.sh").read_text()
+    torch_install = next(line for line in script.splitlines() if re.match(r"pip torch==2\.13\.0\b", line))
+    assert "torch_index" in torch_install
+    assert f'{CPU_TORCH_INDEX.split()[0]} "${{TORCH_INDEX_URL:-{CPU_TORCH_INDEX.split()[1]}}}"' in script
