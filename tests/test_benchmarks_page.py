@@ -59,3 +59,18 @@ def test_figure_pattern_sees_times_rates_and_ratios():
     seen = [match.group(0) for match in FIGURE.finditer(
         "0.035-0.069 ms, 9.5 us, 1.04x, 687 MiB/s, 2,432,703 tokens/s, 16 x 172 bytes, 8,192 tokens")]
     assert seen == ["0.035-0.069 ms", "9.5 us", "1.04x", "687 MiB/s", "2,432,703 tokens/s"]
+
+
+def test_docs_cite_headings_the_benchmarks_page_has():
+    # `BENCHMARKS.md, "Host lookup"` sends a reader to a section: it must be there.
+    headings = [" ".join(line.lstrip("#").split()).lower() for line in PAGE.splitlines() if line.startswith("## ")]
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    dangling = []
+    for page in pages:
+        if page.name == "benchmark-history.md":
+            continue
+        text = " ".join(page.read_text().split())
+        for cited in re.findall(r'BENCHMARKS\.md\)?, "([^"]+)"', text):
+            if not any(cited.lower() in heading for heading in headings):
+                dangling.append(f"{page.relative_to(ROOT)}: {cited!r}")
+    assert not dangling, f"no such heading in BENCHMARKS.md: {dangling}"
