@@ -1,6 +1,21 @@
-"""The optional compiled helper (ple_prep/core/_native.c): built when a C compiler is there,
-skipped (numpy fallback, same results) when not. Everything else is in pyproject.toml."""
+"""The optional compiled helpers, built when a C compiler is there, skipped (numpy fallback, same
+results) when not: ple_prep.core._native (the rows copy and slot lookup of the format layer) and
+ple_prep.runtime._native (the runtime's staging, thread pool and CUDA driver calls), which reuses
+core/native's row addressing. Everything else is in pyproject.toml."""
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("ple_prep.core._native", ["ple_prep/core/_native.c"],
-                             extra_compile_args=["-O2"], optional=True)])
+CORE = "ple_prep/core/native/"
+RUNTIME = "ple_prep/runtime/native/"
+SHARED = [CORE + "buffers.c", CORE + "slots.c"]
+# Hidden symbols: the two modules each carry the shared files, and only their init functions are exported.
+FLAGS = ["-O2", "-fvisibility=hidden"]
+
+setup(ext_modules=[
+    Extension("ple_prep.core._native", [CORE + "module.c", *SHARED], extra_compile_args=FLAGS, optional=True,
+              depends=[CORE + "buffers.h", CORE + "rows.h"]),
+    Extension("ple_prep.runtime._native",
+              [RUNTIME + name for name in ("module.c", "stage.c", "pool.c", "jobs.c", "cuda.c")] + SHARED,
+              extra_compile_args=FLAGS, optional=True,
+              depends=[CORE + "buffers.h", CORE + "rows.h"]
+              + [RUNTIME + name for name in ("cuda.h", "jobs.h", "pool.h", "stage.h")]),
+])

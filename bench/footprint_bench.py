@@ -20,9 +20,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from memcap import cgroups_unavailable, measure_footprint  # noqa: E402
+
 from ple_prep.ngram import NgramSpec  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
-from ple_prep.tools.memcap import cgroups_unavailable, measure_footprint  # noqa: E402
 from ple_prep.tools.realtext import real_text_row_ids  # noqa: E402
 
 

@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ple_prep.ngram import NgramSpec  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
-from ple_prep.runtime import torch as runtime_torch  # noqa: E402
 from ple_prep.runtime.dequant import round_to_bf16  # noqa: E402
-from ple_prep.runtime.torch import EmbeddingSource  # noqa: E402
+from ple_prep.runtime.device import EmbeddingSource  # noqa: E402
+from ple_prep.runtime.device import source as runtime_torch  # noqa: E402
 from ple_prep.tools.benchmark import evict  # noqa: E402
 from ple_prep.tools.realtext import real_text_row_ids  # noqa: E402
 
@@ -183,7 +183,8 @@ def main() -> None:
               "load_seconds": round(time.perf_counter() - started, 2),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "numpy": np.__version__,
-              "compiled_helper": importlib.util.find_spec("ple_prep.core._native") is not None,
+              "compiled_helper": all(importlib.util.find_spec(f"ple_prep.{layer}._native") is not None
+                                     for layer in ("core", "runtime")),
               "lookup_threads": args.lookup_threads}
     report["bit_exact_chunk"] = exact(source, source(chunks[0]), chunks[0])
     source.start(chunks[1])

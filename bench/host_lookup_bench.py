@@ -46,12 +46,13 @@ from ple_prep.runtime import gather as gather_module  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
 from ple_prep.tools.realtext import real_text_row_ids  # noqa: E402
 
-COMPILED = gather_module._native
+COMPILED = (gather_module._native, gather_module._core_native, order_module._native) \
+    if gather_module._native is not None else None
 
 
 def use_compiled(on: bool) -> None:
     """Switch the host lookup between the compiled helper and the numpy fallback."""
-    gather_module._native = order_module._native = COMPILED if on else None
+    gather_module._native, gather_module._core_native, order_module._native = COMPILED if on else (None, None, None)
 
 
 def in_memory_table(table, ids: np.ndarray, *, every_page: bool = True) -> np.ndarray:

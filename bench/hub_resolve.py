@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent.parent / "tests")]
 
-from hubcache import add_snapshot, commit_hash  # noqa: E402
+from support.hubcache import add_snapshot, commit_hash  # noqa: E402
 
 from ple_prep.converters.hub import resolve_model  # noqa: E402
 from ple_prep.core.errors import BadInput  # noqa: E402

@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gather_bench import DISTINCT_ROWS, distinct_request  # noqa: E402
+from memcap import cgroups_unavailable, measure  # noqa: E402
 
 from ple_prep.ngram import NgramSpec  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
-from ple_prep.tools.memcap import cgroups_unavailable, measure  # noqa: E402
 from ple_prep.tools.realtext import real_text_row_ids  # noqa: E402
 
 VARIANTS = {

@@ -42,11 +42,11 @@ def nvfp4_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(params=["compiled", "numpy"])
 def loops(request, monkeypatch):
-    """The compiled helper's loops (core/_native.c), or the numpy fallback of a machine built
+    """The compiled helper's loops (core/native/, runtime/native/), or the numpy fallback of a machine built
     without a compiler: both must give the same results."""
     if request.param == "numpy":
-        for module in (gather_module, order_module):
-            monkeypatch.setattr(module, "_native", None)
+        for module, name in ((gather_module, "_native"), (gather_module, "_core_native"), (order_module, "_native")):
+            monkeypatch.setattr(module, name, None)
     elif gather_module._native is None:
         pytest.skip("the compiled helper is not built here (no compiler at install)")
     return request.param

@@ -12,8 +12,8 @@ import sys
 
 import numpy as np
 import pytest
-from handmade import INDEX, Tensor, find, load_tensors, pack_safetensors, save_tensors
-from refusal import assert_refused
+from support.handmade import INDEX, Tensor, find, load_tensors, pack_safetensors, save_tensors
+from support.refusal import assert_refused
 
 from ple_prep.cli import cli
 from ple_prep.runtime import open_table

@@ -6,7 +6,7 @@ import shutil
 import struct
 
 import pytest
-from refusal import assert_refused
+from support.refusal import assert_refused
 
 from ple_prep.cli import cli
 from ple_prep.tools.fixtures import FIXTURE_ROWS, make_gguf

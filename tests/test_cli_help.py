@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ple_prep.cli import cli
-from ple_prep.cli_reference import REFERENCE_PATH, REGENERATE, command_helps, render
+from scripts.cli_reference import REFERENCE_PATH, REGENERATE, command_helps, render
 
 
 def test_help_every_command_has_an_example_of_itself():

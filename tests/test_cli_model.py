@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 import pytest
-from hubcache import add_checkpoint, commit_hash
+from support.hubcache import add_checkpoint, commit_hash
 
 from ple_prep.cli import cli
 from ple_prep.runtime import open_table
@@ -72,7 +72,7 @@ def test_convert_model_name_matching_none_exits_2(runner, hub, tmp_path):
 
 
 def test_convert_gguf_quant_from_hf_cache(runner, tmp_path):
-    from hubcache import add_snapshot
+    from support.hubcache import add_snapshot
 
     from ple_prep.tools.fixtures import make_gguf
 

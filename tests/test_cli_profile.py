@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 import pytest
-from refusal import assert_refused
+from support.refusal import assert_refused
 
 from ple_prep.cli import cli
 from ple_prep.offline.profile import load_profile

@@ -5,7 +5,7 @@ import json
 import shutil
 
 import pytest
-from handmade import find, load_tensors
+from support.handmade import find, load_tensors
 
 from ple_prep.cli import cli
 from ple_prep.converters.safetensors import read_header

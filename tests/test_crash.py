@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from killing import file_size_at_least, kill, reap, start_cli, wait_until
+from support.killing import file_size_at_least, kill, reap, start_cli, wait_until
 
 from ple_prep.cli import cli
 from ple_prep.core.errors import BadInput

@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 from ple_prep.cli import cli
-from ple_prep.cli_reference import command_helps
+from scripts.cli_reference import command_helps
 
 ROOT = Path(__file__).resolve().parent.parent
 

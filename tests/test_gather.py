@@ -16,8 +16,9 @@ from ple_prep.converters import open_source
 from ple_prep.format.layout import TableLayout
 from ple_prep.format.order import RowOrder
 from ple_prep.offline.writer import WriteOptions, convert
-from ple_prep.runtime import driver, open_table
 from ple_prep.runtime import gather as gather_module
+from ple_prep.runtime import open_table
+from ple_prep.runtime.device import driver
 from ple_prep.runtime.gather import Gatherer
 from ple_prep.tools.benchmark import evict
 
@@ -267,7 +268,8 @@ def test_install_without_a_compiler_falls_back_to_numpy(tmp_path, fp8_checkpoint
         assert not [name for name in archive.namelist() if name.endswith(".so")]
         archive.extractall(tmp_path / "site")
     code = ("import sys, numpy as np; from ple_prep.runtime import open_table, gather; "
-            "from ple_prep.format import order; assert gather._native is None and order._native is None; "
+            "from ple_prep.format import order; "
+            "assert gather._native is None and gather._core_native is None and order._native is None; "
             "t = open_table(sys.argv[1], read_path='mapped'); ids = np.arange(t.num_rows)[::-7]; "
             "t.gather(ids); sys.stdout.buffer.write(t.gather(ids).tobytes())")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "t.bin")], capture_output=True, check=True,
@@ -518,7 +520,7 @@ def test_stage_when_needs_the_compiled_helper(table_path, monkeypatch):
 def test_the_compiled_copy_finds_every_slots_page_for_any_rows_per_page(page_size, row_bytes):
     """Every slot of pages holding 1, 2, 25, 73 or 102 rows (after a data offset) is copied from
     its page and position."""
-    native = gather_module._native
+    native = gather_module._core_native
     if native is None:
         pytest.skip("the compiled helper is not built here (no compiler at install)")
     rows_per_page, pages, offset = page_size // row_bytes, 40, 64

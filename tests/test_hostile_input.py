@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hubcache import add_checkpoint
+from support.hubcache import add_checkpoint
 
 from ple_prep.cli import EXIT_BUG, cli
 from ple_prep.core.errors import BadInput

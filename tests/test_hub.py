@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hubcache import add_snapshot, commit_hash
+from support.hubcache import add_snapshot, commit_hash
 
 from ple_prep.converters.hub import hub_cache_dir, resolve_model
 from ple_prep.core.errors import BadInput

@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from bench.memcap import cgroups_unavailable, measure
 from ple_prep.runtime import open_table
 from ple_prep.tools.fixtures import make_checkpoint
-from ple_prep.tools.memcap import cgroups_unavailable, measure
 
 pytestmark = pytest.mark.skipif(cgroups_unavailable() is not None,
                                 reason=f"memory cgroups: {cgroups_unavailable()}")

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from killing import kill, start_cli, wait_until
+from support.killing import kill, start_cli, wait_until
 
 from ple_prep.cli import cli
 from ple_prep.format.manifest import load_manifest, manifest_path

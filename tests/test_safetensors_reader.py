@@ -7,8 +7,8 @@ import struct
 
 import numpy as np
 import pytest
-from handmade import INDEX, find, load_tensors, pack_safetensors, save_tensors
 from safetensors import TensorSpec, serialize_file
+from support.handmade import INDEX, find, load_tensors, pack_safetensors, save_tensors
 
 from ple_prep.converters import open_source
 from ple_prep.converters.safetensors import DTYPE_BITS, open_checkpoint, read_header

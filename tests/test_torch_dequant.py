@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 from ple_prep.core.constants import Encoding  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
 from ple_prep.runtime.dequant import round_to_bf16  # noqa: E402
-from ple_prep.runtime.torch_dequant import TorchDecoder, decode, decoder_for  # noqa: E402
+from ple_prep.runtime.device.dequant import TorchDecoder, decode, decoder_for  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -10,7 +10,7 @@ from ple_prep.converters import open_source  # noqa: E402
 from ple_prep.core.constants import GGML_TYPES, Encoding, row_bytes_for  # noqa: E402
 from ple_prep.offline.writer import convert  # noqa: E402
 from ple_prep.runtime import dequant, open_table  # noqa: E402
-from ple_prep.runtime.torch_dequant import decode, decoder_for  # noqa: E402
+from ple_prep.runtime.device.dequant import decode, decoder_for  # noqa: E402
 from ple_prep.tools.fixtures import make_gguf  # noqa: E402
 
 FLOAT_WORDS = {Encoding.GGUF_F32: ("<u4", 0x7F800000, 0x40000000),
@@ -74,7 +74,7 @@ def test_round_to_bf16_subnormals_match_torch():
 def test_torch_source_serves_gguf_tokens(device, tmp_path):
     """The torch serving path on a split-head IQ4_NL table (zero padding rows included)."""
     from ple_prep.ngram import row_ids
-    from ple_prep.runtime.torch import EmbeddingSource
+    from ple_prep.runtime.device import EmbeddingSource
 
     model = make_gguf(tmp_path / "m", "iq4_nl", layout="split", num_files=2)
     with open_source(model) as source:

@@ -13,13 +13,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from bf16_bits import bits, expected_bits  # noqa: E402
+from support.bf16_bits import bits, expected_bits  # noqa: E402
 
 from ple_prep.format.manifest import manifest_path  # noqa: E402
 from ple_prep.ngram import row_ids  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
-from ple_prep.runtime import torch as runtime_torch  # noqa: E402
-from ple_prep.runtime.torch import EmbeddingSource  # noqa: E402
+from ple_prep.runtime.device import EmbeddingSource  # noqa: E402
+from ple_prep.runtime.device import source as runtime_torch  # noqa: E402
 from ple_prep.tools.benchmark import cached_fraction, evict  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -421,7 +421,7 @@ def test_lookup_threads_count_the_cores_the_process_may_run_on():
     """Three allowed cores leave one lookup thread (two are kept for the model's launches), however
     many cores the machine has."""
     code = ("import os; os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:3]); "
-            "from ple_prep.runtime import torch as source; print(source.LOOKUP_THREADS)")
+            "from ple_prep.runtime.device import source; print(source.LOOKUP_THREADS)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "1"
 

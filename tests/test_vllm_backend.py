@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from bf16_bits import bits, expected_bits  # noqa: E402
+from support.bf16_bits import bits, expected_bits  # noqa: E402
 
 from ple_prep.integrations.vllm.backend import (  # noqa: E402
     PrefetchedRows,

@@ -10,7 +10,7 @@ on the uint32 map, numpy converts the whole map on every call), so lookups read 
 once: for each 64 rows a 16-byte pair, their bits (placed or not) and the count of placed rows
 before them, so one cache line per id (2 bits a row: 80 MB for the real table, a third of its map).
 It lies in huge pages, as the copy of `sorted_slots` it reads does (84 MB for the real table), so
-the random reads take no TLB misses. The compiled helper (core/_native.c) walks it in one loop;
+the random reads take no TLB misses. The compiled helper (core/native/slots.c) walks it in one loop;
 numpy does the same in a dozen passes.
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ class RowOrder:
         self.sorted_rows = sorted_rows
         self.sorted_slots = sorted_slots
         self._rank_index: RankIndex | None = None
-        # Lookups run on several threads at once (runtime/torch.py): one of them builds the index.
+        # Lookups run on several threads at once (runtime/device/): one of them builds the index.
         self._rank_lock = threading.Lock()
 
     @property

@@ -10,7 +10,7 @@ back one page at a time. A window of 0 turns advice off.
 
 A request whose pages are already cached (a probe of a few of its pages with mincore) skips the
 sort and the advice: from memory, address order buys nothing and advice costs a system call per
-page. Its rows are copied by the compiled helper (core/_native.c: one memcpy per row, straight into
+page. Its rows are copied by the compiled helper (core/native/module.c: one memcpy per row, straight into
 the output, without the GIL) where it was built, else by numpy's fancy index over a view holding
 each row as one opaque element. Everything runs inline on the calling thread unless `threads` is
 raised; docs/RUNTIME.md gives the measurements.
@@ -27,10 +27,11 @@ import numpy as np
 
 from ..format.pages import row_offsets
 
-try:
-    from ..core import _native
-except ImportError:  # built only where a C compiler was there at install (setup.py)
-    _native = None
+try:  # built only where a C compiler was there at install (setup.py): both or neither
+    from ..core import _native as _core_native
+    from . import _native
+except ImportError:
+    _core_native = _native = None
 
 # Tuned on this project's benchmark host (BENCHMARKS.md, "runtime gather"): the window that reached the
 # disk's random-read ceiling, and a byte cap that keeps advice from flooding a small page cache.
@@ -163,7 +164,7 @@ class Gatherer:
             self._gather_cold(self._units_of(slots), out, window)
             return out
         parts = min(self.threads, count // THREAD_MIN_ROWS)
-        if _native is None and out is None and parts <= 1:
+        if _core_native is None and out is None and parts <= 1:
             # One copy, straight into the array returned.
             return self._units[self._units_of(slots)].view(np.uint8).reshape(count, self._row_bytes)
         if out is None:
@@ -176,8 +177,8 @@ class Gatherer:
 
     def _copy(self, slots: np.ndarray, out: np.ndarray) -> None:
         """The cached rows at `slots` into `out` (C-contiguous)."""
-        if _native is not None:
-            _native.copy_rows(self._mapping, slots, out, self._data_offset, self._page_size,
+        if _core_native is not None:
+            _core_native.copy_rows(self._mapping, slots, out, self._data_offset, self._page_size,
                               self._rows_per_page, self._row_bytes, self._num_slots)
             return
         target = self._as_rows(out)
@@ -213,21 +214,21 @@ class Gatherer:
                    first_row: int, num_resident: int, slots: np.ndarray, index: np.ndarray, out: np.ndarray,
                    threads: int, device_copy: tuple | None) -> "StageJob":
         """`stage` on a thread of the compiled helper once flags[0] == ids_value and flags[1] ==
-        free_value, then the optional device copy (core/_native.c); see Table.stage_when."""
+        free_value, then the optional device copy (runtime/native/jobs.c); see Table.stage_when."""
         arguments = self._stage_arguments(ids, order, first_row, num_resident, slots, index, out, threads)
         return StageJob(_native.stage_when(flags, ids_value, free_value, device_copy, *arguments), self)
 
     def stage_and_launch(self, ids: np.ndarray, order, first_row: int, num_resident: int, slots: np.ndarray,
                          index: np.ndarray, out: np.ndarray, context: int, events: tuple[int, ...], graph: int,
                          stream: int) -> tuple[int, bool, bool]:
-        """`stage` after CUDA events, then a CUDA graph's launch if the rows were staged (core/_native.c);
+        """`stage` after CUDA events, then a CUDA graph's launch if the rows were staged (runtime/native/module.c);
         see Table.stage_and_launch."""
         arguments = self._stage_arguments(ids, order, first_row, num_resident, slots, index, out, 1)
         (disk, staged), launched = _native.stage_and_launch(context, events, graph, stream, *arguments)
         return (*self._staged(disk, staged), launched)
 
     def _stage_arguments(self, ids, order, first_row, num_resident, slots, index, out, threads) -> tuple:
-        """The compiled helper's `stage` arguments (core/_native.c), this table's geometry included."""
+        """The compiled helper's `stage` arguments (runtime/native/stage.c), this table's geometry included."""
         rank_words, sorted_slots = order.rank_index
         return (ids, first_row, order.num_rows, rank_words, sorted_slots, num_resident, slots, index, self._mapping,
                 out, self._data_offset, self._page_size, self._rows_per_page, self._row_bytes, self._num_slots,

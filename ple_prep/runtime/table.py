@@ -110,7 +110,7 @@ class Table:
     def stage(self, ids: np.ndarray, num_resident: int, slots: np.ndarray, index: np.ndarray,
               out: np.ndarray, threads: int = 1) -> tuple[int, bool]:
         """The host half of a lookup split between a resident tier (the first `num_resident` slots)
-        and this file, into caller buffers, for a serving stack's every step (runtime/torch.py).
+        and this file, into caller buffers, for a serving stack's every step (runtime/device/).
 
         `slots` (int64) gets each id's slot and `index` (int32) the slot of each resident position.
         If the other positions' rows are in the page cache (a few probed), they are copied into
@@ -138,7 +138,7 @@ class Table:
         of `out` to the end of the request's entries of `index` (which must follow `out` in the same
         pinned allocation) to the same offsets from `address`, and a record of `done_event`."""
         if not self.compiled:
-            raise RuntimeError("stage_when needs the compiled helper (core/_native.c)")
+            raise RuntimeError("stage_when needs the compiled helper (runtime/native/)")
         self._watch.check()
         return self._gatherer.stage_when(flags, ids_value, free_value, ids, self.order, self.first_row, num_resident,
                                          slots, index, out, threads, device_copy)
@@ -149,18 +149,18 @@ class Table:
         """`stage` once each CUDA event of `events` has completed, then, if the rows were staged, the
         launch of CUDA graph exec `graph` on `stream` (raw driver handles as ints; `context` from
         `driver.device_context`), in one call of the compiled helper: a small request from device
-        ids finished without a CUDA call from Python (runtime/torch.py), on this thread alone.
+        ids finished without a CUDA call from Python (runtime/device/), on this thread alone.
         Returns what `stage` does and whether the graph was launched. Needs the compiled helper
         (`compiled`)."""
         if not self.compiled:
-            raise RuntimeError("stage_and_launch needs the compiled helper (core/_native.c)")
+            raise RuntimeError("stage_and_launch needs the compiled helper (runtime/native/)")
         self._watch.check()
         return self._gatherer.stage_and_launch(ids, self.order, self.first_row, num_resident, slots, index, out,
                                                context, events, graph, stream)
 
     @property
     def compiled(self) -> bool:
-        """Whether the compiled helper (core/_native.c) runs this table's host lookups."""
+        """Whether the compiled helper (runtime/native/) runs this table's host lookups."""
         return gather._native is not None
 
     @property

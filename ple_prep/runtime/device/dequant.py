@@ -20,8 +20,8 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from ..core.constants import ENCODING_BLOCKS, Encoding
-from . import dequant
+from ...core.constants import ENCODING_BLOCKS, Encoding
+from .. import dequant
 
 
 class TorchDecoder:

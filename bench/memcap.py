@@ -7,7 +7,7 @@ placed in a fresh cgroup before it starts (so every page it faults or advises is
 whose ballast fills the limit but for `headroom_bytes`, and reports major faults, time, RssFile and
 the cgroup's usage. Needs root and cgroup v1's memory controller at /sys/fs/cgroup/memory.
 
-    python -m ple_prep.tools.memcap REQUEST.json   (the child; `measure` builds the request)
+    python bench/memcap.py REQUEST.json   (the child; `measure` builds the request)
 """
 from __future__ import annotations
 
@@ -23,6 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+# The child runs this file as a script: the package is found beside bench/ (as the benches find it).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ple_prep.runtime import open_table  # noqa: E402
+from ple_prep.tools.benchmark import evict, major_faults  # noqa: E402
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 _NAMES = itertools.count()
@@ -106,7 +112,7 @@ def _run_capped(request: dict[str, Any], arrays: list[np.ndarray], limit_bytes: 
                 with open(procs, "w") as handle:
                     handle.write(str(os.getpid()))
 
-            done = subprocess.run([sys.executable, "-m", "ple_prep.tools.memcap",
+            done = subprocess.run([sys.executable, str(Path(__file__).resolve()),
                                    str(Path(folder) / "request.json")],
                                   capture_output=True, text=True, preexec_fn=join_cgroup)
         killed = _oom_kills(cgroup) > 0
@@ -129,9 +135,6 @@ def _oom_kills(cgroup: Path) -> int:
 
 
 def _footprint_child(request: dict[str, Any]) -> dict[str, Any]:
-    from ..runtime import open_table
-    from .benchmark import evict
-
     path = Path(request["table"])
     cgroup = own_cgroup()
     evict(path)
@@ -162,9 +165,6 @@ def _footprint_child(request: dict[str, Any]) -> dict[str, Any]:
 
 
 def _child(request_file: str) -> dict[str, Any]:
-    from ..runtime import open_table
-    from .benchmark import evict, major_faults
-
     request = json.loads(Path(request_file).read_text())
     if request["kind"] == "footprint":
         return _footprint_child(request)

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # Kills the child itself when the audit event of its N-th os.rename fires (before the rename).
 _KILL_AT_RENAME = """
 import os, signal

@@ -1,4 +1,4 @@
-"""The compiled helper's calls into the CUDA driver (core/_native.c), for runtime/torch.py.
+"""The compiled helper's calls into the CUDA driver (runtime/native/cuda.c), for the device package.
 
 Each CUDA call through torch costs 5-15 us of host time on the H200's host (BENCHMARKS.md), so the
 copies a start from device ids queues on every step go to the driver directly. The helper opens
@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 
 try:
-    from ..core import _native
+    from .. import _native
 except ImportError:  # built only where a C compiler was there at install (setup.py)
     _native = None
 
@@ -19,7 +19,7 @@ def device_context(ordinal: int) -> int:
     """The CUDA primary context of device `ordinal` (the one torch uses), as an int; OSError where
     the compiled helper or the CUDA driver is missing."""
     if _native is None:
-        raise OSError("the compiled helper (core/_native.c) is not built")
+        raise OSError("the compiled helper (runtime/native/) is not built")
     return _native.device_context(ordinal)
 
 

@@ -1,13 +1,13 @@
 """FP8 rows picked from the tiers and decoded to bf16 in one GPU kernel (Triton).
 
-The torch path of runtime/torch.py copies each position's row with `index_select`, widens every
+The torch path of device/graphs.py copies each position's row with `index_select`, widens every
 code to int32 and looks it up with a second `index_select`: three passes over a chunk's bytes (on
 an H200, 0.115 ms for a 4,096-token chunk, most of what `finish` adds to the stream). This kernel
 reads each position's codes once and writes bf16 through the 256-entry table the torch decoder
-builds (runtime/torch_dequant.py), so its values are the same bits.
+builds (device/dequant.py), so its values are the same bits.
 
 Used on CUDA devices where Triton is installed (torch's CUDA wheels bring it); elsewhere the torch
-path runs. Imported only from runtime/torch.py.
+path runs. Imported only from device/source.py.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import importlib.util
 
 import torch
 
-from ..core.constants import Encoding
+from ...core.constants import Encoding
 
 # Positions per program, and the power of two that covers a row's codes.
 BLOCK_POSITIONS = 16

@@ -1,4 +1,4 @@
-"""docs/CLI.md, generated from every command's --help. `python -m ple_prep.cli_reference --write`."""
+"""docs/CLI.md, generated from every command's --help. `python scripts/cli_reference.py --write`."""
 from __future__ import annotations
 
 import sys
@@ -7,10 +7,13 @@ from typing import Iterator
 
 import click
 
+# Run as a script from a checkout: the package is found beside scripts/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 # Fixed, so the text does not depend on the terminal that regenerates it.
 HELP_WIDTH = 100
 REFERENCE_PATH = Path(__file__).resolve().parents[1] / "docs" / "CLI.md"
-REGENERATE = "python -m ple_prep.cli_reference --write"
+REGENERATE = "python scripts/cli_reference.py --write"
 
 _PREAMBLE = f"""# ple-prep command reference
 
@@ -55,7 +58,7 @@ def render(root: click.Command) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from .cli import cli
+    from ple_prep.cli import cli
 
     text = render(cli)
     if argv == ["--write"]:

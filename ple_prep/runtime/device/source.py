@@ -1,7 +1,7 @@
 """The PLE layer's input as a torch tensor: row ids from the host in, bf16 values on the device out.
 
     from ple_prep.runtime import open_table
-    from ple_prep.runtime.torch import EmbeddingSource
+    from ple_prep.runtime.device import EmbeddingSource
 
     source = EmbeddingSource(open_table("/nvme/ple.bin"), device="cuda",
                              resident_bytes=2 << 30, max_ids=4096 * 16)
@@ -17,13 +17,13 @@ positions are copied into a pinned buffer (from the page cache: every position, 
 threads; cold: each distinct row once, through the table's read path) with their tier index next
 to them; one non-blocking copy on a side stream carries both to the device. Ids on the device (a
 serving stack that computes them there) are copied to pinned memory behind the kernel that wrote
-them; a large request's lookup starts on a helper thread of core/_native.c as soon as they land,
+them; a large request's lookup starts on a helper thread of the compiled runtime (runtime/native/) as soon as they land,
 while the caller goes on launching work, a small one's runs at `finish` (which waits on the host
 for those ids: the device is usually past them by then; with the compiled helper, once a graph of
 its size exists, that wait, the lookup and the graph's launch are one call). `finish` makes the
 current stream wait for that copy (an event: no host synchronisation when the copy was launched in
 time), then one index picks every position's row from its tier and the decoder writes bf16 into an
-output buffer allocated once (FP8 with Triton: one kernel does both, runtime/triton_gather.py).
+output buffer allocated once (FP8 with Triton: one kernel does both, device/triton_gather.py).
 The device half launches kernels only, on fixed buffers, so it can be captured in a CUDA graph and
 replayed; docs/SERVING.md gives the contract.
 
@@ -38,21 +38,13 @@ import time
 import numpy as np
 import torch
 
-from .driver import device_context, queue_ids_copy
-from .table import Table
-from .tiers import read_leading_slots
-from .torch_dequant import decoder_for
+from ..table import Table
+from .buffers import DeviceBuffersMixin
+from .dequant import decoder_for
+from .device_ids import DeviceIdsMixin, _FromDevice
+from .graphs import INLINE_IDS, GraphsMixin
 from .triton_gather import fp8_gather_for
 
-# Up to this many ids, `start` does its host work inline (a hop to the worker thread costs more)
-# and copies on the caller's stream, inside `finish`'s graph when `source(ids)` calls both.
-INLINE_IDS = 1024
-# An eager `finish` replays a graph captured for the count rounded up to a power of two, at least
-# this (a decode step's 16 ids): one launch instead of a handful, each 5-15 us of host time on the
-# H200's host, and a Triton launch from Python costs more than the chunk's replay.
-GRAPH_MIN_IDS = 16
-# Values the device writes into the pinned flags of a start from device ids, in turn (never 0).
-FLAG_VALUES = 256
 # Up to this many disk positions of a cold request, rows are read without deduplication: the sort
 # costs more than reading a rare duplicate row (whose page the first read has cached).
 DEDUP_MIN_ROWS = 64
@@ -98,27 +90,7 @@ class _Done:
         return self.count
 
 
-class _Staged:
-    """A small start's stage already run by Table.stage_and_launch (its rows not cached), shaped
-    like a helper thread's job for `_prepare`."""
-
-    def __init__(self, disk: int, staged: bool):
-        self.outcome = (disk, staged, False)
-
-    def join(self) -> tuple[int, bool, bool]:
-        return self.outcome
-
-
-class _FromDevice:
-    """A start from device ids: their copy to pinned memory queued, and for a large request the
-    lookup waiting on a helper thread for them to land (`job`); the rest runs at join."""
-
-    def __init__(self, ids: np.ndarray, job=None):
-        self.ids = ids
-        self.job = job
-
-
-class EmbeddingSource:
+class EmbeddingSource(DeviceBuffersMixin, DeviceIdsMixin, GraphsMixin):
     """bf16 PLE values on a torch device for row ids given on the host, from a resident and a disk tier."""
 
     def __init__(self, table: Table, *, device: str | torch.device = "cuda", resident_bytes: int = 0,
@@ -130,75 +102,14 @@ class EmbeddingSource:
         self.device = torch.empty(0, device=device).device
         self.capacity = int(max_ids)
         self.num_resident = int(min(table.num_rows, max(0, resident_bytes) // table.row_bytes))
-        rows, row_bytes, capacity = self.num_resident, table.row_bytes, self.capacity
-        # One device buffer: [lead][resident rows][staging rows][pad][tier index, int32 per position].
-        # The staging rows fill from their end, so a call's disk rows and its index are one
-        # contiguous span: one copy. The lead and pad keep the span and the index 4-byte aligned.
-        lead = -rows * row_bytes % 4
-        pad = -capacity * row_bytes % 4
-        self._index_at = capacity * row_bytes + pad          # within the span
-        span_bytes = self._index_at + 4 * capacity
-        buffer = torch.empty(lead + rows * row_bytes + span_bytes, dtype=torch.uint8, device=self.device)
-        self._tiers = buffer[lead:lead + (rows + capacity) * row_bytes].view(rows + capacity, row_bytes)
-        self._span = buffer[lead + rows * row_bytes:]
-        # Every index entry, also past a call's count, names a real tier row: a graph captured
-        # for more positions than a replay's call has reads stale rows there, never outside.
-        self._span[self._index_at:].zero_()
-        self._index = self._span[self._index_at:].view(torch.int32)
-
-        def put(start: int, chunk: np.ndarray) -> None:
-            self._tiers[start:start + len(chunk)].copy_(torch.from_numpy(chunk))
-
-        read_leading_slots(table.descriptor, table.path.name, table.header, rows, put)
-        self._cuda = self.device.type == "cuda"
-        if self._cuda:
-            self._host_span = torch.zeros(span_bytes, dtype=torch.uint8, pin_memory=True)
-            self._copy_stream = torch.cuda.Stream(self.device)
-            # External events: captured in a graph they become record/wait nodes on these events.
-            self._copied = torch.cuda.Event(external=True)
-            self._consumed = torch.cuda.Event(external=True)
-            # Ids given on the device land here, then a value in flags[0]; flags[1] gets one after
-            # the device's last read of the pinned span (what Table.stage_when waits for).
-            self._device_ids = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
-            self._device_ids_array = self._device_ids.numpy()
-            self._flags = torch.zeros(2, dtype=torch.int32, pin_memory=True)
-            self._flags_array = self._flags.numpy()
-            # One-element views made once: slicing costs more than the copy's launch.
-            self._free_flag = self._flags[1:2]
-            self._flag_values = torch.arange(1, FLAG_VALUES + 1, dtype=torch.int32, device=self.device)
-            self._flag_sources = [self._flag_values[k:k + 1] for k in range(FLAG_VALUES)]
-            self._flags_written = 0
-            self._ids_ready = torch.cuda.Event()
-            self._ids_landed = torch.cuda.Event()
-            # With the compiled helper, device ids are copied to pinned memory by driver calls
-            # (runtime/driver.py), and a large request's staged rows to the device by the helper's
-            # thread (Table.stage_when). They wait on and record these events, which must exist
-            # first (torch creates an event at its first record).
-            self._consumed.record()
-            self._copied.record(self._copy_stream)
-            self._ids_landed.record()
-            self._context = device_context(self.device.index) if table.compiled else None
-            # The raw handles and addresses of every step's driver calls, read once: each torch
-            # accessor costs the H200's host up to a microsecond.
-            self._ids_landed_handle, self._copied_handle = self._ids_landed.cuda_event, self._copied.cuda_event
-            self._device_ids_address, self._flags_address = self._device_ids.data_ptr(), self._flags.data_ptr()
-            self._device_copy = None if self._context is None else (
-                self._context, self._copy_stream.cuda_stream, self._consumed.cuda_event, self._copied_handle,
-                self._span.data_ptr())
-        else:
-            # On the CPU the host writes the span in place: there is nothing to copy.
-            self._host_span = self._span
-        self._host_rows = self._host_span[:capacity * row_bytes].view(capacity, row_bytes).numpy()
-        self._host_index = self._host_span[self._index_at:].view(torch.int32).numpy()
-        self._rows = torch.empty((capacity, row_bytes), dtype=torch.uint8, device=self.device)
-        self.output = torch.empty((capacity, table.values_per_row), dtype=torch.bfloat16, device=self.device)
+        self._allocate_buffers()
         self._decoder = decoder_for(table.encoding, table.values_per_row, table.scale, self.device)
         # FP8 on a GPU with Triton: the row index and the decode in one kernel, compiled here so
         # that no graph capture compiles it.
         self._fused = fp8_gather_for(self._decoder, table.row_bytes, self.device)
         if self._fused is not None:
             self._fused(self._tiers, self._index[:1], self.output[:1])
-        self._slots = np.empty(capacity, dtype=np.int64)
+        self._slots = np.empty(self.capacity, dtype=np.int64)
         self._small_outputs: dict[int, torch.Tensor] = {}
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         # The graphs with a copy as CUDA graph execs, by size, for the compiled helper to launch
@@ -252,65 +163,6 @@ class EmbeddingSource:
 
     def _current_stream(self):
         return torch.cuda.current_stream(self.device) if self._cuda else None
-
-    def _start_from_device(self, row_ids: torch.Tensor) -> _FromDevice:
-        dtype = row_ids.dtype
-        if dtype is not torch.int64 and (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
-            raise TypeError(f"row ids must be integers, not {dtype}")
-        count = self._checked_count(row_ids.numel())
-        ids = self._device_ids_array[:count]
-        if count <= INLINE_IDS or not self.table.compiled:
-            # The lookup at join: for a small request that costs less than a helper thread's start
-            # (and without the compiled helper there is no such thread).
-            self._copy_ids(row_ids, count)
-            return _FromDevice(ids)
-        # Usually the last copy out of the pinned span has run (its finish waited for it): then the
-        # ids and their flag go on the caller's stream and the job waits for that flag alone;
-        # else, on the side stream, the flags land after that copy, in the order written.
-        span_free = self._copied.query()
-        free_value = -1 if span_free else self._next_flag_value()
-        ids_value = self._next_flag_value()
-        # The copies first: the device runs them while the job's thread starts (which then may
-        # find its flags written already).
-        if span_free:
-            self._copy_ids(row_ids, count, ids_value)
-        else:
-            self._ids_ready.record()
-            stream = self._copy_stream
-            stream.wait_event(self._ids_ready)
-            row_ids.record_stream(stream)  # the caller may free its tensor before the copy has run
-            with torch.cuda.stream(stream):
-                stream.wait_event(self._copied)
-                self._write_free_flag(free_value)
-                self._copy_ids(row_ids, count, ids_value)
-        job = self.table.stage_when(self._flags_array, ids_value, free_value, ids, self.num_resident,
-                                    self._slots[:count], self._host_index[:count], self._host_rows,
-                                    self._lookup_threads(count), self._device_copy)
-        return _FromDevice(ids, job)
-
-    def _copy_ids(self, row_ids: torch.Tensor, count: int, ids_value: int | None = None) -> None:
-        """Queue on the current stream the copy of `row_ids` into pinned memory (any shape: a
-        contiguous tensor's bytes are its ids in order), then (for a helper thread's job) the flag
-        that says they landed; `_ids_landed` marks them."""
-        if self._context is None:  # no compiled helper, so no helper thread and no flag: torch's copy
-            self._device_ids[:count].copy_(row_ids.reshape(-1), non_blocking=True)
-            self._ids_landed.record()
-            return
-        if row_ids.dtype is not torch.int64 or not row_ids.is_contiguous():
-            row_ids = row_ids.to(torch.int64).contiguous()
-        flag_source = 0 if ids_value is None else self._flag_values.data_ptr() + 4 * (ids_value - 1)
-        # The current stream's handle without a Stream object (torch.cuda.current_stream builds
-        # one, 3.5-7 us on the H200's host).
-        queue_ids_copy(self._context, torch._C._cuda_getCurrentRawStream(self.device.index), self._ids_landed_handle,
-                       self._device_ids_address, row_ids.data_ptr(), 8 * count, self._flags_address, flag_source)
-
-    def _next_flag_value(self) -> int:
-        self._flags_written += 1
-        return self._flags_written % FLAG_VALUES + 1
-
-    def _write_free_flag(self, value: int) -> None:
-        """Queue the device's write of `value` into flags[1], on the current stream."""
-        self._free_flag.copy_(self._flag_sources[value - 1], non_blocking=True)
 
     def join(self) -> int:
         """Wait for the last start's host work (the copy launched, not finished); raise its error.
@@ -496,82 +348,6 @@ class EmbeddingSource:
         if not with_copy:
             self._consumed.record(stream)
         return self._output_view(count)
-
-    def _graph_size(self, count: int) -> int:
-        """The positions of the graph an eager finish of `count` positions replays."""
-        return min(self.capacity, max(GRAPH_MIN_IDS, 1 << (count - 1).bit_length()))
-
-    def _finish_in_one_call(self, count: int | None) -> torch.Tensor | None:
-        """An eager finish of a small start from device ids in one call of the compiled helper
-        (Table.stage_and_launch): the waits for its ids and for the span's last copy, its lookup,
-        and the launch of the graph that copies its rows and decodes them, with no torch call for
-        them (each costs the H200's host several microseconds: BENCHMARKS.md). None where that
-        graph is not captured yet (the start still pending: the general path captures it) or the
-        rows are not cached (then read here as `_join` does, and the general path replays the
-        graph)."""
-        pending = self._pending
-        if not isinstance(pending, _FromDevice) or pending.job is not None or not self._graph_execs:
-            return None
-        started = len(pending.ids)
-        count = started if count is None else count
-        graph = self._graph_execs.get(self._graph_size(count)) if 0 < started <= count <= self.capacity else None
-        if graph is None:
-            return None
-        began = time.perf_counter()
-        self._pending = None  # as in `_join`: a raised error leaves no start pending
-        disk, staged, launched = self.table.stage_and_launch(
-            pending.ids, self.num_resident, self._slots[:started], self._host_index[:started], self._host_rows,
-            context=self._context, events=(self._ids_landed_handle, self._copied_handle), graph=graph,
-            stream=torch._C._cuda_getCurrentRawStream(self.device.index))
-        if not launched:
-            self._joined = self._prepare(pending.ids, None, _Staged(disk, staged), defer_copy=True)
-            return None
-        self.last_disk_rows = disk
-        self.last_stages = {"lookup": time.perf_counter() - began, "split": 0.0, "gather": 0.0, "copy": 0.0}
-        return self._output_view(count)
-
-    def _output_view(self, count: int) -> torch.Tensor:
-        """output[:count]; for a small request (a decode step's, every step) made once."""
-        if count > INLINE_IDS:
-            return self.output[:count]
-        view = self._small_outputs.get(count)
-        if view is None:
-            view = self._small_outputs[count] = self.output[:count]
-        return view
-
-    def _index_and_decode(self, count: int) -> torch.Tensor:
-        if self._fused is not None:
-            values = self.output[:count]
-            self._fused(self._tiers, self._index[:count], values)
-            return values
-        rows = torch.index_select(self._tiers, 0, self._index[:count], out=self._rows[:count])
-        values = self.output[:count]
-        self._decoder(rows, out=values)
-        return values
-
-    def _capture(self, size: int, with_copy: bool, stream) -> torch.cuda.CUDAGraph:
-        """The device half for `size` positions as a CUDA graph, captured once per size; `with_copy`:
-        preceded by the copy of the span's part that `size` positions can use (their rows fill the
-        staging rows from the end) and with the events the copy waits for and marks."""
-        graph = torch.cuda.CUDAGraph()
-        capture = torch.cuda.Stream(self.device)
-        capture.wait_stream(stream)
-        with torch.cuda.stream(capture):
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                if with_copy:
-                    self._launch_copy(((self.capacity - size) * self.table.row_bytes, self._index_at + 4 * size),
-                                      capture)
-                self._index_and_decode(size)
-                if with_copy:
-                    self._consumed.record(capture)
-            finally:
-                graph.capture_end()
-        stream.wait_stream(capture)
-        self._graphs[(size, with_copy)] = graph
-        if with_copy and self._context is not None and hasattr(graph, "raw_cuda_graph_exec"):
-            self._graph_execs[size] = graph.raw_cuda_graph_exec()
-        return graph
 
     def __call__(self, row_ids) -> torch.Tensor:
         """`start` inline then `finish`: bf16 values on the device, each row of ids concatenated;

@@ -1,0 +1,123 @@
+/* ple_prep.core._native: the format layer's hot loops, compiled when a compiler is there at install
+ * (setup.py); ple_prep/runtime/gather.py and ple_prep/format/order.py hold the numpy fallback of
+ * each, with the same results bit for bit. Both release the GIL, so work split over threads scales.
+ *
+ * copy_rows(mapping, slots, out, data_offset, page_size, rows_per_page, row_bytes, num_slots)
+ *     out[i] = the row at file slot slots[i]: one memcpy per row, straight into `out`.
+ * slot_of(ids, first_row, num_rows, rank_words, sorted_slots, out)
+ *     out[i] = the file slot of row id ids[i] (local row ids[i] - first_row, refused outside
+ *     [0, num_rows)), from format/order.py's rank index (the identity where sorted_slots is empty).
+ *
+ * The runtime's staging, thread pool and CUDA driver calls are ple_prep.runtime._native
+ * (runtime/native/module.c), which builds on rows.h and buffers.h here.
+ */
+#include <string.h>
+
+#include "buffers.h"
+#include "rows.h"
+
+static PyObject *copy_rows(PyObject *self, PyObject *args)
+{
+    PyObject *mapping_object, *slots_object, *out_object;
+    Py_ssize_t data_offset, page_size, rows_per_page, row_bytes, num_slots;
+    if (!PyArg_ParseTuple(args, "OOOnnnnn", &mapping_object, &slots_object, &out_object, &data_offset,
+                          &page_size, &rows_per_page, &row_bytes, &num_slots)
+        || check_geometry(data_offset, page_size, rows_per_page, row_bytes, num_slots) != 0)
+        return NULL;
+    held_buffers held = {.held = 0};
+    PyObject *result = NULL;
+    Py_buffer *mapping, *slots, *out;
+    if (!(mapping = hold(&held, mapping_object, 0, 1, "mapping"))
+        || !(slots = hold(&held, slots_object, 0, sizeof(int64_t), "slots"))
+        || !(out = hold(&held, out_object, 1, 1, "out")))
+        goto done;
+    Py_ssize_t count = slots->len / (Py_ssize_t)sizeof(int64_t);
+    Py_ssize_t num_pages = (num_slots + rows_per_page - 1) / rows_per_page;
+    if (out->len != count * row_bytes) {
+        PyErr_Format(PyExc_ValueError, "out holds %zd bytes, not %zd rows of %zd", out->len, count, row_bytes);
+        goto done;
+    }
+    if (data_offset + num_pages * page_size > mapping->len) {
+        PyErr_SetString(PyExc_ValueError, "the mapping is shorter than its pages");
+        goto done;
+    }
+    const int64_t *slot = (const int64_t *)slots->buf;
+    const char *data = (const char *)mapping->buf + data_offset;
+    char *target = (char *)out->buf;
+    Py_ssize_t bad = -1;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (i + PREFETCH_AHEAD < count && (uint64_t)slot[i + PREFETCH_AHEAD] < (uint64_t)num_slots)
+            prefetch_row(row_address(data, slot[i + PREFETCH_AHEAD], page_size, rows_per_page, row_bytes), row_bytes);
+        if ((uint64_t)slot[i] >= (uint64_t)num_slots) {
+            bad = i;
+            break;
+        }
+        memcpy(target + i * row_bytes, row_address(data, slot[i], page_size, rows_per_page, row_bytes),
+               (size_t)row_bytes);
+    }
+    Py_END_ALLOW_THREADS
+    if (bad >= 0) {
+        PyErr_Format(PyExc_IndexError, "slot %lld is outside the table's %zd slots", (long long)slot[bad],
+                     num_slots);
+        goto done;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    release(&held);
+    return result;
+}
+
+static PyObject *slot_of(PyObject *self, PyObject *args)
+{
+    PyObject *ids_object, *rank_words_object, *sorted_slots_object, *out_object;
+    long long first_row, num_rows;
+    if (!PyArg_ParseTuple(args, "OLLOOO", &ids_object, &first_row, &num_rows, &rank_words_object,
+                          &sorted_slots_object, &out_object))
+        return NULL;
+    held_buffers held = {.held = 0};
+    PyObject *result = NULL;
+    Py_buffer *ids, *rank_words, *sorted_slots, *out;
+    if (!(ids = hold(&held, ids_object, 0, sizeof(int64_t), "ids"))
+        || !(rank_words = hold(&held, rank_words_object, 0, sizeof(uint64_t), "rank_words"))
+        || !(sorted_slots = hold(&held, sorted_slots_object, 0, sizeof(uint32_t), "sorted_slots"))
+        || !(out = hold(&held, out_object, 1, sizeof(int64_t), "out")))
+        goto done;
+    Py_ssize_t num_words = rank_words->len / (Py_ssize_t)(2 * sizeof(uint64_t));
+    int64_t num_placed = sorted_slots->len / (Py_ssize_t)sizeof(uint32_t);
+    if (out->len != ids->len || rank_words->len % (Py_ssize_t)(2 * sizeof(uint64_t)) || num_rows < 0
+        || (num_placed && num_words * 64 < num_rows)) {
+        PyErr_SetString(PyExc_ValueError, "slot_of: mismatched array sizes");
+        goto done;
+    }
+    const int64_t *id = (const int64_t *)ids->buf;
+    Py_ssize_t bad;
+    Py_BEGIN_ALLOW_THREADS
+    find_slots(id, ids->len / (Py_ssize_t)sizeof(int64_t), first_row, num_rows, (const uint64_t *)rank_words->buf,
+               (const uint32_t *)sorted_slots->buf, num_placed, (int64_t *)out->buf, &bad);
+    Py_END_ALLOW_THREADS
+    if (bad >= 0) {
+        refuse_row_id(id[bad], first_row, num_rows);
+        goto done;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    release(&held);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"copy_rows", copy_rows, METH_VARARGS, "Rows at file slots into out (see the module's comment)."},
+    {"slot_of", slot_of, METH_VARARGS, "File slots of row ids from the rank index."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__native(void)
+{
+    select_find_slots();
+    return PyModule_Create(&module);
+}
