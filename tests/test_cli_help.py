@@ -97,3 +97,6 @@ def test_every_exit_status_is_documented_where_users_read():
     assert sentence, "the README's Scripting paragraph lists the exit status"
     documented = {int(code) for code in re.findall(r"(?<![\w.])(\d+) [a-z]", sentence.group(1))}
     assert documented == codes | {0}, f"README lists {sorted(documented)}, the CLI exits with {sorted(codes | {0})}"
+    reference = (root / "docs" / "CLI.md").read_text()
+    listed = re.search(r"Exit status, for every command: (.*?)\. With", reference, flags=re.S).group(1)
+    assert {int(code) for code in re.findall(r"\*\*(\d+)\*\*", listed)} == codes | {0}

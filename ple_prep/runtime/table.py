@@ -16,6 +16,7 @@ from ..format.header import Header
 from ..format.manifest import load_table_manifest, manifest_path, spec_digest
 from ..format.order import RowOrder
 from . import gather
+from .compiled import warn_once_if_missing
 from .dequant import decode
 from .direct import DEFAULT_QUEUE_DEPTH, DirectReader, DirectUnavailable
 from .footprint import MappedBudget
@@ -315,6 +316,7 @@ def open_table(path: str | Path, manifest: str | Path | None = None, *,
     To also refuse a table whose source checkpoint changed since conversion, open it with
     `ple_prep.offline.staleness.open_checked` (that check reads the checkpoint's format).
     """
+    warn_once_if_missing()  # serving without the compiled helper is slow: say so once
     if read_path is not None and read_path not in READ_PATHS:
         raise ValueError(f"read_path must be one of {', '.join(READ_PATHS)}, not {read_path!r}")
     path = Path(path)

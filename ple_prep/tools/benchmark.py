@@ -23,7 +23,7 @@ import numpy as np
 
 from ..core.errors import BadInput
 from ..ngram import NgramSpec
-from ..runtime import open_table
+from ..runtime import compiled_helper_missing, open_table
 from ..runtime.gather import _MINCORE
 
 PREFILL_TOKENS = 4096
@@ -36,9 +36,10 @@ MODEL_TABLE_ROWS = 320_001_536
 
 def table_notes(manifest: dict[str, Any], file_bytes: int) -> list[str]:
     """What a reader of this table's figures must know before trusting them."""
+    notes = [] if compiled_helper_missing() is None else [compiled_helper_missing()]
     if manifest["total_rows"] >= MODEL_TABLE_ROWS:
-        return []
-    return [f"this table holds {manifest['total_rows']:,} rows, the model's {MODEL_TABLE_ROWS:,}: its "
+        return notes
+    return notes + [f"this table holds {manifest['total_rows']:,} rows, the model's {MODEL_TABLE_ROWS:,}: its "
             f"{file_bytes / (1 << 20):,.1f} MiB are few pages close together, which the drive and the page "
             f"cache serve as they never serve the real table, so these figures (and the ratio to fio) say "
             f"nothing of serving; bench the converted model's table on the drive you will serve from"]

@@ -283,3 +283,19 @@ def test_register_patches_a_module_vllm_imported_before_it_and_adds_one_finder(m
     with set_current_vllm_config(vllm_config()):
         assert isinstance(chooser.Qwen4ExpPLEDeviceEmbedding(1, 2), _Stored)
     assert sum(isinstance(finder, plugin._PatchAfterImport) for finder in sys.meta_path) == 1
+
+
+def test_the_log_says_when_the_compiled_helper_is_missing(tables):
+    """An install without a C compiler serves the same bytes, slower: the plugin's log says how to fix it."""
+    code = ("import os, sys\n"
+            "sys.modules['ple_prep.core._native'] = sys.modules['ple_prep.runtime._native'] = None\n"
+            "os.environ.setdefault('VLLM_TARGET_DEVICE', 'cpu')\n"
+            f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+            "from worker import start_worker\n"
+            "start_worker()\n"
+            "from vllm_layer import build_layer, text_config, vllm_config\n"
+            f"build_layer(vllm_config({tables['fp8']!r}), text_config('fp8'), None)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = result.stdout + result.stderr
+    assert "ple-prep: ple-prep's compiled helper is not built" in log and "install a C compiler" in log, log[-3000:]

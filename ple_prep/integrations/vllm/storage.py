@@ -32,7 +32,7 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
 )
 
 from ...core.errors import BadInput
-from ...runtime import open_table
+from ...runtime import compiled_helper_missing, open_table
 from .backend import (
     PrefetchedRows,
     TableMismatch,
@@ -139,6 +139,8 @@ class PreparedTableEmbedding(Qwen4ExpPLEEmbedding):
         self._watch_registration()
         logger.info("PLE rows of %s from %s (ETP rank %d of %d): %.2f GiB resident on %s, the rest from the file",
                     prefix, table.path, self.tp_rank, self.tp_size, self.rows.resident_bytes / 2**30, device)
+        if compiled_helper_missing() is not None:
+            logger.warning("ple-prep: %s", compiled_helper_missing())
 
     def _watch_registration(self) -> None:
         """Find the Qwen4ExpNGramEmbedding that holds this storage: its buffers are the hash to check."""
