@@ -383,6 +383,8 @@ def make_fixture(out: Path, variant: str, base: int, shards: int, gguf_layout: s
                  gguf_files: int, seed: int, force: bool) -> None:
     """Write a small checkpoint in the model's real layout into the folder OUT.
 
+    An existing OUT is replaced, whole, only with --force (and only a fixture's folder).
+
     \b
     Example:
         ple-prep make-fixture ./tiny-fp8 --variant fp8
@@ -558,7 +560,8 @@ def bench(table: Path, prefill_requests: int, decode_requests: int, fio_seconds:
     Cold requests run after the table is evicted from the page cache; warm ones repeat them. Row
     ids come from real text (the Python standard library's sources) through the table's hash.
     Reports p50/p99 latency, rows/s and major faults, and fio's 4 KiB random-read IOPS at queue
-    depth 64 on the same file when fio is installed.
+    depth 64 on the same file when fio is installed; names the read path, and notes when the
+    figures say nothing of serving (a table smaller than the model's, no compiled helper).
 
     \b
     Example:
