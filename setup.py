@@ -1,7 +1,7 @@
 """The optional compiled helpers, built when a C compiler is there, skipped (numpy fallback, same
 results) when not: ple_prep.core._native (the rows copy and slot lookup of the format layer) and
 ple_prep.runtime._native (the runtime's staging, thread pool and CUDA driver calls), which reuses
-core/native's row addressing. Everything else is in pyproject.toml."""
+core/native's row addressing, and holds the host cache's loops. Everything else is in pyproject.toml."""
 from setuptools import Extension, setup
 
 CORE = "ple_prep/core/native/"
@@ -14,8 +14,9 @@ setup(ext_modules=[
     Extension("ple_prep.core._native", [CORE + "module.c", *SHARED], extra_compile_args=FLAGS, optional=True,
               depends=[CORE + "buffers.h", CORE + "rows.h"]),
     Extension("ple_prep.runtime._native",
-              [RUNTIME + name for name in ("module.c", "stage.c", "pool.c", "jobs.c", "cuda.c")] + SHARED,
+              [RUNTIME + name for name in ("module.c", "stage.c", "pool.c", "jobs.c", "cuda.c", "hostcache.c")]
+              + SHARED,
               extra_compile_args=FLAGS, optional=True,
               depends=[CORE + "buffers.h", CORE + "rows.h"]
-              + [RUNTIME + name for name in ("cuda.h", "jobs.h", "pool.h", "stage.h")]),
+              + [RUNTIME + name for name in ("cuda.h", "hostcache.h", "jobs.h", "pool.h", "stage.h")]),
 ])

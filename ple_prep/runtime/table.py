@@ -21,6 +21,8 @@ from .dequant import decode
 from .direct import DEFAULT_QUEUE_DEPTH, DirectReader, DirectUnavailable
 from .footprint import MappedBudget
 from .gather import DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_PAGES, Gatherer
+from .hostcache import HostCache, default_budget
+from .readahead import CachedDiskTier, ReadAhead
 from .tiers import Lookup, Resident, load_resident, merge, split
 
 # Where the 16-byte file id sits in the header (docs/FORMAT.md).
@@ -40,7 +42,8 @@ class Table:
     def __init__(self, path: Path, manifest: dict[str, Any], header: Header, mapping: mmap.mmap,
                  watch: FileWatch, window_pages: int = DEFAULT_WINDOW_PAGES,
                  window_bytes: int = DEFAULT_WINDOW_BYTES, direct: DirectReader | None = None,
-                 read_path_note: str | None = None, budget: MappedBudget | None = None):
+                 read_path_note: str | None = None, budget: MappedBudget | None = None,
+                 host_cache_bytes: int = 0):
         self.path = path
         self._watch = watch
         # The file validated at open: later reads (resident tier, another mapping) go through it,
@@ -65,6 +68,10 @@ class Table:
                                           header.num_placed, header.num_rows, path.name) \
             if header.num_placed else RowOrder.identity(header.num_rows)
         self._gatherer = Gatherer(mapping, header, window_pages, window_bytes, direct, budget)
+        # Disk-tier reads go through the host cache when it has a budget (runtime/readahead.py).
+        self._disk = CachedDiskTier(self._gatherer, HostCache(header, host_cache_bytes), header.rows_per_page) \
+            if host_cache_bytes > 0 else None
+        self._reader = self._disk or self._gatherer
         # Why the default read path fell back to "mapped" (None when it did not).
         self.read_path_note = read_path_note
         self._resident: Resident | None = None
@@ -77,6 +84,8 @@ class Table:
 
     def close(self) -> None:
         self._watch.close()
+        if self._disk is not None:
+            self._disk.close()
         self._gatherer.close()
         self._resident = None
         self.order = None
@@ -204,12 +213,28 @@ class Table:
     def gather(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """uint8 `(len(ids), row_bytes)`: the source bytes of each row, in request order."""
         self._watch.check()
-        return self._gatherer.gather_slots(self.slot_of(ids), out)
+        return self._reader.gather_slots(self.slot_of(ids), out)
 
     def gather_slots(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Like `gather`, by file slot (`slot_of`) instead of row id; slots are not checked."""
         self._watch.check()
-        return self._gatherer.gather_slots(slots, out)
+        return self._reader.gather_slots(slots, out)
+
+    @property
+    def host_cache(self) -> CachedDiskTier | None:
+        """The host cache in front of the disk tier (`open_table(host_cache_bytes=...)`), or None:
+        `.cache` holds its rows and hit counts, `.rows_read`/`.pages_read` count demand reads."""
+        return self._disk
+
+    def read_ahead(self, chunks, skip_slots: int = 0) -> ReadAhead | None:
+        """Read the rows of a request's coming chunks (row ids each, in the order they will be
+        gathered) into the host cache on a thread, leaving out slots below `skip_slots` (a
+        resident tier's); returns at once (None without a host cache). runtime/readahead.py."""
+        if self._disk is None:
+            return None
+        self._watch.check()
+        slots = [self.slot_of(chunk) for chunk in chunks]
+        return self._disk.read_ahead([chunk[chunk >= skip_slots] for chunk in slots])
 
     def resident(self, budget_bytes: int, device: str = "cpu") -> Resident:
         """Keep the leading (hottest) slots that fit in `budget_bytes` in RAM or GPU memory.
@@ -228,7 +253,7 @@ class Table:
         once, from its tier.
         """
         self._watch.check()
-        found = split(self.slot_of(ids), self._resident, self._gatherer)
+        found = split(self.slot_of(ids), self._resident, self._reader)
         if out is not None:
             count = len(found.resident_positions) + len(found.disk_positions)
             if tuple(out.shape) != (count, self.row_bytes):
@@ -303,7 +328,7 @@ def open_table(path: str | Path, manifest: str | Path | None = None, *,
                window_pages: int = DEFAULT_WINDOW_PAGES,
                window_bytes: int = DEFAULT_WINDOW_BYTES, read_path: str | None = None,
                queue_depth: int = DEFAULT_QUEUE_DEPTH, mapped_budget_bytes: int | None = None,
-               budget_advice: str = "dontneed") -> Table:
+               budget_advice: str = "dontneed", host_cache_bytes: int | None = None) -> Table:
     """Open a prepared table and its manifest, refusing any pair that does not belong together.
 
     `window_pages`/`window_bytes` bound the read-ahead advice of cold gathers (docs/RUNTIME.md).
@@ -312,13 +337,17 @@ def open_table(path: str | Path, manifest: str | Path | None = None, *,
     takes DEFAULT_READ_PATH, falling back to "mapped" where O_DIRECT is refused (`read_path_note`
     says why). `mapped_budget_bytes` bounds the pages that copies leave mapped (RssFile): past it
     the data region is advised away with `budget_advice`, "dontneed" or "pageout"
-    (runtime/footprint.py).
+    (runtime/footprint.py). `host_cache_bytes` bounds the host cache of disk-tier rows
+    (runtime/hostcache.py; rows, tags and flags): None takes `default_budget` on a read path that
+    bypasses the page cache ("direct") and 0 on "mapped" (the page cache is its cache); 0 turns it off.
     To also refuse a table whose source checkpoint changed since conversion, open it with
     `ple_prep.offline.staleness.open_checked` (that check reads the checkpoint's format).
     """
     warn_once_if_missing()  # serving without the compiled helper is slow: say so once
     if read_path is not None and read_path not in READ_PATHS:
         raise ValueError(f"read_path must be one of {', '.join(READ_PATHS)}, not {read_path!r}")
+    if host_cache_bytes is not None and host_cache_bytes < 0:
+        raise ValueError(f"host_cache_bytes must be >= 0, not {host_cache_bytes}")
     path = Path(path)
     manifest_file = Path(manifest) if manifest is not None else manifest_path(path)
     meta = load_table_manifest(path, manifest)
@@ -360,4 +389,7 @@ def open_table(path: str | Path, manifest: str | Path | None = None, *,
         mapping.close()
         watch.close()
         raise
-    return Table(path, meta, header, mapping, watch, window_pages, window_bytes, direct, note, budget)
+    if host_cache_bytes is None:
+        host_cache_bytes = 0 if direct is None else default_budget(header.num_pages * header.page_size)
+    return Table(path, meta, header, mapping, watch, window_pages, window_bytes, direct, note, budget,
+                 int(host_cache_bytes))

@@ -20,7 +20,9 @@ NVIDIA_MODULE = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
 ROCM_MODULE = "vllm.models.qwen4_exp.amd.ple_layer"
 # vLLM's registry of model loaders by load format.
 LOADER_MODULE = "vllm.model_executor.model_loader"
-_PATCHED = (NVIDIA_MODULE, ROCM_MODULE, LOADER_MODULE)
+# vLLM's worker module whose schedule feeds read-ahead and recording (traffic.py).
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+_PATCHED = (NVIDIA_MODULE, ROCM_MODULE, LOADER_MODULE, RUNNER_MODULE)
 
 
 def _patch(module: ModuleType) -> None:
@@ -28,6 +30,11 @@ def _patch(module: ModuleType) -> None:
         from . import loader
 
         loader.register()
+        return
+    if module.__name__ == RUNNER_MODULE:
+        from . import traffic
+
+        traffic.install(module)
         return
     from . import storage
 

@@ -222,6 +222,12 @@ class EmbeddingSource(DeviceBuffersMixin, DeviceIdsMixin, GraphsMixin):
             self._worker.shutdown()
         self._worker = None
 
+    def read_ahead(self, chunks):
+        """Read the disk-tier rows of a request's coming chunks (row ids each, in the order they
+        will be started: a prompt's, when it arrives) into the table's host cache ahead of them;
+        returns at once (`Table.read_ahead`: a ReadAhead, None without a host cache)."""
+        return self.table.read_ahead([self._host_ids(chunk) for chunk in chunks], skip_slots=self.num_resident)
+
     def reopen(self, table: Table) -> None:
         """Serve from `table`, a new opening of the same file (after `close`, when the old opening
         was closed: say, to evict its pages)."""

@@ -30,14 +30,17 @@
  *     request (first and last included) is in the page cache (mincore); slots outside the table are
  *     left to copy_rows to refuse.
  *
+ * hostcache_lookup, hostcache_probe, hostcache_admit: the host cache's loops (hostcache.c).
+ *
  * Files: stage.c (the stage and its parts), pool.c (the thread pool), jobs.c (stage_when),
- * cuda.c (the driver table); the rows' addresses and the slot lookup come from core/native/.
+ * cuda.c (the driver table), hostcache.c (runtime/hostcache.py's loops); the rows' addresses and the slot lookup come from core/native/.
  */
 #include <pthread.h>
 
 #include "../../core/native/buffers.h"
 #include "../../core/native/rows.h"
 #include "cuda.h"
+#include "hostcache.h"
 #include "jobs.h"
 #include "pool.h"
 #include "stage.h"
@@ -215,6 +218,7 @@ static PyMethodDef methods[] = {
     {"stage_and_launch", stage_and_launch, METH_VARARGS,
      "stage after CUDA events, then a CUDA graph's launch: ((disk, staged), launched)."},
     {"cached", cached, METH_VARARGS, "Whether a few rows spread over a request are in the page cache."},
+    HOSTCACHE_METHODS
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,0 +1,161 @@
+"""A cold 65,536-token prompt as 16 chunks with GPU work between them, with and without read-ahead.
+
+    python bench/synthetic.py /tmp/ple.bin --base 2500000 --profile-tokens 1000000 --placed 21000000
+    python bench/read_ahead_gpu_bench.py /tmp/ple.bin --resident-fraction 0.05 --work-ms 100,20
+
+A prefill proxy: an EmbeddingSource holds the table's leading slots on the GPU; the prompt (held-out
+real text, 65,536 tokens) is served as 16 chunks of 4,096 tokens, each chunk's lookup
+(`source(ids)`) followed by W ms of other GPU work (bf16 matrix products, calibrated) and a
+synchronisation, as a prefill step ends. Without read-ahead each chunk's disk rows are read when
+its lookup comes; with it, `source.read_ahead(chunks)` is called when the prompt arrives and the
+chunks then find their rows in the host cache as the read-ahead thread gets ahead of them.
+
+Every run starts cold: the file evicted from the page cache and the table opened afresh (an empty
+host cache; the GPU tier stays). Variants alternate, order swapped each round. The disk floor is
+the prompt's distinct disk pages divided by the disk's random-read rate at queue depth 64 measured
+in the same run (fio's 4 KiB O_DIRECT random reads on the table where fio is installed, else a cold
+O_DIRECT read of that many random pages through the table's reader). Each chunk's values are
+checked bit for bit against `Table.values` rounded to bf16. Prints one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ple_prep.ngram import NgramSpec  # noqa: E402
+from ple_prep.runtime import hostcache, open_table  # noqa: E402
+from ple_prep.runtime.dequant import round_to_bf16  # noqa: E402
+from ple_prep.runtime.device import EmbeddingSource  # noqa: E402
+from ple_prep.tools.benchmark import evict, fio_random_read  # noqa: E402
+from ple_prep.tools.realtext import real_text_row_ids  # noqa: E402
+
+CHUNK_TOKENS = 4096
+CHUNKS = 16
+
+
+class GpuWork:
+    """bf16 matrix products on the current stream lasting `ms` (calibrated with CUDA events)."""
+
+    def __init__(self, ms: float, size: int = 4096):
+        self.a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+        self.out = torch.empty_like(self.a)
+        self.count = 1
+        per_product = self.measure() / self.count
+        self.count = max(1, round(ms / per_product))
+        self.ms = self.measure()
+
+    def __call__(self) -> None:
+        for _ in range(self.count):
+            torch.matmul(self.a, self.a, out=self.out)
+
+    def measure(self) -> float:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(3):
+            begin.record()
+            self()
+            end.record()
+            torch.cuda.synchronize()
+        return begin.elapsed_time(end)
+
+
+def disk_rate(path: Path, table, pages: int) -> dict:
+    """Random page reads per second at queue depth 64 on this table's disk."""
+    if shutil.which("fio"):
+        evict(path)
+        result = fio_random_read(path, 6)
+        return {"how": "fio", "command": result["command"], "reads_per_s": result["iops"]}
+    evict(path)
+    with open_table(path, queue_depth=64, host_cache_bytes=0) as fresh:
+        slots = np.random.default_rng(7).choice(fresh.header.num_pages, pages, replace=False) * fresh.rows_per_page
+        started = time.perf_counter()
+        fresh.gather_slots(np.sort(slots))
+        seconds = time.perf_counter() - started
+    return {"how": "O_DIRECT reads of random pages through the table's reader, queue depth 64",
+            "reads_per_s": round(pages / seconds)}
+
+
+def run_prompt(source: EmbeddingSource, path: Path, chunks: list[np.ndarray], work: GpuWork,
+               read_ahead: bool) -> dict:
+    evict(path)
+    source.reopen(open_table(path))
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    job = source.read_ahead(chunks) if read_ahead else None
+    values = []
+    for ids in chunks:
+        values.append(source(ids).clone())
+        work()
+        torch.cuda.synchronize()
+    total = time.perf_counter() - began
+    tier = source.table.host_cache
+    result = {"total_s": round(total, 4), "demand_rows_read": tier.rows_read}
+    if job is not None:
+        result |= {"read_ahead_rows": job.rows_read, "read_ahead_found": job.rows_found,
+                   "read_ahead_hits": tier.cache.read_ahead_hits, "read_ahead_error": repr(job.error)}
+        job.cancel()
+    result["values"] = values
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("table", type=Path)
+    parser.add_argument("--resident-fraction", type=float, default=0.05)
+    parser.add_argument("--work-ms", default="100,20")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    path = args.table
+    table = open_table(path)
+    spec = NgramSpec.from_json(table.manifest["ngram"])
+    ids = real_text_row_ids(spec, CHUNK_TOKENS * CHUNKS, part=0, parts=2)
+    chunks = [ids[k * CHUNK_TOKENS:(k + 1) * CHUNK_TOKENS] for k in range(CHUNKS)]
+    resident_bytes = int(table.num_rows * args.resident_fraction) * table.row_bytes
+    source = EmbeddingSource(table, device="cuda", resident_bytes=resident_bytes, max_ids=CHUNK_TOKENS * 16)
+    with open_table(path, read_path="mapped") as reference:
+        # The bits of each value rounded to bf16 as the model rounds them (bench/gpu_bench.py).
+        expected = [(round_to_bf16(reference.values(chunk.reshape(-1)).astype(np.float64)).view(np.uint32)
+                     >> 16).astype(np.uint16) for chunk in chunks]
+        slots = reference.slot_of(ids.reshape(-1))
+        disk = slots[slots >= source.num_resident]
+        distinct_pages = int(len(np.unique(disk // reference.rows_per_page)))
+        distinct_rows = int(len(np.unique(disk)))
+    rate = disk_rate(path, table, distinct_pages)
+    floor = distinct_pages / rate["reads_per_s"]
+    report = {"table": str(path), "rows": table.num_rows, "gpu": torch.cuda.get_device_name(),
+              "compiled": table.compiled, "host_cache_compiled": hostcache._native is not None,
+              "host_cache_bytes": table.host_cache.cache.budget_bytes, "resident_rows": source.num_resident,
+              "prompt_tokens": CHUNK_TOKENS * CHUNKS, "distinct_disk_rows": distinct_rows,
+              "distinct_disk_pages": distinct_pages, "disk": rate, "disk_floor_s": round(floor, 4), "runs": {}}
+    exact = True
+    for work_ms in [float(w) for w in args.work_ms.split(",")]:
+        work = GpuWork(work_ms)
+        bound = max(CHUNKS * work.ms / 1e3, floor)
+        runs: dict[str, list] = {"without": [], "with": []}
+        for round_index in range(args.rounds):
+            order = ("without", "with") if round_index % 2 == 0 else ("with", "without")
+            for name in order:
+                result = run_prompt(source, path, chunks, work, name == "with")
+                values = result.pop("values")
+                exact &= all(np.array_equal(v.reshape(-1, table.values_per_row).cpu().view(torch.int16).numpy()
+                                            .view(np.uint16), e) for v, e in zip(values, expected))
+                runs[name].append(result)
+        report["runs"][f"W={work_ms:g}"] = {
+            "work_ms": round(work.ms, 2), "bound_s": round(bound, 4),
+            "without": runs["without"], "with": runs["with"],
+            "with_x_bound": [round(r["total_s"] / bound, 3) for r in runs["with"]],
+            "without_x_bound": [round(r["total_s"] / bound, 3) for r in runs["without"]]}
+    report["exact"] = exact
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
