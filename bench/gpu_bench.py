@@ -35,8 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ple_prep.ngram import NgramSpec  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
 from ple_prep.runtime.dequant import round_to_bf16  # noqa: E402
-from ple_prep.runtime.device import EmbeddingSource  # noqa: E402
-from ple_prep.runtime.device import source as runtime_torch  # noqa: E402
+from ple_prep.runtime.device import (
+    EmbeddingSource,  # noqa: E402
+    staging,  # noqa: E402
+)
 from ple_prep.tools.benchmark import evict  # noqa: E402
 from ple_prep.tools.realtext import real_text_row_ids  # noqa: E402
 
@@ -166,10 +168,10 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=2000)
     parser.add_argument("--cold-chunks", type=int, default=6)
     parser.add_argument("--other-ms", type=float, default=1.0)
-    parser.add_argument("--lookup-threads", type=int, default=runtime_torch.LOOKUP_THREADS,
+    parser.add_argument("--lookup-threads", type=int, default=staging.LOOKUP_THREADS,
                         help="Threads of a large request's slot lookup (1: one).")
     args = parser.parse_args()
-    runtime_torch.LOOKUP_THREADS = args.lookup_threads
+    staging.LOOKUP_THREADS = args.lookup_threads
     torch.cuda.init()
     table = open_table(args.table)
     spec = NgramSpec.from_json(table.manifest["ngram"])

@@ -40,15 +40,43 @@ def nvfp4_checkpoint(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("nvfp4") / "ckpt", "nvfp4")
 
 
-@pytest.fixture(params=["compiled", "numpy"])
+# Both compiled helpers (core/native/, runtime/native/) import here: built by setup.py where a C
+# compiler was there (both or neither).
+HELPER_BUILT = None not in (gather_module._native, gather_module._core_native, order_module._native)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "needs_helper: skipped where the compiled helpers are not built "
+                                       "(no C compiler at install)")
+    config.addinivalue_line("markers", "needs_cuda: skipped where torch has no CUDA device")
+
+
+def pytest_collection_modifyitems(config, items):
+    cuda = None
+    for item in items:
+        if item.get_closest_marker("needs_helper") and not HELPER_BUILT:
+            item.add_marker(pytest.mark.skip(reason="the compiled helper is not built here (no compiler at install)"))
+        if item.get_closest_marker("needs_cuda"):
+            cuda = _cuda_available() if cuda is None else cuda
+            if not cuda:
+                item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+
+
+@pytest.fixture(params=[pytest.param("compiled", marks=pytest.mark.needs_helper), "numpy"])
 def loops(request, monkeypatch):
-    """The compiled helper's loops (core/native/, runtime/native/), or the numpy fallback of a machine built
-    without a compiler: both must give the same results."""
+    """The compiled helper's loops (core/native/, runtime/native/), or the numpy fallback of a machine
+    built without a compiler: both must give the same results."""
     if request.param == "numpy":
         for module, name in ((gather_module, "_native"), (gather_module, "_core_native"), (order_module, "_native")):
             monkeypatch.setattr(module, name, None)
-    elif gather_module._native is None:
-        pytest.skip("the compiled helper is not built here (no compiler at install)")
     return request.param
 
 

@@ -98,9 +98,9 @@ def test_gather_into_a_strided_out(table, source_rows):
 
 def test_gather_byte_cap_of_zero_turns_advice_off(table):
     table.window_bytes = 0
-    assert table._gatherer.window == 0
+    assert table.advice_window == 0
     table.window_bytes = table.page_size * 5
-    assert table._gatherer.window == 5
+    assert table.advice_window == 5
 
 
 class _Recorder:
@@ -177,25 +177,14 @@ def test_resident_holds_the_leading_slots(table, source_rows):
     assert table.resident(budget_bytes=0).num_slots == 0
 
 
-def test_lookup_into_a_torch_tensor(table, source_rows):
-    torch = pytest.importorskip("torch")
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    for device in devices:
-        table.resident(budget_bytes=2000 * table.row_bytes, device=device)
-        out = torch.full((3000, table.row_bytes), POISON, dtype=torch.uint8, device=device)
-        for seed in range(2):
-            ids = real_like_ids(table.num_rows, 3000, seed + 20)
-            table.lookup(ids, out=out)
-            assert np.array_equal(out.cpu().numpy(), source_rows[ids])
-
-
-def test_lookup_refuses_a_numpy_out_with_the_tier_elsewhere(table):
-    torch = pytest.importorskip("torch")
-    table.resident(budget_bytes=table.num_rows * table.row_bytes, device="cpu")
-    table._resident.device = "meta"
-    with pytest.raises(ValueError, match="resident tier on 'cpu'"):
-        table.lookup(np.arange(10), out=np.zeros((10, table.row_bytes), dtype=np.uint8))
-    assert torch  # the tensor branch is covered above
+def test_the_tables_resident_tier_is_in_ram_and_a_gpu_tier_is_the_embedding_sources(table):
+    """One tier on a GPU, EmbeddingSource's: Table.resident refuses a device and says where to go,
+    and a lookup merges into numpy arrays only."""
+    with pytest.raises(ValueError, match="EmbeddingSource"):
+        table.resident(budget_bytes=1000 * table.row_bytes, device="cuda")
+    table.resident(budget_bytes=1000 * table.row_bytes)
+    with pytest.raises(TypeError, match="out must be a numpy array"):
+        table.lookup(np.arange(10), out=bytearray(10 * table.row_bytes))
 
 
 @pytest.mark.parametrize("page_size", [1024, 16384])
@@ -221,7 +210,6 @@ def test_gather_cached_rows_on_threads(table_path, source_rows, monkeypatch, thr
             ids = real_like_ids(table.num_rows, 1000, seed)
             assert np.array_equal(table.gather(ids, out=out), source_rows[ids])
             assert np.array_equal(table.gather(ids), source_rows[ids])
-        assert table._gatherer._pool_threads == threads
 
 
 def test_gather_probe_sees_an_evicted_file_cold_and_a_gathered_request_cached(table_path, loops):
@@ -229,16 +217,14 @@ def test_gather_probe_sees_an_evicted_file_cold_and_a_gathered_request_cached(ta
     gather takes the advised path; once gathered through the mapping, the same request reads as cached."""
     evict(table_path)
     with open_table(table_path, read_path="mapped") as table:
-        slots = table.slot_of(real_like_ids(table.num_rows, 2000, 11))
-        gatherer = table._gatherer
-        assert not gatherer.cached(slots)
-        table.gather_slots(slots)
-        assert gatherer.cached(slots)
+        ids = real_like_ids(table.num_rows, 2000, 11)
+        assert not table.in_page_cache(ids)
+        table.gather(ids)
+        assert table.in_page_cache(ids)
 
 
+@pytest.mark.needs_helper
 def test_compiled_copy_refuses_slots_outside_the_table(table_path, monkeypatch):
-    if gather_module._native is None:
-        pytest.skip("the compiled helper is not built here (no compiler at install)")
     monkeypatch.setattr(Gatherer, "cached", lambda self, slots: True)
     with open_table(table_path) as table:
         for slot in (table.num_rows, -1, 2**62):
@@ -286,18 +272,16 @@ def test_gather_probe_on_other_page_sizes(fp8_checkpoint, source_rows, tmp_path,
     evict(tmp_path / "t.bin")
     with open_table(tmp_path / "t.bin", read_path="mapped") as table:
         ids = real_like_ids(table.num_rows, 2000, 12)
-        slots = table.slot_of(ids)
-        assert not table._gatherer.cached(slots)
+        assert not table.in_page_cache(ids)
         assert np.array_equal(table.gather(ids), source_rows[ids])
-        assert table._gatherer.cached(slots)
+        assert table.in_page_cache(ids)
         assert np.array_equal(table.gather(ids), source_rows[ids])
 
 
+@pytest.mark.needs_helper
 def test_stage_in_a_forked_child_after_the_parent_used_the_thread_pool(table_path):
     """The compiled helper's thread pool lives in one process: a child forked after the parent used
     it (as vLLM's workers may be) starts its own and stages the same rows."""
-    if gather_module._native is None:
-        pytest.skip("the compiled helper is not built here (no compiler at install)")
     with open_table(table_path, read_path="mapped") as table:
         ids = real_like_ids(table.num_rows, 4000, 41)
         table.gather(ids)  # every row cached: stage copies them all
@@ -305,7 +289,7 @@ def test_stage_in_a_forked_child_after_the_parent_used_the_thread_pool(table_pat
         def staged() -> tuple[np.ndarray, np.ndarray]:
             slots, index = np.empty(len(ids), np.int64), np.full(len(ids), -1, np.int32)
             out = np.zeros((len(ids), table.row_bytes), np.uint8)
-            disk, done = table.stage(ids, 100, slots, index, out, threads=4)
+            disk, done = table._stage(ids, 100, slots, index, out, threads=4)
             assert done and disk == np.count_nonzero(slots >= 100)
             return index, out
 
@@ -342,7 +326,7 @@ def test_stage_writes_the_same_rows_and_index_into_buffers_at_any_alignment(tabl
                             offset).reshape(count, row_bytes)
         index = np.frombuffer(bytearray(4 * count + offset), np.int32, count, offset - offset % 4)
         slots = np.empty(count, np.int64)
-        assert table.stage(ids, 100, slots, index, out, threads=2) == (np.count_nonzero(slots >= 100), True)
+        assert table._stage(ids, 100, slots, index, out, threads=2) == (np.count_nonzero(slots >= 100), True)
         want = table.slot_of(ids)
         assert np.array_equal(index[want < 100], want[want < 100])
         disk = np.flatnonzero(want >= 100)
@@ -360,7 +344,7 @@ def test_stage_refuses_buffers_of_the_wrong_type_or_size(table_path, loops):
                       {"out": np.empty((10, table.row_bytes + 1), np.uint8)}, {"out": out.T.copy().T}):
             given = {"slots": slots, "index": index, "out": out} | wrong
             with pytest.raises(ValueError, match=f"{next(iter(wrong))} must be"):
-                table.stage(ids, 0, given["slots"], given["index"], given["out"])
+                table._stage(ids, 0, given["slots"], given["index"], given["out"])
 
 
 @pytest.mark.parametrize("threads", [1, 4])
@@ -371,14 +355,22 @@ def test_stage_refuses_an_id_outside_the_table_in_any_part(table_path, loops, th
         slots, index = np.empty(len(ids), np.int64), np.empty(len(ids), np.int32)
         out = np.empty((len(ids), table.row_bytes), np.uint8)
         with pytest.raises(IndexError, match=f"row id {table.num_rows} is outside"):
-            table.stage(ids, 100, slots, index, out, threads=threads)
+            table._stage(ids, 100, slots, index, out, threads=threads)
 
 
+def wait_for_a_look_after(job, timeout: float = 10.0) -> None:
+    """Return once the job's thread has read its flags (and found them not set) after this call
+    began: two more reads than now, so one began after any write made before this call."""
+    target = job.flag_checks() + 2
+    deadline = time.monotonic() + timeout
+    while job.flag_checks() < target:
+        assert time.monotonic() < deadline, "the job's thread stopped reading its flags"
+
+
+@pytest.mark.needs_helper
 def test_stage_when_waits_for_both_flags_then_stages_as_stage_does(table_path):
     """The helper thread touches no buffer before the device has written both flag values (its
     ids copied, its last read of `out` done), then stages exactly what `stage` does."""
-    if gather_module._native is None:
-        pytest.skip("the compiled helper is not built here (no compiler at install)")
     with open_table(table_path, read_path="mapped") as table:
         ids = real_like_ids(table.num_rows, 4000, 47)
         table.gather(ids)
@@ -388,13 +380,13 @@ def test_stage_when_waits_for_both_flags_then_stages_as_stage_does(table_path):
                     np.full((len(ids), table.row_bytes), POISON, np.uint8))
 
         want = buffers()
-        want_result = table.stage(ids, 100, *want, threads=2)
+        want_result = table._stage(ids, 100, *want, threads=2)
         flags = np.zeros(2, np.int32)
         got = buffers()
-        job = table.stage_when(flags, 7, 3, ids, 100, *got, threads=2)
-        for value in (7, 0):  # the ids' flag alone, then neither: nothing staged
+        job = table._stage_when(flags, 7, 3, ids, 100, *got, threads=2)
+        for value in (7, 0):  # the ids' flag alone, then neither: the thread sees it, stages nothing
             flags[0] = value
-            time.sleep(0.05)
+            wait_for_a_look_after(job)
             assert (got[0] == -1).all() and (got[2] == POISON).all()
         flags[:] = 7, 3
         assert job.join() == (*want_result, False)  # staged, and no device copy asked for
@@ -402,11 +394,10 @@ def test_stage_when_waits_for_both_flags_then_stages_as_stage_does(table_path):
             assert np.array_equal(array, expected)
 
 
+@pytest.mark.needs_helper
 def test_stage_when_with_a_negative_free_value_waits_for_the_ids_flag_alone(table_path):
     """The caller that knows the device's last read of `out` is done passes free_value < 0: the
     job then starts on the ids' flag, whatever flags[1] holds."""
-    if gather_module._native is None:
-        pytest.skip("the compiled helper is not built here (no compiler at install)")
     with open_table(table_path, read_path="mapped") as table:
         ids = real_like_ids(table.num_rows, 3000, 50)
 
@@ -415,11 +406,11 @@ def test_stage_when_with_a_negative_free_value_waits_for_the_ids_flag_alone(tabl
                     np.full((len(ids), table.row_bytes), POISON, np.uint8))
 
         want = buffers()
-        want_result = table.stage(ids, 100, *want, threads=2)
+        want_result = table._stage(ids, 100, *want, threads=2)
         slots, index, out = buffers()
         flags = np.array([0, 9], np.int32)
-        job = table.stage_when(flags, 5, -1, ids, 100, slots, index, out, threads=2)
-        time.sleep(0.05)
+        job = table._stage_when(flags, 5, -1, ids, 100, slots, index, out, threads=2)
+        wait_for_a_look_after(job)  # at flags[1] == 9 too: only the ids' flag is waited for
         assert (slots == -1).all() and (out == POISON).all()
         flags[0] = 5
         assert job.join() == (*want_result, False)  # staged, and no device copy asked for
@@ -427,43 +418,40 @@ def test_stage_when_with_a_negative_free_value_waits_for_the_ids_flag_alone(tabl
             assert np.array_equal(array, expected)
 
 
+@pytest.mark.needs_helper
 def test_a_stage_when_job_cancelled_before_its_flags_stages_nothing(table_path):
-    if gather_module._native is None:
-        pytest.skip("the compiled helper is not built here (no compiler at install)")
     with open_table(table_path, read_path="mapped") as table:
         ids = real_like_ids(table.num_rows, 2000, 48)
         slots, index = np.full(len(ids), -1, np.int64), np.full(len(ids), -1, np.int32)
         out = np.full((len(ids), table.row_bytes), POISON, np.uint8)
         flags = np.zeros(2, np.int32)
-        table.stage_when(flags, 1, 1, ids, 0, slots, index, out, threads=2).cancel()
+        # cancel() returns once the job's thread has ended: nothing runs after it.
+        table._stage_when(flags, 1, 1, ids, 0, slots, index, out, threads=2).cancel()
         flags[:] = 1
-        time.sleep(0.05)
         assert (slots == -1).all() and (out == POISON).all()
-        # A job dropped without join or cancel stops too (its thread must not outlive its buffers).
+        # A job dropped without join or cancel stops too (its thread must not outlive its buffers):
+        # the drop ends its thread before the statement returns.
         flags[:] = 0
-        table.stage_when(flags, 1, 1, ids, 0, slots, index, out, threads=2)
+        table._stage_when(flags, 1, 1, ids, 0, slots, index, out, threads=2)
         flags[:] = 1
-        time.sleep(0.05)
-        assert (slots == -1).all()
+        assert (slots == -1).all() and (out == POISON).all()
 
 
+@pytest.mark.needs_helper
 def test_stage_when_raises_a_bad_id_at_join(table_path):
-    if gather_module._native is None:
-        pytest.skip("the compiled helper is not built here (no compiler at install)")
     with open_table(table_path, read_path="mapped") as table:
         ids = real_like_ids(table.num_rows, 4000, 49)
         ids[100] = -1
         slots, index = np.empty(len(ids), np.int64), np.empty(len(ids), np.int32)
         out = np.empty((len(ids), table.row_bytes), np.uint8)
         flags = np.ones(2, np.int32)
-        job = table.stage_when(flags, 1, 1, ids, 100, slots, index, out, threads=4)
+        job = table._stage_when(flags, 1, 1, ids, 100, slots, index, out, threads=4)
         with pytest.raises(IndexError, match="row id -1 is outside"):
             job.join()
 
 
+@pytest.mark.needs_helper
 def test_a_device_copy_or_a_graph_launch_is_refused_where_no_cuda_driver_loads(table_path):
-    if gather_module._native is None:
-        pytest.skip("the compiled helper is not built here (no compiler at install)")
     try:
         driver.device_context(0)
         pytest.skip("a CUDA driver loads here (tests/test_torch_source.py covers the copy and the launch)")
@@ -473,16 +461,15 @@ def test_a_device_copy_or_a_graph_launch_is_refused_where_no_cuda_driver_loads(t
         ids = np.arange(10)
         slots, index, out = np.empty(10, np.int64), np.empty(10, np.int32), np.empty((10, table.row_bytes), np.uint8)
         with pytest.raises(OSError, match="CUDA driver"):
-            table.stage_when(np.zeros(2, np.int32), 1, 1, ids, 0, slots, index, out, device_copy=(1, 2, 3, 4, 5))
+            table._stage_when(np.zeros(2, np.int32), 1, 1, ids, 0, slots, index, out, device_copy=(1, 2, 3, 4, 5))
         with pytest.raises(OSError, match="CUDA driver"):
-            table.stage_and_launch(ids, 0, slots, index, out, context=1, events=(2, 3), graph=4, stream=5)
+            table._stage_and_launch(ids, 0, slots, index, out, context=1, events=(2, 3), graph=4, stream=5)
 
 
+@pytest.mark.needs_helper
 def test_stage_when_refuses_a_device_copy_whose_index_does_not_follow_out(table_path):
     """The job copies from the staged rows to the end of the index: an index before `out` would
     make that a copy of the wrong bytes, so it is refused before anything is queued."""
-    if gather_module._native is None:
-        pytest.skip("the compiled helper is not built here (no compiler at install)")
     try:
         driver.device_context(0)
     except OSError:
@@ -493,7 +480,7 @@ def test_stage_when_refuses_a_device_copy_whose_index_does_not_follow_out(table_
         span = np.zeros(4 * 10 + 10 * table.row_bytes, np.uint8)
         index, out = span[:40].view(np.int32), span[40:].reshape(10, table.row_bytes)
         with pytest.raises(ValueError, match="index after out"):
-            table.stage_when(np.zeros(2, np.int32), 1, 1, np.arange(10), 0, np.empty(10, np.int64), index, out,
+            table._stage_when(np.zeros(2, np.int32), 1, 1, np.arange(10), 0, np.empty(10, np.int64), index, out,
                              device_copy=(1, 2, 3, 4, 5))
 
 
@@ -501,7 +488,7 @@ def test_stage_and_launch_needs_the_compiled_helper(table_path, monkeypatch):
     monkeypatch.setattr(gather_module, "_native", None)
     with open_table(table_path, read_path="mapped") as table:
         with pytest.raises(RuntimeError, match="stage_and_launch needs the compiled helper"):
-            table.stage_and_launch(np.arange(10), 0, np.empty(10, np.int64), np.empty(10, np.int32),
+            table._stage_and_launch(np.arange(10), 0, np.empty(10, np.int64), np.empty(10, np.int32),
                                    np.empty((10, table.row_bytes), np.uint8), context=1, events=(), graph=0,
                                    stream=0)
 
@@ -512,17 +499,16 @@ def test_stage_when_needs_the_compiled_helper(table_path, monkeypatch):
         assert not table.compiled
         ids = np.arange(10)
         with pytest.raises(RuntimeError, match="stage_when needs the compiled helper"):
-            table.stage_when(np.zeros(2, np.int32), 1, 1, ids, 0, np.empty(10, np.int64), np.empty(10, np.int32),
+            table._stage_when(np.zeros(2, np.int32), 1, 1, ids, 0, np.empty(10, np.int64), np.empty(10, np.int32),
                              np.empty((10, table.row_bytes), np.uint8))
 
 
+@pytest.mark.needs_helper
 @pytest.mark.parametrize("page_size, row_bytes", [(4096, 160), (4096, 2048), (4096, 4096), (512, 7), (8192, 80)])
 def test_the_compiled_copy_finds_every_slots_page_for_any_rows_per_page(page_size, row_bytes):
     """Every slot of pages holding 1, 2, 25, 73 or 102 rows (after a data offset) is copied from
     its page and position."""
     native = gather_module._core_native
-    if native is None:
-        pytest.skip("the compiled helper is not built here (no compiler at install)")
     rows_per_page, pages, offset = page_size // row_bytes, 40, 64
     mapping = np.random.default_rng(row_bytes).integers(0, 256, offset + pages * page_size, dtype=np.uint8)
     num_slots = rows_per_page * pages

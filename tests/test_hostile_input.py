@@ -24,7 +24,7 @@ from ple_prep.offline import chat, prompts
 from ple_prep.offline.profile import MAGIC as PROFILE_MAGIC
 from ple_prep.offline.verify import verify
 from ple_prep.runtime import open_table
-from ple_prep.runtime.table import FileWatch
+from ple_prep.runtime.watch import FileWatch
 from ple_prep.tools.fixtures import FIXTURE_ROWS
 
 REPO = Path(__file__).resolve().parent.parent

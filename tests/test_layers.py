@@ -25,7 +25,7 @@ LAYERS = {
     "ple_prep.integrations": 7,
 }
 # What an integration with a serving stack may import: the reader, the hash and the basics.
-INTEGRATION_MAY_IMPORT = ("ple_prep.runtime", "ple_prep.runtime.device", "ple_prep.ngram", "ple_prep.core")
+INTEGRATION_MAY_IMPORT = ("ple_prep.runtime", "ple_prep.ngram", "ple_prep.core")
 
 
 def module_name(path: Path) -> str:

@@ -244,11 +244,9 @@ def real_size_order():
     return _every_other_row_placed(21_000_000)
 
 
-@pytest.mark.parametrize("loops", ["compiled", "numpy"])
+@pytest.mark.parametrize("loops", [pytest.param("compiled", marks=pytest.mark.needs_helper), "numpy"])
 @pytest.mark.parametrize("count", [16, 1000])
 def test_row_order_lookup_cost_does_not_grow_with_the_map(real_size_order, count, loops, monkeypatch):
-    if loops == "compiled" and order_module._native is None:
-        pytest.skip("the compiled helper is not built here (no compiler at install)")
     if loops == "numpy":
         monkeypatch.setattr(order_module, "_native", None)
     small = _every_other_row_placed(1000)
@@ -278,10 +276,8 @@ def _searched_slots(order: RowOrder, rows: np.ndarray) -> np.ndarray:
                     order.num_placed + rows - position)
 
 
-@pytest.mark.parametrize("loops", ["compiled", "numpy", "numpy < 2.0"])
+@pytest.mark.parametrize("loops", [pytest.param("compiled", marks=pytest.mark.needs_helper), "numpy", "numpy < 2.0"])
 def test_row_order_rank_index_matches_a_binary_search(monkeypatch, loops):
-    if loops == "compiled" and order_module._native is None:
-        pytest.skip("the compiled helper is not built here (no compiler at install)")
     if loops != "compiled":
         monkeypatch.setattr(order_module, "_native", None)
     if loops == "numpy < 2.0":  # no bitwise_count: the fallback counts bits the same

@@ -147,7 +147,7 @@ def test_prefetch_doc_model_starts_before_layer_zero_and_finishes_at_the_ple_lay
     assert torch.equal(ple.finish(), _expected(fp8_table, other))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.needs_cuda
 def test_prefetch_doc_graph_recipe_replays_the_step(fp8_table):
     blocks = _prefetch_blocks()
     namespace = _run(blocks[1], fp8_table.parent, _run(blocks[0], fp8_table.parent, {}, fp8_table.name),

@@ -18,12 +18,11 @@ from support.bf16_bits import bits, expected_bits  # noqa: E402
 from ple_prep.format.manifest import manifest_path  # noqa: E402
 from ple_prep.ngram import row_ids  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
-from ple_prep.runtime.device import EmbeddingSource  # noqa: E402
-from ple_prep.runtime.device import source as runtime_torch  # noqa: E402
+from ple_prep.runtime.device import EmbeddingSource, staging  # noqa: E402
+from ple_prep.runtime.device import source as source_module  # noqa: E402
 from ple_prep.tools.benchmark import cached_fraction, evict  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.fixture(scope="module", params=["fp8_checkpoint", "bf16_checkpoint", "nvfp4_checkpoint"])
@@ -62,7 +61,7 @@ def kernels(request, monkeypatch):
     if request.param == "fused" and not (torch.cuda.is_available() and importlib.util.find_spec("triton")):
         pytest.skip("the one-kernel path needs CUDA and Triton")
     if request.param == "torch":
-        monkeypatch.setattr(runtime_torch, "fp8_gather_for", lambda *args: None)
+        monkeypatch.setattr(source_module, "fp8_gather_for", lambda *args: None)
     return request.param
 
 
@@ -74,10 +73,11 @@ def token_ids(table, tokens: int, seed: int) -> np.ndarray:
 
 def poison(source: EmbeddingSource) -> None:
     """Fill every buffer a call rewrites: 0xFF rows decode to NaN in every encoding tested here."""
-    source.output.fill_(float("nan"))
-    source._rows.fill_(0xFF)
-    source._host_rows.fill(0xFF)
-    source._tiers[source.num_resident:].fill_(0xFF)
+    buffers = source.buffers
+    buffers.output.fill_(float("nan"))
+    buffers.rows.fill_(0xFF)
+    buffers.host_rows.fill(0xFF)
+    buffers.tiers[source.num_resident:].fill_(0xFF)
 
 
 def disk_rows(table, source, ids: np.ndarray, *, distinct: bool) -> int:
@@ -94,7 +94,7 @@ def test_host_ids_give_values_per_position_across_poisoned_buffers(page_cache, d
     # each distinct row (O_DIRECT: the pages stay out of the page cache, so every call is cold).
     cached = table.read_path == "mapped" or (cached_fraction(table.path) or 0) > 0.5
     # The one-kernel path serves exactly FP8 on a GPU (with Triton), never silently the torch one.
-    assert (source._fused is not None) == (kernels == "fused" and device == "cuda" and table.encoding == "fp8_e4m3")
+    assert (source.kernel == "fused") == (kernels == "fused" and device == "cuda" and table.encoding == "fp8_e4m3")
     # Both sides of INLINE_IDS (worker thread and inline), shrinking and growing between calls.
     for tokens, seed in ((300, 1), (120, 2), (300, 3), (1, 4), (64, 5)):
         ids = token_ids(table, tokens, seed)
@@ -125,7 +125,7 @@ def test_ids_as_cpu_tensor_device_tensor_and_any_integer_dtype(table, device):
     assert np.array_equal(bits(flat), expected_bits(table, ids.reshape(-1)[:40]))
 
 
-@needs_cuda
+@pytest.mark.needs_cuda
 def test_device_ids_give_values_from_a_helper_thread_or_at_finish_across_poisoned_buffers(page_cache, loops):
     """Ids on the GPU: a large request's lookup waits on a helper thread for them to land (with the
     compiled helper), a small one's runs at finish; the caller's tensor may go at once."""
@@ -137,40 +137,41 @@ def test_device_ids_give_values_from_a_helper_thread_or_at_finish_across_poisone
         poison(source)
         torch.cuda.synchronize()
         on_device = torch.from_numpy(ids).to("cuda", dtype)
+        before = source.stats()
         source.start(on_device)
-        assert (source._pending.job is not None) == (loops == "compiled" and ids.size > runtime_torch.INLINE_IDS)
+        on_helper = (source.stats() - before).helper_lookups
+        assert on_helper == (loops == "compiled" and ids.size > source_module.INLINE_IDS)
         del on_device
         torch.cuda.empty_cache()
         values = source.finish()
         assert np.array_equal(bits(values), expected_bits(table, ids))
 
 
-@needs_cuda
-def test_a_large_device_request_has_its_cached_rows_copied_by_the_helper_thread(page_cache, loops, request,
-                                                                               monkeypatch):
+@pytest.mark.needs_cuda
+def test_a_large_device_request_has_its_cached_rows_copied_by_the_helper_thread(page_cache, loops, request):
     """Staged rows of a large request from device ids go to the device by the helper thread's own
     copy, launched the moment they are staged; rows not in the page cache are read at join and
     copied from Python as before. Bit-exact both ways, across poisoned buffers."""
     if loops != "compiled":
         pytest.skip("only the compiled helper's thread stages device ids")
     table = page_cache
-    launched = []
-    launch = EmbeddingSource._launch_copy
-    monkeypatch.setattr(EmbeddingSource, "_launch_copy",
-                        lambda self, span, stream: (launched.append(span), launch(self, span, stream)))
     source = EmbeddingSource(table, device="cuda", resident_bytes=2000 * table.row_bytes, max_ids=300 * 16)
+    before = source.stats()
     for tokens, seed in ((300, 21), (250, 22), (300, 23)):
         ids = token_ids(table, tokens, seed)
         poison(source)
         source.start(torch.from_numpy(ids).to("cuda"))
         values = source.finish()
         assert np.array_equal(bits(values), expected_bits(table, ids))
-    assert len(launched) == (0 if request.node.callspec.params["page_cache"] == "cached" else 3)
+    served = source.stats() - before
+    cached = request.node.callspec.params["page_cache"] == "cached"
+    assert (served.helper_lookups, served.helper_copies, served.host_copies) == ((3, 3, 0) if cached else (3, 0, 3))
+    assert served.rows_page_cache + served.rows_disk + served.rows_resident == served.ids
 
 
-@needs_cuda
+@pytest.mark.needs_cuda
 def test_small_device_requests_are_finished_in_one_call_of_the_helper_once_their_graph_exists(page_cache, loops,
-                                                                                             request, monkeypatch):
+                                                                                             request):
     """From the second decode-sized start from device ids of a graph size on, finish waits for the
     ids, stages them and launches the graph in one call of the compiled helper: no replay through
     torch. Rows not in the page cache take the general path. The ids here are written behind a
@@ -181,10 +182,6 @@ def test_small_device_requests_are_finished_in_one_call_of_the_helper_once_their
     if not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
         pytest.skip("this torch does not hand out its graphs' execs")
     table = page_cache
-    replays, stages = [], []
-    replay, stage = torch.cuda.CUDAGraph.replay, type(table).stage
-    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: (replays.append(self), replay(self)))
-    monkeypatch.setattr(type(table), "stage", lambda self, *args: (stages.append(args), stage(self, *args))[1])
     source = EmbeddingSource(table, device="cuda", resident_bytes=500 * table.row_bytes, max_ids=64 * 16)
     written = torch.empty((4, 16), dtype=torch.int64, device="cuda")
     steps = ((1, 31), (1, 32), (3, 33), (1, 34), (4, 35), (2, 36))  # graphs of 16, 16, 64, 16, 64, 32 positions
@@ -200,9 +197,11 @@ def test_small_device_requests_are_finished_in_one_call_of_the_helper_once_their
         assert np.array_equal(bits(values), expected_bits(table, ids))
         assert source.last_disk_rows == int((table.slot_of(ids.reshape(-1)) >= source.num_resident).sum())
     cached = request.node.callspec.params["page_cache"] == "cached"
-    assert len(replays) == (3 if cached else len(steps))  # with the rows cached, each size's first only
-    assert len(stages) == 3  # each size's first; the rest looked up once, in the helper's call, cached or not
-    assert sorted(source._graph_execs) == [16, 32, 64]
+    served = source.stats()
+    # With the rows cached, each size's first replays through torch and the rest are one call each.
+    assert (served.graph_replays, served.one_call_finishes) == ((3, 3) if cached else (len(steps), 0))
+    assert served.lookups == len(steps)  # each start looked up once, in the helper's call or not
+    assert source.captured_graphs() == [(16, True), (32, True), (64, True)]
     # An id outside the table is raised by that call, and the next start is served as before.
     outside = token_ids(table, 1, 37)
     outside[0, 3] = table.num_rows
@@ -214,40 +213,33 @@ def test_small_device_requests_are_finished_in_one_call_of_the_helper_once_their
     assert np.array_equal(bits(source.finish()), expected_bits(table, ids))
 
 
-class CopyNotYetDone:
-    """The source's copy event as if the last copy out of the pinned rows were still running."""
-
-    def __init__(self, event):
-        self._event = event
-
-    def query(self) -> bool:
-        return False
-
-    def __getattr__(self, name):
-        return getattr(self._event, name)
-
-
-@needs_cuda
+@pytest.mark.needs_cuda
 def test_device_ids_wait_on_the_side_stream_for_a_copy_that_may_still_run(page_cache, loops):
     """When the last copy out of the pinned rows may still be running, a large request's ids and
-    flags go on the side stream behind it: the helper thread waits for both flags."""
+    flags go on the side stream behind it: the helper thread waits for both flags. That copy is
+    kept waiting here behind a long kernel on the caller's stream (the finish before it reads the
+    device span after that kernel, and the copy waits for that read)."""
     table = page_cache
     if loops != "compiled":
         pytest.skip("only the compiled helper's thread waits on flags")
     source = EmbeddingSource(table, device="cuda", resident_bytes=3000 * table.row_bytes, max_ids=300 * 16)
-    source._copied = CopyNotYetDone(source._copied)
     for tokens, seed in ((300, 11), (200, 12)):
-        ids = token_ids(table, tokens, seed)
-        poison(source)
-        written = source._flags_written
-        source.start(torch.from_numpy(ids).to("cuda"))
-        assert source._flags_written == written + 2  # a value for each flag
+        first, second, ids = (token_ids(table, tokens, seed + k) for k in (0, 20, 40))
+        on_device = torch.from_numpy(ids).to("cuda")  # before the long kernel: this copy waits for none
+        torch.cuda.synchronize()
+        source.start(first)
+        torch.cuda._sleep(200_000_000)  # the model's other work, still running at the next starts
+        source.finish()
+        source.start(second)  # its copy waits for the read of the first's rows, behind that work
+        source.finish()
+        before = source.stats()
+        source.start(on_device)
+        assert (source.stats() - before).behind_copy == 1
         values = source.finish()
-        assert int(source._flags_array[1]) == (written + 1) % runtime_torch.FLAG_VALUES + 1
         assert np.array_equal(bits(values), expected_bits(table, ids))
 
 
-@needs_cuda
+@pytest.mark.needs_cuda
 def test_a_large_device_start_after_its_last_copy_ran_waits_for_the_ids_flag_alone(table, loops):
     """With the pinned rows' last copy done, the ids and one flag go on the caller's stream: the
     flag of that copy's end is neither written nor waited for."""
@@ -257,15 +249,15 @@ def test_a_large_device_start_after_its_last_copy_ran_waits_for_the_ids_flag_alo
     for tokens, seed in ((200, 13), (150, 14)):
         ids = token_ids(table, tokens, seed)
         torch.cuda.synchronize()
-        written, free_flag = source._flags_written, int(source._flags_array[1])
+        before = source.stats()
         source.start(torch.from_numpy(ids).to("cuda"))
-        assert source._flags_written == written + 1
+        served = source.stats() - before
+        assert (served.helper_lookups, served.behind_copy) == (1, 0)
         values = source.finish()
-        assert int(source._flags_array[1]) == free_flag
         assert np.array_equal(bits(values), expected_bits(table, ids))
 
 
-@needs_cuda
+@pytest.mark.needs_cuda
 def test_an_eager_finish_of_a_large_request_replays_a_graph(table):
     """Past INLINE_IDS too, the index and decode are one graph replay per power-of-two size."""
     source = EmbeddingSource(table, device="cuda", resident_bytes=500 * table.row_bytes, max_ids=200 * 16)
@@ -273,11 +265,11 @@ def test_an_eager_finish_of_a_large_request_replays_a_graph(table):
     poison(source)
     source.start(ids)
     values = source.finish()
-    assert (2048, False) in source._graphs
+    assert (2048, False) in source.captured_graphs()
     assert np.array_equal(bits(values), expected_bits(table, ids))
 
 
-@needs_cuda
+@pytest.mark.needs_cuda
 def test_device_ids_are_refused_at_start_when_not_integers_or_too_many(table):
     source = EmbeddingSource(table, device="cuda", resident_bytes=0, max_ids=64)
     with pytest.raises(ValueError, match="65 row ids exceed this source's max_ids = 64"):
@@ -290,7 +282,7 @@ def test_device_ids_are_refused_at_start_when_not_integers_or_too_many(table):
     assert np.array_equal(bits(source.finish()), expected_bits(table, ids))
 
 
-@needs_cuda
+@pytest.mark.needs_cuda
 def test_a_small_device_start_finished_for_a_larger_count_copies_its_rows(table):
     """A small request's copy waits for finish's graph; a finish padded past INLINE_IDS, which runs
     no such graph, must still launch it."""
@@ -298,11 +290,11 @@ def test_a_small_device_start_finished_for_a_larger_count_copies_its_rows(table)
     ids = token_ids(table, 4, 9)
     poison(source)
     source.start(torch.from_numpy(ids).cuda())
-    values = source.finish(count=runtime_torch.INLINE_IDS + 16)
+    values = source.finish(count=source_module.INLINE_IDS + 16)
     assert np.array_equal(bits(values[:ids.size]), expected_bits(table, ids))
 
 
-@needs_cuda
+@pytest.mark.needs_cuda
 def test_device_ids_errors_surface_at_finish_and_an_abandoned_start_is_dropped(table):
     source = EmbeddingSource(table, device="cuda", resident_bytes=0, max_ids=300 * 16)
     ids = token_ids(table, 300, 7)
@@ -388,7 +380,7 @@ def test_bad_arguments_are_refused_at_start(table):
 
 def test_the_start_copies_the_callers_ids(table, monkeypatch):
     """The worker reads its own copy: the caller may refill its array right after start()."""
-    monkeypatch.setattr(runtime_torch, "INLINE_IDS", 0)
+    monkeypatch.setattr(source_module, "INLINE_IDS", 0)
     source = EmbeddingSource(table, device="cpu", resident_bytes=1000 * table.row_bytes, max_ids=1600)
     ids = token_ids(table, 100, 12)
     given = ids.copy()
@@ -400,14 +392,13 @@ def test_the_start_copies_the_callers_ids(table, monkeypatch):
 def test_a_large_request_split_over_threads_equals_the_tables(page_cache, loops, monkeypatch):
     # Parts of 100 ids: 8 of them, the last ones with few or no disk positions.
     table = page_cache
-    monkeypatch.setattr(runtime_torch, "LOOKUP_THREADS", 8)  # whatever this host's cores
-    monkeypatch.setattr(runtime_torch, "LOOKUP_PART_IDS", 100)
+    monkeypatch.setattr(staging, "LOOKUP_THREADS", 8)  # whatever this host's cores
+    monkeypatch.setattr(staging, "LOOKUP_PART_IDS", 100)
     source = EmbeddingSource(table, device="cpu", resident_bytes=500 * table.row_bytes, max_ids=1600)
     ids = token_ids(table, 100, 21)
     ids[60:] = ids[0]  # the first row again: resident or not, every part past the fourth repeats it
     poison(source)
     assert np.array_equal(bits(source(ids)), expected_bits(table, ids))
-    assert np.array_equal(source._slots[:ids.size], table.slot_of(ids.reshape(-1)))
     bad = ids.reshape(-1).copy()
     bad[777] = table.num_rows
     source.start(bad)
@@ -421,7 +412,7 @@ def test_lookup_threads_count_the_cores_the_process_may_run_on():
     """Three allowed cores leave one lookup thread (two are kept for the model's launches), however
     many cores the machine has."""
     code = ("import os; os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:3]); "
-            "from ple_prep.runtime.device import source; print(source.LOOKUP_THREADS)")
+            "from ple_prep.runtime.device import staging; print(staging.LOOKUP_THREADS)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "1"
 
@@ -438,7 +429,7 @@ def test_close_and_reopen_serve_a_new_opening_of_the_file(table):
     source.reopen(table)
 
 
-@needs_cuda
+@pytest.mark.needs_cuda
 def test_finish_replays_in_a_captured_cuda_graph_for_varying_counts(table, kernels):
     capacity = 96 * 16
     source = EmbeddingSource(table, device="cuda", resident_bytes=2000 * table.row_bytes, max_ids=capacity)
@@ -467,7 +458,7 @@ def test_finish_replays_in_a_captured_cuda_graph_for_varying_counts(table, kerne
         assert np.array_equal(bits(seen[:tokens * 16]), expected_bits(table, ids))
 
 
-@needs_cuda
+@pytest.mark.needs_cuda
 def test_capturing_finish_with_an_unjoined_start_is_refused(table):
     source = EmbeddingSource(table, device="cuda", resident_bytes=2000 * table.row_bytes, max_ids=64)
     source.start(token_ids(table, 4, 18))

@@ -1,7 +1,17 @@
-"""The reader a serving stack imports. numpy only: no click, tqdm, gguf or torch."""
+"""The reader a serving stack imports: `open_table` and `Table` need numpy alone (no click, tqdm,
+gguf or torch); `EmbeddingSource` (runtime/device/, needs torch) is imported at its first use, so
+importing this package never imports torch."""
 from .compiled import CompiledHelperMissing, compiled_helper_missing
 from .recording import TrafficRecorder
 from .table import READ_PATHS, Table, open_table
 
-__all__ = ["READ_PATHS", "CompiledHelperMissing", "Table", "TrafficRecorder", "compiled_helper_missing",
-           "open_table"]
+__all__ = ["READ_PATHS", "CompiledHelperMissing", "EmbeddingSource", "Table", "TrafficRecorder",
+           "compiled_helper_missing", "open_table"]
+
+
+def __getattr__(name: str):
+    if name == "EmbeddingSource":
+        from .device import EmbeddingSource
+
+        return EmbeddingSource
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

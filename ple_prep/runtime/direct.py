@@ -31,7 +31,7 @@ from ..format.pages import row_offsets
 
 # Reads kept in flight. Deeper than fio's reference depth of 64 on purpose: completions come in
 # bursts and a busy host deschedules the refilling thread for milliseconds, so the queue must hold
-# that long of work; 512 (a 2 MiB buffer) was the steadiest here (BENCHMARKS.md, "Disk tier").
+# that long of work; 512 was the steadiest depth (BENCHMARKS.md, "Cold rows against fio").
 DEFAULT_QUEUE_DEPTH = 512
 # The shared context's size (events reserved against fs.aio-max-nr) and so the deepest queue.
 MAX_QUEUE_DEPTH = 1024

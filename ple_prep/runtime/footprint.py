@@ -4,7 +4,7 @@ Every page a copy through the mapping touches stays mapped into the process unti
 so a long-running server's RssFile creeps toward the whole table (and its page tables with it: 8
 bytes per 4 KiB page, a 4 KiB table per 2 MiB of the mapping touched). A fault maps not only its own page
 but the cached pages around it (the kernel's fault-around, 64 KiB by default, which MADV_RANDOM
-does not turn off): 40 random rows of a cached table mapped 560 pages here. `MappedBudget` keeps
+does not turn off), so a few rows of a cached table map many pages. `MappedBudget` keeps
 the process's RssFile (file-backed resident memory, /proc/self/statm) under `budget_bytes`: it
 counts FAULT_AROUND_BYTES for every row copied through the mapping (an upper bound of what the copy
 can map), reads RssFile only when that count could have crossed the budget, and when RssFile is
@@ -17,9 +17,9 @@ over it advises the table's whole data region away in one `madvise` call:
   maps them, so the cgroup's usage drops too; a later copy of such a row reads the disk again.
 
 The order map before the data region is left alone: every lookup reads it. The budget covers the
-process's other file mappings too (numpy's libraries are about 20 MiB, torch's CUDA libraries
-hundreds): set it above them. RssFile may pass the budget by what one request maps. docs/RUNTIME.md
-has the measurements.
+process's other file mappings too (the libraries of numpy and, far larger, of torch's CUDA build):
+set it above them. RssFile may pass the budget by what one request maps. The measurements are in
+docs/benchmark-history.md, "Memory: pressure and the mapped footprint".
 """
 from __future__ import annotations
 

@@ -33,8 +33,8 @@ try:  # built only where a C compiler was there at install (setup.py): both or n
 except ImportError:
     _core_native = _native = None
 
-# Tuned on this project's benchmark host (BENCHMARKS.md, "runtime gather"): the window that reached the
-# disk's random-read ceiling, and a byte cap that keeps advice from flooding a small page cache.
+# The window that reached the disk's random-read ceiling, and a byte cap that keeps advice from
+# flooding a small page cache (docs/benchmark-history.md, "The gather path").
 DEFAULT_WINDOW_PAGES = 128
 DEFAULT_WINDOW_BYTES = 8 << 20
 # Pages of a request checked with mincore to tell a cached request from a cold one.
@@ -65,6 +65,33 @@ def _load_mincore():
 _MINCORE = _load_mincore()
 
 
+def sorted_positions(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(values ascending, each one's position in `values`, whether it is the first of its value)
+    for a non-empty int64 array of values >= 0: one sort of (value, position) packed in an int64,
+    cheaper than an argsort."""
+    count = len(values)
+    shift = max(1, (count - 1).bit_length())
+    keys = values << shift
+    keys |= np.arange(count, dtype=np.int64)
+    keys.sort()
+    first = np.empty(count, dtype=bool)
+    first[0] = True
+    ordered = keys >> shift
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    return ordered, keys & ((1 << shift) - 1), first
+
+
+def distinct(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The ascending distinct values of a non-empty int64 array of values >= 0, and each element's
+    index among them."""
+    ordered, positions, first = sorted_positions(values)
+    rank = np.cumsum(first)
+    rank -= 1
+    inverse = np.empty(len(values), dtype=np.int64)
+    inverse[positions] = rank
+    return ordered[first], inverse
+
+
 class StageJob:
     """A stage running on a thread of the compiled helper (Gatherer.stage_when)."""
 
@@ -82,6 +109,11 @@ class StageJob:
         """Stop it if it has not begun (else wait for it); its buffers are free after this."""
         _native.stage_joined(self._job, True)
 
+    def flag_checks(self) -> int:
+        """How often its thread has read the flags and found them not yet holding its values: a
+        read after a write shows that the thread saw that write."""
+        return _native.stage_job_checks(self._job)
+
 
 class Gatherer:
     """Copies rows out of one mapped data region; the Table owns one."""
@@ -96,7 +128,7 @@ class Gatherer:
         self._row_bytes = header.row_bytes
         self._num_slots = header.num_rows
         # Each row as one opaque element of a 1-D view: numpy then copies a row with one memcpy
-        # (about 3x faster than indexing a (page, position, byte) view). The view's stride is the
+        # (faster than indexing a (page, position, byte) view). The view's stride is the
         # largest step that lands on every row start; rows are elements `unit_of(slot)`.
         step = math.gcd(header.page_size, header.row_bytes)
         self._units_per_page = header.page_size // step
@@ -269,13 +301,7 @@ class Gatherer:
 
     def _gather_cold(self, units: np.ndarray, out: np.ndarray, window: int) -> None:
         count = len(units)
-        # One sort of (address, request index) packed in an int64: cheaper than an argsort.
-        shift = max(1, (count - 1).bit_length())
-        keys = np.sort((units << shift) | np.arange(count, dtype=np.int64))
-        sorted_units, requests = keys >> shift, keys & ((1 << shift) - 1)
-        first = np.empty(count, dtype=bool)
-        first[0] = True
-        np.not_equal(sorted_units[1:], sorted_units[:-1], out=first[1:])
+        sorted_units, requests, first = sorted_positions(units)
         distinct_starts = np.append(np.flatnonzero(first), count)  # sorted index of each distinct row
         ranks = np.cumsum(first) - 1                                # distinct row of each sorted entry
         distinct_units = sorted_units[first]

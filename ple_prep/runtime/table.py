@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +23,13 @@ from .gather import DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_PAGES, Gatherer
 from .hostcache import HostCache, default_budget
 from .readahead import CachedDiskTier, ReadAhead
 from .tiers import Lookup, Resident, load_resident, merge, split
+from .watch import FileWatch
 
-# Where the 16-byte file id sits in the header (docs/FORMAT.md).
-_FILE_ID_OFFSET = 72
 # Header fields that must agree with the manifest's, or the pair does not belong together.
 _MATCHED_FIELDS = ("page_size", "row_bytes", "rows_per_page", "values_per_row", "num_rows",
                    "first_row", "data_offset", "file_size")
 # How uncached rows are read: "direct" (O_DIRECT and native AIO, runtime/direct.py) or "mapped"
-# (page faults behind MADV_WILLNEED, runtime/gather.py). docs/RUNTIME.md has the measurements.
+# (page faults behind MADV_WILLNEED, runtime/gather.py): BENCHMARKS.md, "Cold rows against fio".
 READ_PATHS = ("direct", "mapped")
 DEFAULT_READ_PATH = "direct"
 
@@ -117,8 +115,10 @@ class Table:
         """Index of the file page (counted from the data region) holding each row."""
         return self.slot_of(ids) // self.rows_per_page
 
-    def stage(self, ids: np.ndarray, num_resident: int, slots: np.ndarray, index: np.ndarray,
-              out: np.ndarray, threads: int = 1) -> tuple[int, bool]:
+    # The staging calls: the device package's protocol (runtime/device/), private to it.
+
+    def _stage(self, ids: np.ndarray, num_resident: int, slots: np.ndarray, index: np.ndarray,
+               out: np.ndarray, threads: int = 1) -> tuple[int, bool]:
         """The host half of a lookup split between a resident tier (the first `num_resident` slots)
         and this file, into caller buffers, for a serving stack's every step (runtime/device/).
 
@@ -133,13 +133,13 @@ class Table:
         ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
         return self._gatherer.stage(ids, self.order, self.first_row, num_resident, slots, index, out, threads)
 
-    def stage_when(self, flags: np.ndarray, ids_value: int, free_value: int, ids: np.ndarray, num_resident: int,
-                   slots: np.ndarray, index: np.ndarray, out: np.ndarray, threads: int = 1,
-                   device_copy: tuple | None = None):
-        """`stage`, run on a thread of the compiled helper once a device has written ids_value into
+    def _stage_when(self, flags: np.ndarray, ids_value: int, free_value: int, ids: np.ndarray, num_resident: int,
+                    slots: np.ndarray, index: np.ndarray, out: np.ndarray, threads: int = 1,
+                    device_copy: tuple | None = None):
+        """`_stage`, run on a thread of the compiled helper once a device has written ids_value into
         flags[0] and free_value into flags[1] (int32 in pinned host memory: after its copy of `ids`
         there, and after its last read of `out`; a free_value below 0 when that read is known to be
-        done); returns a job whose `join()` returns what `stage` does and whether it copied. The
+        done); returns a job whose `join()` returns what `_stage` does and whether it copied. The
         buffers must stay untouched until then. Needs the compiled helper (`compiled`).
 
         `device_copy` (context, stream, wait_event, done_event, address), CUDA driver handles as
@@ -153,14 +153,14 @@ class Table:
         return self._gatherer.stage_when(flags, ids_value, free_value, ids, self.order, self.first_row, num_resident,
                                          slots, index, out, threads, device_copy)
 
-    def stage_and_launch(self, ids: np.ndarray, num_resident: int, slots: np.ndarray, index: np.ndarray,
-                         out: np.ndarray, *, context: int, events: tuple[int, ...], graph: int,
-                         stream: int) -> tuple[int, bool, bool]:
-        """`stage` once each CUDA event of `events` has completed, then, if the rows were staged, the
+    def _stage_and_launch(self, ids: np.ndarray, num_resident: int, slots: np.ndarray, index: np.ndarray,
+                          out: np.ndarray, *, context: int, events: tuple[int, ...], graph: int,
+                          stream: int) -> tuple[int, bool, bool]:
+        """`_stage` once each CUDA event of `events` has completed, then, if the rows were staged, the
         launch of CUDA graph exec `graph` on `stream` (raw driver handles as ints; `context` from
         `driver.device_context`), in one call of the compiled helper: a small request from device
         ids finished without a CUDA call from Python (runtime/device/), on this thread alone.
-        Returns what `stage` does and whether the graph was launched. Needs the compiled helper
+        Returns what `_stage` does and whether the graph was launched. Needs the compiled helper
         (`compiled`)."""
         if not self.compiled:
             raise RuntimeError("stage_and_launch needs the compiled helper (runtime/native/)")
@@ -202,6 +202,17 @@ class Table:
         self._gatherer.window_bytes = int(limit)
 
     @property
+    def advice_window(self) -> int:
+        """Distinct pages a cold mapped gather advises ahead of its copy: `window_pages`, capped by
+        `window_bytes`; 0: no advice."""
+        return self._gatherer.window
+
+    def in_page_cache(self, ids: np.ndarray) -> bool:
+        """Whether a few rows spread over these ids are in the page cache: the probe that sends a
+        request to the copy from memory rather than to the read path."""
+        return self._gatherer.cached(self.slot_of(ids))
+
+    @property
     def threads(self) -> int:
         """Threads copying a large cached gather (parts of at least THREAD_MIN_ROWS rows); 1: inline."""
         return self._gatherer.threads
@@ -237,21 +248,25 @@ class Table:
         return self._disk.read_ahead([chunk[chunk >= skip_slots] for chunk in slots])
 
     def resident(self, budget_bytes: int, device: str = "cpu") -> Resident:
-        """Keep the leading (hottest) slots that fit in `budget_bytes` in RAM or GPU memory.
+        """Keep the leading (hottest) slots that fit in `budget_bytes` in RAM (a numpy copy).
 
-        `device` is 'cpu' (a numpy copy) or a torch device such as 'cuda' (needs torch). Replaces
-        any earlier resident tier; `lookup` then serves those rows from it.
+        Replaces any earlier resident tier; `lookup` then serves those rows from it. Rows on a GPU
+        are EmbeddingSource's resident tier (`EmbeddingSource(table, device=..., resident_bytes=...)`).
         """
+        if device != "cpu":
+            raise ValueError(f"Table.resident keeps rows in host RAM, not on {device!r}: for rows on a GPU, "
+                             f"use ple_prep.runtime.EmbeddingSource(table, device={device!r}, resident_bytes=...)")
         self._resident = None
-        self._resident = load_resident(self.descriptor, self.path.name, self.header, budget_bytes, device)
+        self._resident = load_resident(self.descriptor, self.path.name, self.header, budget_bytes)
         return self._resident
 
-    def lookup(self, ids: np.ndarray, out: Any = None) -> Lookup:
+    def lookup(self, ids: np.ndarray, out: np.ndarray | None = None) -> Lookup:
         """Split a request into resident positions (with their slots) and disk positions (with
-        their rows, gathered). With `out` (uint8 `(len(ids), row_bytes)`, a numpy array or a
-        tensor on the resident tier's device) the merged rows are written there, each position
-        once, from its tier.
+        their rows, gathered). With `out` (a uint8 numpy array `(len(ids), row_bytes)`) the merged
+        rows are written there, each position once, from its tier.
         """
+        if out is not None and not isinstance(out, np.ndarray):
+            raise TypeError(f"out must be a numpy array, not {type(out).__name__} (rows on a GPU: EmbeddingSource)")
         self._watch.check()
         found = split(self.slot_of(ids), self._resident, self._reader)
         if out is not None:
@@ -275,53 +290,6 @@ def check_spec_digest(header: Header, meta: dict[str, Any], name: str, manifest_
     if header.spec_digest != spec_digest(meta["scale"], meta["ngram"]):
         raise BadInput(f"{manifest_name} was changed after conversion: its scale or hash spec (ngram) "
                        f"is not what {name} was written with; refusing to serve wrong values")
-
-
-class FileWatch:
-    """Notices the open table file rewritten in place under its reader (docs/RELIABILITY.md).
-
-    A mapped file's pages change when someone rewrites the file in place, MAP_PRIVATE or not.
-    `check` costs one clock read; at most once every CHECK_SECONDS it compares the open file's
-    size and modification time with those at open and re-reads the header's file id, and from
-    then on every gather fails naming the change. A new file renamed over the path is no change:
-    this reader keeps its own file, whole, and a reopen picks up the new one.
-    """
-
-    CHECK_SECONDS = 1.0
-
-    def __init__(self, path: Path, descriptor: int, file_id: bytes):
-        self.path, self.descriptor, self.file_id = path, descriptor, file_id
-        self.opened = self._identity(os.fstat(descriptor))
-        self.next_check = time.monotonic() + self.CHECK_SECONDS
-        self.change: str | None = None
-
-    @staticmethod
-    def _identity(status: os.stat_result) -> tuple[int, int]:
-        # Not the change time: a rename over the path unlinks this file, which updates it.
-        return status.st_size, status.st_mtime_ns
-
-    def check(self) -> None:
-        if self.change is None and time.monotonic() >= self.next_check:
-            self.change = self.changed()
-            self.next_check = time.monotonic() + self.CHECK_SECONDS
-        if self.change is not None:
-            raise BadInput(f"{self.path} changed under this reader ({self.change}): reopen the table")
-
-    def changed(self) -> str | None:
-        """What changed in the open file since open, or None."""
-        size, modified = self._identity(os.fstat(self.descriptor))
-        if size != self.opened[0]:
-            return f"its size went from {self.opened[0]} to {size} bytes"
-        if os.pread(self.descriptor, 16, _FILE_ID_OFFSET) != self.file_id:
-            return "its header's file id changed (another table was written over it)"
-        if modified != self.opened[1]:
-            return "it was rewritten in place (modification time changed)"
-        return None
-
-    def close(self) -> None:
-        if self.descriptor >= 0:
-            os.close(self.descriptor)
-            self.descriptor = -1
 
 
 def open_table(path: str | Path, manifest: str | Path | None = None, *,

@@ -1,4 +1,6 @@
-"""Resident and disk tiers: the leading slots held in RAM or GPU memory, the rest read on demand.
+"""Resident and disk tiers: the leading slots held in RAM, the rest read on demand (the GPU's
+resident tier is EmbeddingSource's, runtime/device/buffers.py, which loads it with
+`read_leading_slots`).
 
 The file's leading slots are its hottest rows when it has an access-ordered layout (and merely its
 first rows in source order otherwise), so a budget of B bytes keeps the B // row_bytes rows most
@@ -8,7 +10,6 @@ exactly once, from the tier that holds its row, so no position can keep an earli
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import numpy as np
 
@@ -24,11 +25,10 @@ LOAD_CHUNK_BYTES = 64 << 20
 
 @dataclasses.dataclass
 class Resident:
-    """Slots [0, num_slots) of a table as rows `(num_slots, row_bytes)`, on `device`."""
+    """Slots [0, num_slots) of a table as uint8 rows `(num_slots, row_bytes)` in RAM."""
 
     num_slots: int
-    rows: Any  # numpy uint8 array on 'cpu', torch uint8 tensor on a torch device
-    device: str
+    rows: np.ndarray
 
 
 @dataclasses.dataclass
@@ -41,29 +41,19 @@ class Lookup:
     disk_rows: np.ndarray           # uint8 (len(disk_positions), row_bytes), request order
 
 
-def load_resident(descriptor: int, name: str, header: Header, budget_bytes: int, device: str = "cpu") -> Resident:
+def load_resident(descriptor: int, name: str, header: Header, budget_bytes: int) -> Resident:
     """Copy the leading slots of the table open at `descriptor` (`name` in messages) that fit in
-    `budget_bytes` to `device` ('cpu', 'cuda', 'cuda:N')."""
+    `budget_bytes` into RAM."""
     if budget_bytes < 0:
         raise ValueError("budget_bytes must be >= 0")
     num_slots = int(min(header.num_rows, budget_bytes // header.row_bytes))
-    if device == "cpu":
-        rows = np.empty((num_slots, header.row_bytes), dtype=np.uint8)
-
-        def put_in_memory(start: int, chunk: np.ndarray) -> None:
-            rows[start:start + len(chunk)] = chunk
-
-        read_leading_slots(descriptor, name, header, num_slots, put_in_memory)
-        return Resident(num_slots, rows, device)
-    import torch
-
-    rows = torch.empty((num_slots, header.row_bytes), dtype=torch.uint8, device=device)
+    rows = np.empty((num_slots, header.row_bytes), dtype=np.uint8)
 
     def put(start: int, chunk: np.ndarray) -> None:
-        rows[start:start + len(chunk)].copy_(torch.from_numpy(chunk))
+        rows[start:start + len(chunk)] = chunk
 
     read_leading_slots(descriptor, name, header, num_slots, put)
-    return Resident(num_slots, rows, str(rows.device))
+    return Resident(num_slots, rows)
 
 
 def read_leading_slots(descriptor: int, name: str, header: Header, num_slots: int, put) -> None:
@@ -90,26 +80,8 @@ def split(slots: np.ndarray, resident: Resident | None, gatherer: Gatherer) -> L
     return Lookup(resident_positions, slots[resident_positions], disk_positions, disk_rows)
 
 
-def merge(lookup: Lookup, resident: Resident | None, out: Any) -> None:
+def merge(lookup: Lookup, resident: Resident | None, out: np.ndarray) -> None:
     """Write each position of `out` once: resident rows from the resident tier, the rest from disk."""
-    if isinstance(out, np.ndarray):
-        if len(lookup.resident_positions):
-            if resident is None or resident.device != "cpu":
-                raise ValueError("a numpy `out` needs the resident tier on 'cpu'")
-            out[lookup.resident_positions] = resident.rows[lookup.resident_slots]
-        out[lookup.disk_positions] = lookup.disk_rows
-        return
-    import torch
-
-    device = out.device
     if len(lookup.resident_positions):
-        if resident is None or torch.device(resident.device) != device:
-            raise ValueError(f"`out` on {device} needs the resident tier on {device}")
-        rows = resident.rows
-        if isinstance(rows, np.ndarray):
-            rows = torch.from_numpy(rows)
-        slots = torch.from_numpy(lookup.resident_slots).to(device)
-        positions = torch.from_numpy(lookup.resident_positions).to(device)
-        out[positions] = rows[slots]
-    positions = torch.from_numpy(lookup.disk_positions).to(device)
-    out[positions] = torch.from_numpy(lookup.disk_rows).to(device)
+        out[lookup.resident_positions] = resident.rows[lookup.resident_slots]
+    out[lookup.disk_positions] = lookup.disk_rows

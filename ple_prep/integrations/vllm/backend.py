@@ -14,8 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from ...core.errors import BadInput
-from ...runtime import Table
-from ...runtime.device import EmbeddingSource
+from ...runtime import EmbeddingSource, Table
 
 # The table encodings that serve each of vLLM's PLE embedding methods, by the method's name.
 METHOD_ENCODINGS = {"fp8": "fp8_e4m3", "nvfp4": "nvfp4_packed", "unquantized": "bf16"}

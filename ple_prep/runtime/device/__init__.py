@@ -1,14 +1,14 @@
-"""The device path: row ids in, bf16 PLE values on a torch device out (needs torch).
+"""The device path: row ids in, bf16 PLE values on a torch device out (needs torch); the public
+entry is `ple_prep.runtime.EmbeddingSource`.
 
-    from ple_prep.runtime import open_table
-    from ple_prep.runtime.device import EmbeddingSource
-
-source.py holds EmbeddingSource; buffers.py its device buffer layout, device_ids.py the protocol
-for ids given on the device, graphs.py its CUDA-graph cache; dequant.py and triton_gather.py decode
-rows on the device; driver.py wraps the compiled runtime's CUDA driver calls (no torch needed).
+source.py holds EmbeddingSource and its pending start; staging.py its host half (slots, tier
+index, disk rows into the pinned span); buffers.py the device buffer layout; device_ids.py the
+protocol for ids given on the device; graphs.py the CUDA-graph cache; stats.py what a source
+counts; dequant.py and triton_gather.py decode rows on the device; driver.py holds the calls past
+torch's public API (the compiled runtime's CUDA driver calls; it imports no torch).
 EmbeddingSource is imported at first use, so that driver.py imports without torch.
 """
-__all__ = ["EmbeddingSource"]
+__all__ = ["EmbeddingSource", "SourceStats"]
 
 
 def __getattr__(name: str):
@@ -16,4 +16,8 @@ def __getattr__(name: str):
         from .source import EmbeddingSource
 
         return EmbeddingSource
+    if name == "SourceStats":
+        from .stats import SourceStats
+
+        return SourceStats
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

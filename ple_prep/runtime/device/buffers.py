@@ -1,51 +1,78 @@
 """EmbeddingSource's buffers: one device buffer holding the resident tier, the staging rows and the
-tier index, and its pinned host mirror that one copy carries to the device."""
+tier index, and the pinned host mirror of its span, which one copy carries to the device."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from ..table import Table
 from ..tiers import read_leading_slots
 
 
-class DeviceBuffersMixin:
-    """The buffer layout of EmbeddingSource (source.py)."""
+class DeviceBuffers:
+    """The device buffer [lead][resident rows][staging rows][pad][tier index, int32 per position].
 
-    def _allocate_buffers(self) -> None:
-        """The tiers, the span, the index and their host views; the resident rows read in."""
-        table = self.table
-        rows, row_bytes, capacity = self.num_resident, table.row_bytes, self.capacity
-        # One device buffer: [lead][resident rows][staging rows][pad][tier index, int32 per position].
-        # The staging rows fill from their end, so a call's disk rows and its index are one
-        # contiguous span: one copy. The lead and pad keep the span and the index 4-byte aligned.
+    The staging rows fill from their end, so a call's disk rows and its index are one contiguous
+    span (`span`, mirrored in pinned `host_span`): one copy. The lead and pad keep the span and the
+    index 4-byte aligned. On the CPU the host writes the span in place and nothing is copied.
+
+    tiers    uint8 (resident + capacity, row_bytes): the resident rows, then the staging rows
+    index    int32 (capacity,): each position's row of `tiers`
+    host_rows, host_index   numpy views of the pinned span: where the host stages a request
+    rows     uint8 (capacity, row_bytes): the picked rows, for decoders that are not fused
+    output   bf16 (capacity, values_per_row): what `finish` returns views of
+    """
+
+    def __init__(self, table: Table, device: torch.device, num_resident: int, capacity: int):
+        rows, row_bytes = num_resident, table.row_bytes
+        self.capacity, self.row_bytes = capacity, row_bytes
         lead = -rows * row_bytes % 4
         pad = -capacity * row_bytes % 4
-        self._index_at = capacity * row_bytes + pad          # within the span
-        span_bytes = self._index_at + 4 * capacity
-        buffer = torch.empty(lead + rows * row_bytes + span_bytes, dtype=torch.uint8, device=self.device)
-        self._tiers = buffer[lead:lead + (rows + capacity) * row_bytes].view(rows + capacity, row_bytes)
-        self._span = buffer[lead + rows * row_bytes:]
+        self.index_at = capacity * row_bytes + pad  # within the span
+        span_bytes = self.index_at + 4 * capacity
+        buffer = torch.empty(lead + rows * row_bytes + span_bytes, dtype=torch.uint8, device=device)
+        self.tiers = buffer[lead:lead + (rows + capacity) * row_bytes].view(rows + capacity, row_bytes)
+        self.span = buffer[lead + rows * row_bytes:]
         # Every index entry, also past a call's count, names a real tier row: a graph captured
         # for more positions than a replay's call has reads stale rows there, never outside.
-        self._span[self._index_at:].zero_()
-        self._index = self._span[self._index_at:].view(torch.int32)
+        self.span[self.index_at:].zero_()
+        self.index = self.span[self.index_at:].view(torch.int32)
 
         def put(start: int, chunk: np.ndarray) -> None:
-            self._tiers[start:start + len(chunk)].copy_(torch.from_numpy(chunk))
+            self.tiers[start:start + len(chunk)].copy_(torch.from_numpy(chunk))
 
         read_leading_slots(table.descriptor, table.path.name, table.header, rows, put)
-        self._cuda = self.device.type == "cuda"
-        if self._cuda:
-            self._host_span = torch.zeros(span_bytes, dtype=torch.uint8, pin_memory=True)
-            self._copy_stream = torch.cuda.Stream(self.device)
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.host_span = torch.zeros(span_bytes, dtype=torch.uint8, pin_memory=True)
+            self.copy_stream = torch.cuda.Stream(device)
             # External events: captured in a graph they become record/wait nodes on these events.
-            self._copied = torch.cuda.Event(external=True)
-            self._consumed = torch.cuda.Event(external=True)
-            self._allocate_device_ids(capacity)
+            # `copied` marks the end of the span's last copy, `consumed` the device's last read of
+            # it. The compiled helper's driver calls wait on and record them, so they must exist
+            # first (torch creates an event at its first record).
+            self.copied = torch.cuda.Event(external=True)
+            self.consumed = torch.cuda.Event(external=True)
+            self.consumed.record()
+            self.copied.record(self.copy_stream)
         else:
-            # On the CPU the host writes the span in place: there is nothing to copy.
-            self._host_span = self._span
-        self._host_rows = self._host_span[:capacity * row_bytes].view(capacity, row_bytes).numpy()
-        self._host_index = self._host_span[self._index_at:].view(torch.int32).numpy()
-        self._rows = torch.empty((capacity, row_bytes), dtype=torch.uint8, device=self.device)
-        self.output = torch.empty((capacity, table.values_per_row), dtype=torch.bfloat16, device=self.device)
+            self.host_span = self.span
+        self.host_rows = self.host_span[:capacity * row_bytes].view(capacity, row_bytes).numpy()
+        self.host_index = self.host_span[self.index_at:].view(torch.int32).numpy()
+        self.rows = torch.empty((capacity, row_bytes), dtype=torch.uint8, device=device)
+        self.output = torch.empty((capacity, table.values_per_row), dtype=torch.bfloat16, device=device)
+
+    def span_of(self, disk: int, count: int) -> tuple[int, int]:
+        """Bytes [low, high) of the span a request of `count` positions with `disk` staged rows uses."""
+        return (self.capacity - disk) * self.row_bytes, self.index_at + 4 * count
+
+    def launch_copy(self, span: tuple[int, int], stream) -> None:
+        """Bytes [low, high) of the pinned span to the device span, on `stream`, once the last
+        finish has read the device span; `copied` marks its end."""
+        stream.wait_event(self.consumed)
+        low, high = span
+        if stream is self.copy_stream:
+            with torch.cuda.stream(stream):
+                self.span[low:high].copy_(self.host_span[low:high], non_blocking=True)
+        else:  # the caller's current stream, or a capture's
+            self.span[low:high].copy_(self.host_span[low:high], non_blocking=True)
+        self.copied.record(stream)

@@ -1,8 +1,10 @@
-"""The compiled helper's calls into the CUDA driver (runtime/native/cuda.c), for the device package.
+"""The device package's calls past torch's public API, in one place: the compiled helper's CUDA
+driver calls (runtime/native/cuda.c), the current stream's raw handle and a graph's exec.
 
-Each CUDA call through torch costs 5-15 us of host time on the H200's host (BENCHMARKS.md), so the
-copies a start from device ids queues on every step go to the driver directly. The helper opens
-libcuda itself, at the first call; torch has loaded it by then.
+Each CUDA call through torch costs host time on every step (BENCHMARKS.md, "Decode step and
+prefill chunk on an H200"; the single calls in docs/benchmark-history.md), so the copies a start
+from device ids queues go to the driver directly. The helper opens libcuda itself, at the first call; torch has
+loaded it by then. Imports no torch: the callers pass torch's objects in.
 """
 from __future__ import annotations
 
@@ -29,3 +31,19 @@ def queue_ids_copy(context: int, stream: int, event: int, target: int, source: i
     memory at `target`, then, unless `flag_source` is 0, of the int32 at device address
     `flag_source` into pinned `flag`, then a record of `event` (raw CUDA handles as ints)."""
     _native.queue_ids_copy(context, stream, event, target, source, size, flag, flag_source)
+
+
+def raw_stream_of(torch, ordinal: int):
+    """A function giving device `ordinal`'s current stream as a raw handle. torch's private call
+    where it has one: `torch.cuda.current_stream` builds a Stream object on every call, which
+    costs more than the driver call it feeds."""
+    private = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if private is not None:
+        return functools.partial(private, ordinal)
+    return lambda: torch.cuda.current_stream(ordinal).cuda_stream
+
+
+def graph_exec(graph) -> int | None:
+    """A captured torch CUDA graph's exec handle for the helper to launch, or None where this torch
+    does not hand it out (the graph is then replayed through torch)."""
+    return graph.raw_cuda_graph_exec() if hasattr(graph, "raw_cuda_graph_exec") else None

@@ -1,7 +1,6 @@
 """The PLE layer's input as a torch tensor: row ids from the host in, bf16 values on the device out.
 
-    from ple_prep.runtime import open_table
-    from ple_prep.runtime.device import EmbeddingSource
+    from ple_prep.runtime import EmbeddingSource, open_table
 
     source = EmbeddingSource(open_table("/nvme/ple.bin"), device="cuda",
                              resident_bytes=2 << 30, max_ids=4096 * 16)
@@ -17,80 +16,53 @@ positions are copied into a pinned buffer (from the page cache: every position, 
 threads; cold: each distinct row once, through the table's read path) with their tier index next
 to them; one non-blocking copy on a side stream carries both to the device. Ids on the device (a
 serving stack that computes them there) are copied to pinned memory behind the kernel that wrote
-them; a large request's lookup starts on a helper thread of the compiled runtime (runtime/native/) as soon as they land,
-while the caller goes on launching work, a small one's runs at `finish` (which waits on the host
+them; a large request's lookup starts on a helper thread of the compiled runtime (runtime/native/)
+as soon as they land, while the caller goes on launching work, a small one's runs at `finish` (which waits on the host
 for those ids: the device is usually past them by then; with the compiled helper, once a graph of
 its size exists, that wait, the lookup and the graph's launch are one call). `finish` makes the
 current stream wait for that copy (an event: no host synchronisation when the copy was launched in
 time), then one index picks every position's row from its tier and the decoder writes bf16 into an
 output buffer allocated once (FP8 with Triton: one kernel does both, device/triton_gather.py).
 The device half launches kernels only, on fixed buffers, so it can be captured in a CUDA graph and
-replayed; docs/SERVING.md gives the contract.
+replayed; docs/SERVING.md gives the contract. `stats()` counts what it served (device/stats.py).
 
 Imported only when asked: needs torch (`pip install 'ple-prep[torch]'`).
 """
 from __future__ import annotations
 
 import concurrent.futures
-import os
+import dataclasses
 import time
 
 import numpy as np
 import torch
 
+from ..gather import StageJob
 from ..table import Table
-from .buffers import DeviceBuffersMixin
+from .buffers import DeviceBuffers
 from .dequant import decoder_for
-from .device_ids import DeviceIdsMixin, _FromDevice
-from .graphs import INLINE_IDS, GraphsMixin
+from .device_ids import DeviceIds
+from .graphs import INLINE_IDS, GraphCache
+from .staging import HostStaging
+from .stats import SourceStats
 from .triton_gather import fp8_gather_for
 
-# Up to this many disk positions of a cold request, rows are read without deduplication: the sort
-# costs more than reading a rare duplicate row (whose page the first read has cached).
-DEDUP_MIN_ROWS = 64
-# A large request's slot lookup and cached row copy are split over up to LOOKUP_THREADS threads
-# (the compiled helper's own pool), parts of at least LOOKUP_PART_IDS ids. On the H200's 16-core
-# host a 4,096-token chunk's host half took 2.63 ms on one thread and 0.33 ms on 14
-# (BENCHMARKS.md); two of the cores this process may run on are left to the threads that launch
-# the model's work.
-LOOKUP_THREADS = min(16, max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                  else os.cpu_count() or 1) - 2))
-LOOKUP_PART_IDS = 4096
+
+@dataclasses.dataclass
+class PendingStart:
+    """The last start until it is joined: its ids' count and how its host work runs. Host ids run
+    inline (done: `error` holds what it raised) or on the worker thread (`future`); ids given on
+    the device (`device_ids`, pinned, valid once they landed) are looked up at join, or for a
+    large request by a helper thread's `job` as soon as they land."""
+
+    count: int
+    future: concurrent.futures.Future | None = None
+    error: BaseException | None = None
+    device_ids: np.ndarray | None = None
+    job: StageJob | None = None
 
 
-def _distinct(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Ascending distinct values of a non-negative int64 array and each element's rank among them."""
-    count = len(values)
-    shift = max(1, (count - 1).bit_length())
-    # One sort of (value, position) packed in an int64: cheaper than np.unique's argsort.
-    keys = values << shift
-    keys |= np.arange(count, dtype=np.int64)
-    keys.sort()
-    ordered = keys >> shift
-    first = np.empty(count, dtype=bool)
-    first[0] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
-    rank = np.cumsum(first)
-    rank -= 1
-    inverse = np.empty(count, dtype=np.int64)
-    inverse[keys & ((1 << shift) - 1)] = rank
-    return ordered[first], inverse
-
-
-class _Done:
-    """A start whose host work ran inline: its outcome, shaped like a future's."""
-
-    def __init__(self, count: int, error: BaseException | None = None):
-        self.count = count
-        self.error = error
-
-    def result(self) -> int:
-        if self.error is not None:
-            raise self.error
-        return self.count
-
-
-class EmbeddingSource(DeviceBuffersMixin, DeviceIdsMixin, GraphsMixin):
+class EmbeddingSource:
     """bf16 PLE values on a torch device for row ids given on the host, from a resident and a disk tier."""
 
     def __init__(self, table: Table, *, device: str | torch.device = "cuda", resident_bytes: int = 0,
@@ -102,30 +74,49 @@ class EmbeddingSource(DeviceBuffersMixin, DeviceIdsMixin, GraphsMixin):
         self.device = torch.empty(0, device=device).device
         self.capacity = int(max_ids)
         self.num_resident = int(min(table.num_rows, max(0, resident_bytes) // table.row_bytes))
-        self._allocate_buffers()
+        self.buffers = DeviceBuffers(table, self.device, self.num_resident, self.capacity)
+        self._cuda = self.buffers.cuda
+        self._device_ids = DeviceIds(self.buffers, self.device, table.compiled) if self._cuda else None
         self._decoder = decoder_for(table.encoding, table.values_per_row, table.scale, self.device)
         # FP8 on a GPU with Triton: the row index and the decode in one kernel, compiled here so
         # that no graph capture compiles it.
         self._fused = fp8_gather_for(self._decoder, table.row_bytes, self.device)
         if self._fused is not None:
-            self._fused(self._tiers, self._index[:1], self.output[:1])
-        self._slots = np.empty(self.capacity, dtype=np.int64)
-        self._small_outputs: dict[int, torch.Tensor] = {}
-        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        # The graphs with a copy as CUDA graph execs, by size, for the compiled helper to launch
-        # (`_finish_in_one_call`); torch builds without `raw_cuda_graph_exec` replay through torch.
-        self._graph_execs: dict[int, int] = {}
-        # A small request's copy to the device, left to finish's graph (the pinned span's bytes).
-        self._deferred_copy: tuple[int, int] | None = None
+            self._fused(self.buffers.tiers, self.buffers.index[:1], self.buffers.output[:1])
+        self._graphs = GraphCache(self.buffers, self.device, self._index_and_decode,
+                                  self._cuda and self._device_ids.context is not None)
+        self._stats = SourceStats()
+        self._staging = HostStaging(table, self.buffers, self.num_resident, self._stats, self._current_stream)
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pending: concurrent.futures.Future | _Done | None = None
+        self._pending: PendingStart | None = None
         self._joined: int | None = None
-        # Rows the last start copied from the disk tier: each disk position when they were cached,
-        # each distinct disk row once when they were not.
-        self.last_disk_rows = 0
-        # Seconds of the last start's host stages: lookup, split, gather, copy (the launch); for a
-        # start from device ids finished in one call, that call's seconds as the lookup.
-        self.last_stages: dict[str, float] = {}
+
+    @property
+    def last_disk_rows(self) -> int:
+        """Rows the last start copied from the disk tier: each disk position when they were
+        cached, each distinct disk row once when they were not."""
+        return self._staging.last_disk_rows
+
+    @property
+    def last_stages(self) -> dict[str, float]:
+        """Seconds of the last start's host stages: lookup, split, gather, copy (the launch); for a
+        start from device ids finished in one call, that call's seconds as the lookup."""
+        return self._staging.last_stages
+
+    @property
+    def kernel(self) -> str:
+        """How `finish` picks and decodes rows: "fused" (one Triton kernel: FP8 on a GPU with
+        Triton) or "torch" (an index, then the encoding's torch decoder)."""
+        return "torch" if self._fused is None else "fused"
+
+    def stats(self) -> SourceStats:
+        """A snapshot of what this source has served since it was made (device/stats.py)."""
+        return dataclasses.replace(self._stats)
+
+    def captured_graphs(self) -> list[tuple[int, bool]]:
+        """The device halves captured as CUDA graphs, as (positions, whether the graph holds the
+        span's copy), ascending."""
+        return sorted(self._graphs.graphs)
 
     # --- the host half -------------------------------------------------------------------------
 
@@ -146,20 +137,49 @@ class EmbeddingSource(DeviceBuffersMixin, DeviceIdsMixin, GraphsMixin):
         self._joined = None
         if self._cuda and isinstance(row_ids, torch.Tensor) and row_ids.device == self.device:
             self._pending = self._start_from_device(row_ids)
+            self._count_start(self._pending.count)
             return
         ids = self._host_ids(row_ids)
+        self._count_start(len(ids))
         if inline is None:
             inline = len(ids) <= INLINE_IDS
         if inline:
             try:
-                self._pending = _Done(self._prepare(ids, stream, defer_copy=defer_copy))
+                self._pending = PendingStart(self._staging.prepare(ids, stream, defer_copy=defer_copy))
             except Exception as error:  # raised at finish(), as from the worker
-                self._pending = _Done(len(ids), error)
+                self._pending = PendingStart(len(ids), error=error)
             return
         if self._worker is None:
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ple-prep-start")
         # The worker reads its own copy: the caller may reuse its array at once.
-        self._pending = self._worker.submit(self._prepare, ids.copy(), self._copy_stream if self._cuda else None)
+        stream = self.buffers.copy_stream if self._cuda else None
+        future = self._worker.submit(self._staging.prepare, ids.copy(), stream)
+        self._pending = PendingStart(len(ids), future=future)
+
+    def _count_start(self, count: int) -> None:
+        self._stats.starts += 1
+        self._stats.ids += count
+
+    def _start_from_device(self, row_ids: torch.Tensor) -> PendingStart:
+        dtype = row_ids.dtype
+        if dtype is not torch.int64 and (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
+            raise TypeError(f"row ids must be integers, not {dtype}")
+        count = self._checked_count(row_ids.numel())
+        self._stats.starts_from_device += 1
+        if count <= INLINE_IDS or not self.table.compiled:
+            # The lookup at join: for a small request that costs less than a helper thread's start
+            # (and without the compiled helper there is no such thread).
+            return PendingStart(count, device_ids=self._device_ids.copy(row_ids, count))
+        # The copies first: the device runs them while the job's thread starts (which then may find
+        # its flags written already).
+        ids, ids_value, free_value, behind = self._device_ids.copy_flagged(row_ids, count)
+        self._stats.helper_lookups += 1
+        self._stats.behind_copy += behind
+        buffers = self.buffers
+        job = self.table._stage_when(self._device_ids.flags, ids_value, free_value, ids, self.num_resident,
+                                     self._staging.slots[:count], buffers.host_index[:count], buffers.host_rows,
+                                     self._staging.lookup_threads(count), self._device_ids.helper_copy)
+        return PendingStart(count, device_ids=ids, job=job)
 
     def _current_stream(self):
         return torch.cuda.current_stream(self.device) if self._cuda else None
@@ -179,22 +199,26 @@ class EmbeddingSource(DeviceBuffersMixin, DeviceIdsMixin, GraphsMixin):
             if self._joined is None:
                 raise RuntimeError("finish() or join() without a start()")
             return self._joined
-        if isinstance(pending, _FromDevice):
+        if pending.device_ids is not None:
             # Raises the device's error, if any; after it both flags have landed, so a job ends.
-            self._ids_landed.synchronize()
-            stream = self._copy_stream if pending.job is not None else stream
-            self._joined = self._prepare(pending.ids, stream, pending.job, defer_copy)
+            self._device_ids.landed.synchronize()
+            stream = self.buffers.copy_stream if pending.job is not None else stream
+            self._joined = self._staging.prepare(pending.device_ids, stream, pending.job, defer_copy=defer_copy)
+        elif pending.future is not None:
+            self._joined = pending.future.result()
+        elif pending.error is not None:
+            raise pending.error
         else:
-            self._joined = pending.result()
+            self._joined = pending.count
         return self._joined
 
     def drop(self) -> None:
         """Abandon the last start, if any (say, its forward pass failed before it was finished):
         its host work is stopped or waited for and its errors are dropped."""
         pending, self._pending = self._pending, None
-        if isinstance(pending, concurrent.futures.Future):
-            concurrent.futures.wait([pending])
-        elif isinstance(pending, _FromDevice) and pending.job is not None:
+        if pending is not None and pending.future is not None:
+            concurrent.futures.wait([pending.future])
+        elif pending is not None and pending.job is not None:
             pending.job.cancel()
 
     def _host_ids(self, row_ids) -> np.ndarray:
@@ -210,10 +234,6 @@ class EmbeddingSource(DeviceBuffersMixin, DeviceIdsMixin, GraphsMixin):
         if count > self.capacity:
             raise ValueError(f"{count} row ids exceed this source's max_ids = {self.capacity}")
         return count
-
-    def _lookup_threads(self, count: int) -> int:
-        """Threads of the compiled helper's pool for a request of `count` ids (1 without it)."""
-        return max(1, min(LOOKUP_THREADS, count // LOOKUP_PART_IDS)) if self.table.compiled else 1
 
     def close(self) -> None:
         """Release the worker thread (a pending start is finished first); the table stays open."""
@@ -234,67 +254,7 @@ class EmbeddingSource(DeviceBuffersMixin, DeviceIdsMixin, GraphsMixin):
         if (table.num_rows, table.row_bytes, table.header.file_id) != \
                 (self.table.num_rows, self.table.row_bytes, self.table.header.file_id):
             raise ValueError(f"{table.path} is not the table this source was built from")
-        self.table = table
-
-    def _prepare(self, ids: np.ndarray, stream, job=None, defer_copy: bool = False) -> int:
-        """Slots, the resident/disk split, the disk rows and the tier index into the span (or the
-        outcome of `job`, a stage already run: on a helper thread, which may have queued the copy
-        too, or by `_finish_in_one_call`); the
-        copy on `stream` (None: the current one, looked up only then; for inline work the caller's,
-        where it is queued ahead of what comes next). With `defer_copy` (a finish follows at once)
-        a small request's copy is left to finish's graph instead."""
-        count, resident, table = len(ids), self.num_resident, self.table
-        began = time.perf_counter()
-        self._deferred_copy = None
-        slots, index = self._slots[:count], self._host_index[:count]
-        copied = False  # by the job's thread, right after it staged the rows
-        if job is not None:
-            disk, staged, copied = job.join()
-        else:
-            if self._cuda:
-                # The previous copy has left the pinned span before this call rewrites it.
-                self._copied.synchronize()
-            disk, staged = table.stage(ids, resident, slots, index, self._host_rows, self._lookup_threads(count))
-        looked_up = split = gathered = time.perf_counter()
-        if not staged:
-            # Cold: each distinct row read once, through the table's read path.
-            disk_positions = np.flatnonzero(slots >= resident)
-            disk_slots = slots[disk_positions]
-            if disk > DEDUP_MIN_ROWS:
-                disk_slots, inverse = _distinct(disk_slots)
-                disk = len(disk_slots)
-            else:
-                inverse = np.arange(disk)
-            first = self.capacity - disk
-            index[disk_positions] = resident + first + inverse
-            split = time.perf_counter()
-            table.gather_slots(disk_slots, out=self._host_rows[first:])
-            gathered = time.perf_counter()
-        self.last_disk_rows = disk
-        span = ((self.capacity - disk) * self.table.row_bytes, self._index_at + 4 * count)
-        if self._cuda and not copied:
-            if defer_copy and 0 < count <= INLINE_IDS:
-                self._deferred_copy = span
-            else:
-                self._launch_copy(span, stream or self._current_stream())
-        self.last_stages = {"lookup": looked_up - began, "split": split - looked_up,
-                            "gather": gathered - split, "copy": time.perf_counter() - gathered}
-        return count
-
-    def _launch_copy(self, span: tuple[int, int], stream) -> None:
-        """Bytes [low, high) of the pinned span to the device span, on `stream`, once the last
-        finish has read the device span; `_copied` marks its end."""
-        stream.wait_event(self._consumed)
-        self._copy(*span, stream)
-        self._copied.record(stream)
-
-    def _copy(self, low: int, high: int, stream) -> None:
-        """Bytes [low, high) of the pinned span to the device span, on `stream`."""
-        if stream is self._copy_stream:
-            with torch.cuda.stream(stream):
-                self._span[low:high].copy_(self._host_span[low:high], non_blocking=True)
-        else:  # the caller's current stream
-            self._span[low:high].copy_(self._host_span[low:high], non_blocking=True)
+        self.table = self._staging.table = table
 
     # --- the device half -----------------------------------------------------------------------
 
@@ -308,6 +268,11 @@ class EmbeddingSource(DeviceBuffersMixin, DeviceIdsMixin, GraphsMixin):
         last start must have been joined before the capture began.
         """
         return self._finish(count, None)
+
+    @property
+    def output(self) -> torch.Tensor:
+        """bf16 `(max_ids, values_per_row)`: the buffer `finish` returns views of."""
+        return self.buffers.output
 
     def _finish(self, count: int | None, stream) -> torch.Tensor:
         capturing = self._cuda and torch.cuda.is_current_stream_capturing()
@@ -329,31 +294,78 @@ class EmbeddingSource(DeviceBuffersMixin, DeviceIdsMixin, GraphsMixin):
             raise ValueError(f"count {count} is outside [0, max_ids = {self.capacity}]")
         if not self._cuda:
             return self._index_and_decode(count)
+        buffers, graphs = self.buffers, self._graphs
         # Only an eager finish follows a deferring start or join (none runs while capturing).
-        deferred, self._deferred_copy = self._deferred_copy, None
-        size = self._graph_size(count)
+        staging = self._staging
+        deferred, staging.deferred_copy = staging.deferred_copy, None
+        size = graphs.size_for(count)
         # With the copy deferred, one graph holds it, its waits and marks, and the device half:
-        # replayed on the current stream without naming it (each lookup of it costs microseconds).
+        # replayed on the current stream without naming it (each lookup of it costs host time).
         with_copy = deferred is not None
-        graph = self._graphs.get((size, with_copy))
+        graph = graphs.graphs.get((size, with_copy))
         if with_copy and graph is not None:
             graph.replay()
-            return self._output_view(count)
+            self._stats.graph_replays += 1
+            return graphs.output_view(count)
         stream = stream or self._current_stream()
         if capturing or count == 0:
             if deferred is not None:
-                self._launch_copy(deferred, stream)
-            self._copied.wait(stream)
+                buffers.launch_copy(deferred, stream)
+                self._stats.host_copies += 1
+            buffers.copied.wait(stream)
             values = self._index_and_decode(count)
-            self._consumed.record(stream)
+            buffers.consumed.record(stream)
             return values
-        graph = graph or self._capture(size, with_copy, stream)
+        if graph is None:
+            graph = graphs.capture(size, with_copy, stream)
+            self._stats.graph_captures += 1
         if not with_copy:
-            self._copied.wait(stream)
+            buffers.copied.wait(stream)
         graph.replay()
+        self._stats.graph_replays += 1
         if not with_copy:
-            self._consumed.record(stream)
-        return self._output_view(count)
+            buffers.consumed.record(stream)
+        return graphs.output_view(count)
+
+    def _finish_in_one_call(self, count: int | None) -> torch.Tensor | None:
+        """An eager finish of a small start from device ids in one call of the compiled helper
+        (Table._stage_and_launch): the waits for its ids and for the span's last copy, its lookup,
+        and the launch of the graph that copies its rows and decodes them, with no torch call for
+        them (each costs host time on every step). None where that graph is not captured yet (the
+        start still pending: the general path captures it) or the rows are not cached (then read
+        here as `_join` does, and the general path replays the graph)."""
+        pending, execs = self._pending, self._graphs.execs
+        if pending is None or pending.device_ids is None or pending.job is not None or not execs:
+            return None
+        started = pending.count
+        count = started if count is None else count
+        graph = execs.get(self._graphs.size_for(count)) if 0 < started <= count <= self.capacity else None
+        if graph is None:
+            return None
+        began = time.perf_counter()
+        self._pending = None  # as in `_join`: a raised error leaves no start pending
+        buffers, device_ids = self.buffers, self._device_ids
+        disk, staged, launched = self.table._stage_and_launch(
+            pending.device_ids, self.num_resident, self._staging.slots[:started], buffers.host_index[:started],
+            buffers.host_rows, context=device_ids.context, events=(device_ids.landed_handle, device_ids.copied_handle),
+            graph=graph, stream=device_ids.raw_stream())
+        if not launched:  # looked up by that call: staged from here without a second lookup
+            self._stats.lookups += 1
+            self._joined = self._staging.prepare(pending.device_ids, None, outcome=(disk, staged), defer_copy=True)
+            return None
+        self._staging.one_call_done(started, disk, began)
+        return self._graphs.output_view(count)
+
+    def _index_and_decode(self, count: int) -> torch.Tensor:
+        """The device half: each position's row picked from its tier and decoded into `output`."""
+        buffers = self.buffers
+        values = buffers.output[:count]
+        if self._fused is not None:
+            self._fused(buffers.tiers, buffers.index[:count], values)
+            return values
+        rows = torch.index_select(buffers.tiers, 0, buffers.index[:count], out=buffers.rows[:count])
+        self._decoder(rows, out=values)
+        return values
 
     def __call__(self, row_ids) -> torch.Tensor:
         """`start` inline then `finish`: bf16 values on the device, each row of ids concatenated;

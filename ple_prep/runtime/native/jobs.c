@@ -55,6 +55,7 @@ typedef struct {
     int32_t values[2];
     device_copy copy;
     _Atomic int cancelled;
+    _Atomic uint64_t checks; /* reads of the flags that found them not yet holding their values */
     int joined;
     pthread_t thread;
 } stage_job;
@@ -74,6 +75,7 @@ static void *stage_job_main(void *argument)
     if (holding)
         pool_hold(1);
     while (!flags_hold_values(job)) {
+        atomic_fetch_add_explicit(&job->checks, 1, memory_order_release);
         if (atomic_load_explicit(&job->cancelled, memory_order_relaxed))
             break;
         if (++spins % 64 != 0 || monotonic_ns() - began < HOLD_NS) {
@@ -234,4 +236,17 @@ PyObject *stage_joined(PyObject *self, PyObject *args)
     PyObject *result = Py_BuildValue("OO", staged, copied ? Py_True : Py_False);
     Py_DECREF(staged);
     return result;
+}
+
+/* stage_job_checks(job) -> int: how often the job's thread has read its flags and found them not yet
+ * holding its values (tests/test_gather.py waits for a read after a write instead of sleeping). */
+PyObject *stage_job_checks(PyObject *self, PyObject *args)
+{
+    PyObject *capsule;
+    if (!PyArg_ParseTuple(args, "O", &capsule))
+        return NULL;
+    stage_job *job = PyCapsule_GetPointer(capsule, "ple_prep.stage_job");
+    if (!job)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(atomic_load_explicit(&job->checks, memory_order_acquire));
 }

@@ -6,5 +6,6 @@
 
 PyObject *stage_when(PyObject *self, PyObject *args);
 PyObject *stage_joined(PyObject *self, PyObject *args);
+PyObject *stage_job_checks(PyObject *self, PyObject *args);
 
 #endif

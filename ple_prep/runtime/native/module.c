@@ -14,11 +14,13 @@
  *     `index` are written past the CPU caches (store_row_uncached): a device copies them next.
  * stage_when(flags, ids_value, free_value, copy, *the arguments of stage) -> job
  * stage_joined(job, cancel=False) -> ((disk, staged), copied)
+ * stage_job_checks(job) -> int
  *     `stage` on a thread of its own, started once flags[0] == ids_value and flags[1] == free_value
  *     (written by a device into pinned memory; a value below 0 is not waited for), and its result
  *     (runtime/device/'s device ids). With a `copy` (not None) the thread then queues the staged
  *     rows' copy to the device itself, and `copied` says it did; with `cancel`, a job not yet
- *     started stages nothing and None is returned.
+ *     started stages nothing and None is returned. stage_job_checks counts the thread's reads
+ *     of the flags that found them not yet set.
  * device_context(ordinal) -> context
  * queue_ids_copy(context, stream, event, target, source, bytes, flag, flag_source)
  *     A device's CUDA primary context, and a start's ids copy to pinned memory as driver calls.
@@ -213,6 +215,7 @@ static PyMethodDef methods[] = {
     {"stage_when", stage_when, METH_VARARGS, "stage on a thread of its own once two flags hold values."},
     {"stage_joined", stage_joined, METH_VARARGS,
      "Wait for (or cancel) a stage_when job: (what stage returns, whether it copied to the device)."},
+    {"stage_job_checks", stage_job_checks, METH_VARARGS, "How often a stage_when job found its flags not yet set."},
     {"device_context", device_context, METH_VARARGS, "The CUDA primary context of a device, for stage_when."},
     {"queue_ids_copy", queue_ids_copy, METH_VARARGS, "A start's ids copy to pinned memory, its flag and event."},
     {"stage_and_launch", stage_and_launch, METH_VARARGS,
