@@ -55,7 +55,7 @@ def kill_and_resume(model: Path, out: Path, blocks: int) -> tuple[float, float, 
 def timed_convert(model: Path, out: Path, journal: bool) -> float:
     write_chunk = writer._write_chunk
     if not journal:
-        writer._write_chunk = lambda descriptor, pages, _journal, _block: writer._write_all(descriptor, pages)
+        writer._write_chunk = lambda descriptor, pages, _journal, _block: writer.write_all(descriptor, pages)
     try:
         for path in model.glob("*.safetensors"):
             evict(path)

@@ -38,7 +38,7 @@ def test_convert_header_fields(converted):
     fields = struct.unpack_from("<8sIIIIIIQQQQQ16s32s", raw)
     magic, version, page_size, row_bytes, rows_per_page, encoding, values_per_row = fields[:7]
     num_rows, first_row, num_placed, order_offset, data_offset, file_id, digest = fields[7:]
-    assert (magic, version, page_size, row_bytes, rows_per_page) == (b"PLEPREP\0", 1, 4096, 160, 25)
+    assert (magic, version, page_size, row_bytes, rows_per_page) == (b"PLEPREP\0", 2, 4096, 160, 25)
     assert (encoding, values_per_row) == (Encoding.FP8_E4M3.value, 160) == (1, 160)
     assert (num_rows, first_row, num_placed, order_offset, data_offset) == (FIXTURE_ROWS, 0, 0, 128, 4096)
     assert file_id.hex() == manifest["file_id"] and uuid.UUID(bytes=file_id).version == 4
@@ -189,7 +189,7 @@ def test_convert_failure_leaves_nothing(fp8_checkpoint, tmp_path, monkeypatch):
     def fail(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("ple_prep.offline.writer._write_all", fail)
+    monkeypatch.setattr("ple_prep.offline.writer.write_all", fail)
     with open_source(fp8_checkpoint) as source, pytest.raises(BadInput, match="filled up"):
         convert(source, tmp_path / "t.bin")
     assert list(tmp_path.iterdir()) == []
@@ -197,11 +197,15 @@ def test_convert_failure_leaves_nothing(fp8_checkpoint, tmp_path, monkeypatch):
 
 def test_header_pack_unpack_round_trip():
     header = Header.for_table(page_size=4096, row_bytes=90, encoding=Encoding.NVFP4_PACKED,
-                              values_per_row=160, num_rows=1000, first_row=7, num_placed=400,
+                              values_per_row=160, num_rows=1000, first_row=7, num_placed=1000,
                               file_id=bytes(range(16)))
-    # 400 placed rows take 4800 bytes of map after the 128-byte header: data starts at page 2.
+    # 1000 placed rows take 4000 bytes of map after the 128-byte header: data starts at page 2
+    # (format v1 took 12,000 bytes: data at page 3).
     assert (header.rows_per_page, header.order_offset, header.data_offset) == (45, 128, 8192)
     assert header.file_size == 8192 + 23 * 4096
+    v1 = Header.for_table(page_size=4096, row_bytes=90, encoding=Encoding.NVFP4_PACKED, values_per_row=160,
+                          num_rows=1000, first_row=7, num_placed=1000, file_id=bytes(16), version=1)
+    assert v1.data_offset == 12288 and Header.unpack(v1.pack(), v1.file_size) == v1
     raw = header.pack()
     assert len(raw) == HEADER_SIZE and raw.startswith(MAGIC)
     assert Header.unpack(raw, header.file_size) == header
@@ -209,8 +213,8 @@ def test_header_pack_unpack_round_trip():
         Header.unpack(raw, header.file_size - 1)
     with pytest.raises(BadInput, match="magic"):
         Header.unpack(b"GGUF" + raw[4:], header.file_size)
-    with pytest.raises(BadInput, match="format version 2"):
-        Header.unpack(raw[:8] + struct.pack("<I", 2) + raw[12:], header.file_size)
+    with pytest.raises(BadInput, match="format version 3"):
+        Header.unpack(raw[:8] + struct.pack("<I", 3) + raw[12:], header.file_size)
     with pytest.raises(BadInput, match="reserved"):
         Header.unpack(raw[:-1] + b"\1", header.file_size)
     with pytest.raises(BadInput, match="geometry"):
@@ -226,5 +230,10 @@ def test_row_order_slot_arithmetic():
     assert restored.rows_at(0, 12).tolist() == order.rows_at(0, 12).tolist()
     with pytest.raises(BadInput, match="twice"):
         RowOrder.from_placed(np.array([1, 1]), 12)
-    with pytest.raises(BadInput, match="inconsistent"):
-        RowOrder.from_buffer(RowOrder.from_placed(np.array([1, 12 + 3]), 20).to_bytes(), 2, 12)
+    # A stored map is checked when its index is built (at open): a row outside, or one twice.
+    with pytest.raises(BadInput, match="places row 15 of a 12-row table"):
+        RowOrder.from_buffer(RowOrder.from_placed(np.array([1, 12 + 3]), 20).to_bytes(), 2, 12).build_rank_index()
+    with pytest.raises(BadInput, match="twice"):
+        RowOrder.from_buffer(np.array([4, 1, 4], dtype="<u4").tobytes(), 3, 12).build_rank_index()
+    # Format v2 stores the slots' rows alone: 4 bytes a placed row.
+    assert order.to_bytes() == np.array([9, 2, 5], dtype="<u4").tobytes()

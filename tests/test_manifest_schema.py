@@ -78,7 +78,7 @@ BROKEN = [
     ("missing file_id", _delete("file_id")),
     ("missing checksums", _delete("checksums")),
     ("other format", _set("format", "safetensors")),
-    ("version 2", _set("format_version", 2)),
+    ("version 3", _set("format_version", 3)),
     ("short file id", _set("file_id", "abc")),
     ("upper-case file id", _set("file_id", "9D85791934434A03B9E57A1F9E54965A")),
     ("unknown encoding", _set("encoding", "fp4")),

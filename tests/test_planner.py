@@ -7,6 +7,7 @@ import pytest
 from ple_prep.converters import open_source
 from ple_prep.core.errors import BadInput
 from ple_prep.format.header import ORDER_BYTES_PER_PLACED
+from ple_prep.format.order import lookup_index_bytes
 from ple_prep.ngram import rows_of_mixed
 from ple_prep.offline.planner import _pack, max_placed_rows, plan_for_source, plan_order, residency_hints
 from ple_prep.offline.profile import Profiler, profile_files
@@ -110,10 +111,12 @@ def test_plan_real_geometry_puts_each_seen_ngram_on_one_page():
 def test_plan_respects_the_map_cap(source_and_profile):
     source, profile = source_and_profile
     limit = max_placed_rows(source.num_rows, source.row_bytes, 0.01)
-    assert limit == int(0.01 * source.num_rows * 160) // ORDER_BYTES_PER_PLACED
+    # The cap counts what a server holds for the map: its rank bits and 4 bytes a placed row.
+    budget = int(0.01 * source.num_rows * 160)
+    assert lookup_index_bytes(source.num_rows, limit) <= budget < lookup_index_bytes(source.num_rows, limit + 1)
     plan = plan_order(profile, source.num_rows, 25, max_placed=limit)
     assert 0 < plan.order.num_placed <= limit
-    assert ORDER_BYTES_PER_PLACED * plan.order.num_placed < 0.02 * source.num_rows * source.row_bytes
+    assert ORDER_BYTES_PER_PLACED[2] * plan.order.num_placed < 0.02 * source.num_rows * source.row_bytes
     with pytest.raises(BadInput, match="below 2%"):
         max_placed_rows(source.num_rows, source.row_bytes, 0.05)
 
@@ -129,7 +132,8 @@ def test_plan_for_a_rank_slice_keeps_its_rows(source_and_profile):
 def test_pack_keeps_groups_whole_and_fills_pages():
     rng = np.random.default_rng(0)
     sizes = rng.choice([8, 7, 5, 3, 1], size=2000, p=[0.7, 0.1, 0.1, 0.05, 0.05]).tolist()
-    pieces = _pack(sizes, 25)
+    groups, firsts, counts = _pack(np.array(sizes), 25)
+    pieces = list(zip(groups.tolist(), firsts.tolist(), (firsts + counts).tolist()))
     placed = np.zeros(len(sizes), dtype=int)
     slot, pages = 0, {}
     for group, first, stop in pieces:

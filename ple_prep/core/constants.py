@@ -8,10 +8,12 @@ import enum
 import re
 import struct
 
-# --- Prepared file, format v1 (docs/FORMAT.md) -------------------------------------------------
+# --- Prepared file, format v2 (docs/FORMAT.md) -------------------------------------------------
 
 MAGIC = b"PLEPREP\x00"
-FORMAT_VERSION = 1
+# Written: 2. Read: 1 too (its order map holds two more arrays; docs/FORMAT.md, "Compatibility").
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
 DEFAULT_PAGE_SIZE = 4096
 # Little-endian fixed header: magic, then u32 version, page_size, row_bytes, rows_per_page, encoding,
 # values_per_row, then u64 num_rows, first_row, num_placed, order_offset, data_offset, then the
@@ -24,7 +26,8 @@ ORDER_OFFSET = HEADER_SIZE
 ORDER_DTYPE = "<u4"
 MAX_ROWS = 2**32 - 1
 # The row-order map of an access-ordered table may cost at most this fraction of the table's bytes
-# by default (0.5%: 12 bytes a placed row for about 6.7% of an FP8 table's rows).
+# by default, counted as a server holds it (format/order.py, lookup_index_bytes: 2 bits a table row
+# and 4 bytes a placed row): 0.5% lets an FP8 table place 16% of its rows.
 DEFAULT_MAP_FRACTION = 0.005
 # One CRC-32 per block of the data region; 64 MiB keeps a 48 GiB table's manifest small.
 CHECKSUM_BLOCK_BYTES = 64 << 20

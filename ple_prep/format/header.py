@@ -10,13 +10,15 @@ from ..core.constants import (
     MAGIC,
     MAX_ROWS,
     ORDER_OFFSET,
+    READ_VERSIONS,
     Encoding,
     row_bytes_for,
 )
 from ..core.errors import BadInput
 
-# Bytes per placed row in the order map: its row id by slot, and the sorted ids with their slots.
-ORDER_BYTES_PER_PLACED = 12
+# Bytes per placed row in the stored order map, by format version: v2 stores the row id of each
+# slot; v1 also stored the sorted ids and their slots (format/order.py derives those).
+ORDER_BYTES_PER_PLACED = {1: 12, 2: 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,20 +41,20 @@ class Header:
     @classmethod
     def for_table(cls, *, page_size: int, row_bytes: int, encoding: Encoding, values_per_row: int,
                   num_rows: int, first_row: int, num_placed: int, file_id: bytes,
-                  spec_digest: bytes = bytes(32)) -> "Header":
+                  spec_digest: bytes = bytes(32), version: int = FORMAT_VERSION) -> "Header":
         """The header of a new file; raises BadInput on geometry the format cannot hold."""
         if page_size < 512 or page_size & (page_size - 1) or page_size > 1 << 26:
             raise BadInput(f"page size {page_size} must be a power of two from 512 to 64 MiB")
         if not 0 < row_bytes <= page_size:
             raise BadInput(f"a {row_bytes}-byte row does not fit a {page_size}-byte page")
         if not 0 < num_rows <= MAX_ROWS or not 0 <= num_placed <= num_rows:
-            raise BadInput(f"{num_rows} rows ({num_placed} placed) is outside what format v1 holds")
+            raise BadInput(f"{num_rows} rows ({num_placed} placed) is outside what the format holds")
         if not 0 <= first_row <= MAX_ROWS - num_rows:
-            raise BadInput(f"global rows [{first_row}, +{num_rows}) are outside what format v1 holds")
-        order_end = ORDER_OFFSET + ORDER_BYTES_PER_PLACED * num_placed
+            raise BadInput(f"global rows [{first_row}, +{num_rows}) are outside what the format holds")
+        order_end = ORDER_OFFSET + ORDER_BYTES_PER_PLACED[version] * num_placed
         data_offset = -(-order_end // page_size) * page_size
         return cls(page_size, row_bytes, page_size // row_bytes, encoding, values_per_row, num_rows,
-                   first_row, num_placed, ORDER_OFFSET, data_offset, file_id, spec_digest)
+                   first_row, num_placed, ORDER_OFFSET, data_offset, file_id, spec_digest, version)
 
     @property
     def num_pages(self) -> int:
@@ -80,8 +82,9 @@ class Header:
         if magic != MAGIC:
             # The bytes themselves are not printed: they failed validation.
             raise BadInput(f"{name}: not a ple-prep table (wrong magic bytes)")
-        if version != FORMAT_VERSION:
-            raise BadInput(f"{name}: format version {version}; this ple-prep reads {FORMAT_VERSION}")
+        if version not in READ_VERSIONS:
+            raise BadInput(f"{name}: format version {version}; this ple-prep reads versions "
+                           f"{', '.join(map(str, READ_VERSIONS))}")
         if any(raw[HEADER_STRUCT.size:HEADER_SIZE]):
             raise BadInput(f"{name}: reserved header bytes are not zero")
         try:
@@ -98,7 +101,7 @@ class Header:
         header = cls.for_table(page_size=page_size, row_bytes=row_bytes, encoding=encoding,
                                values_per_row=values_per_row, num_rows=num_rows,
                                first_row=first_row, num_placed=num_placed, file_id=file_id,
-                               spec_digest=spec_digest)
+                               spec_digest=spec_digest, version=version)
         stored = (rows_per_page, order_offset, data_offset)
         derived = (header.rows_per_page, header.order_offset, header.data_offset)
         if stored != derived:

@@ -18,7 +18,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from ..core.constants import FORMAT_VERSION, GGML_TYPES, MANIFEST_SUFFIX, Encoding
+from ..core.constants import GGML_TYPES, MANIFEST_SUFFIX, READ_VERSIONS, Encoding
 from ..core.errors import BadInput
 from ..core.fileio import load_json, partial_output
 
@@ -124,8 +124,9 @@ def validate_manifest(manifest: Any, name: str = "manifest") -> None:
              or (isinstance(manifest[key], bool) and kind is not None and bool not in _as_tuple(kind))]
     if wrong:
         raise BadInput(f"{name}: missing or mistyped manifest fields: {', '.join(wrong)}")
-    if manifest["format"] != MANIFEST_FORMAT or manifest["format_version"] != FORMAT_VERSION:
-        raise BadInput(f"{name}: not a ple-prep v{FORMAT_VERSION} manifest")
+    if manifest["format"] != MANIFEST_FORMAT or manifest["format_version"] not in READ_VERSIONS:
+        raise BadInput(f"{name}: not a ple-prep manifest of version "
+                       f"{' or '.join(map(str, READ_VERSIONS))}")
     if not _FILE_ID.fullmatch(manifest["file_id"]):
         raise BadInput(f"{name}: file_id {manifest['file_id']!r} is not 32 lowercase hex digits")
     if not manifest["data_file"]:

@@ -1,21 +1,21 @@
 """The row order: which table row sits in which slot of the prepared file.
 
 The first `num_placed` slots hold chosen rows (the hot ones) in the order given; every other row
-follows in source order. Only the placed rows are stored, so the map costs 12 bytes per placed row
-and nothing for the rest: slot = num_placed + row - (placed rows below it).
+follows in source order. Only the placed rows are stored, one u32 a slot (`slot_rows`, 4 bytes a
+placed row; format v1 stored two more arrays derived from it, 12 bytes): a slot of an unplaced row
+is num_placed + row - (placed rows below it).
 
-A lookup must cost the same whatever the map's size (the real table places about 21M rows). A
-binary search of `sorted_rows` pays a dozen cache misses per id at that size (and, with int64 keys
-on the uint32 map, numpy converts the whole map on every call), so lookups read a rank index built
-once: for each 64 rows a 16-byte pair, their bits (placed or not) and the count of placed rows
-before them, so one cache line per id (2 bits a row: 80 MB for the real table, a third of its map).
-It lies in huge pages, as the copy of `sorted_slots` it reads does (84 MB for the real table), so
-the random reads take no TLB misses. The compiled helper (core/native/slots.c) walks it in one loop;
-numpy does the same in a dozen passes.
+A lookup must cost the same whatever the map's size (the real table places tens of millions of
+rows), so lookups read a rank index built once from `slot_rows`: for each 64 rows a 16-byte pair,
+their bits (placed or not) and the count of placed rows before them, so one cache line per id
+(2 bits a row: 80 MB for the real table), and `sorted_slots`, the slot of each placed row in row
+order (4 bytes a placed row). Both lie in huge pages, so the random reads take no TLB misses. The
+compiled helper (core/native/slots.c) walks them in one loop; numpy does the same in a dozen passes.
+Building them takes a few passes over `slot_rows` (no sort of it); a table builds them when it
+opens (runtime/table.py), so no request pays for it.
 """
 from __future__ import annotations
 
-import functools
 import mmap
 import threading
 from typing import NamedTuple
@@ -30,16 +30,15 @@ try:
 except ImportError:  # built only where a C compiler was there at install (setup.py)
     _native = None
 
-# Placed rows turned into rank-index bits per step while building it (bounds its temporaries).
+# Placed rows handled per step while building the index (bounds its temporaries to tens of MB).
 RANK_BUILD_ROWS = 1 << 20
 HUGE_PAGE_BYTES = 1 << 21
 
 
 class RankIndex(NamedTuple):
     """What a lookup reads, both in huge pages (`_huge_page_array`): `rank_words`, (words, 2)
-    uint64, each 64 rows' bits and the placed rows before them; and a copy of `sorted_slots`, whose
-    random reads in the file mapping's 4 KiB pages cost a TLB miss each (a third of a large
-    lookup's time)."""
+    uint64, each 64 rows' bits and the placed rows before them; and `sorted_slots`, uint32, the
+    slot of each placed row in ascending row order."""
 
     rank_words: np.ndarray
     sorted_slots: np.ndarray
@@ -48,16 +47,20 @@ class RankIndex(NamedTuple):
 NO_RANK_INDEX = RankIndex(np.zeros((0, 2), dtype=np.uint64), np.zeros(0, dtype=np.uint32))
 
 
+def lookup_index_bytes(num_rows: int, num_placed: int) -> int:
+    """Memory a table's lookups hold for its order map (`RankIndex`): what a server spends on it."""
+    return 16 * -(-num_rows // 64) + 4 * num_placed if num_placed else 0
+
+
 class RowOrder:
-    def __init__(self, num_rows: int, slot_rows: np.ndarray, sorted_rows: np.ndarray,
-                 sorted_slots: np.ndarray):
+    def __init__(self, num_rows: int, slot_rows: np.ndarray, name: str = "row order"):
         self.num_rows = num_rows
         self.slot_rows = slot_rows
-        self.sorted_rows = sorted_rows
-        self.sorted_slots = sorted_slots
+        self._name = name
+        self._rank_words: np.ndarray | None = None
         self._rank_index: RankIndex | None = None
         # Lookups run on several threads at once (runtime/device/): one of them builds the index.
-        self._rank_lock = threading.Lock()
+        self._rank_lock = threading.RLock()
 
     @property
     def num_placed(self) -> int:
@@ -69,37 +72,38 @@ class RowOrder:
 
     @classmethod
     def identity(cls, num_rows: int) -> "RowOrder":
-        empty = np.zeros(0, dtype=ORDER_DTYPE)
-        return cls(num_rows, empty, empty, empty)
+        return cls(num_rows, np.zeros(0, dtype=ORDER_DTYPE))
 
     @classmethod
     def from_placed(cls, placed_rows: np.ndarray, num_rows: int) -> "RowOrder":
         """Rows to put first, in slot order; they must be distinct and inside the table."""
-        placed = np.asarray(placed_rows, dtype=np.int64).reshape(-1)
+        placed = np.asarray(placed_rows).reshape(-1)
         if len(placed) and (placed.min() < 0 or placed.max() >= num_rows):
             raise BadInput(f"placed row outside the table of {num_rows} rows")
-        by_row = np.argsort(placed, kind="stable")
-        sorted_rows = placed[by_row]
-        if np.any(sorted_rows[1:] == sorted_rows[:-1]):
-            raise BadInput("a row is placed twice")
-        return cls(num_rows, placed.astype(ORDER_DTYPE), sorted_rows.astype(ORDER_DTYPE),
-                   by_row.astype(ORDER_DTYPE))
+        order = cls(num_rows, placed.astype(ORDER_DTYPE))
+        order.rank_words  # noqa: B018 (checks that no row is placed twice)
+        return order
 
     def to_bytes(self) -> bytes:
-        return self.slot_rows.tobytes() + self.sorted_rows.tobytes() + self.sorted_slots.tobytes()
+        """The map as format v2 stores it."""
+        return np.ascontiguousarray(self.slot_rows, dtype=ORDER_DTYPE).tobytes()
 
     @classmethod
-    def from_buffer(cls, buffer, num_placed: int, num_rows: int, name: str = "file") -> "RowOrder":
-        """Views over a stored map, checked so that no lookup can leave the table."""
-        arrays = [np.frombuffer(buffer, dtype=ORDER_DTYPE, count=num_placed, offset=4 * i * num_placed)
-                  for i in range(3)]
-        slot_rows, sorted_rows, sorted_slots = arrays
-        if num_placed:
+    def from_buffer(cls, buffer, num_placed: int, num_rows: int, name: str = "file",
+                    version: int = 2) -> "RowOrder":
+        """The map stored in a file of format `version`, over `buffer` (not copied). A v2 map is
+        checked when its index is built (`rank_words`); a v1 map's three arrays are checked here."""
+        slot_rows = np.frombuffer(buffer, dtype=ORDER_DTYPE, count=num_placed)
+        if version == 1 and num_placed:
+            sorted_rows, sorted_slots = (np.frombuffer(buffer, dtype=ORDER_DTYPE, count=num_placed,
+                                                       offset=4 * i * num_placed) for i in (1, 2))
             if (sorted_rows[-1] >= num_rows or np.any(sorted_rows[1:] <= sorted_rows[:-1])
                     or sorted_slots.max() >= num_placed
                     or not np.array_equal(slot_rows[sorted_slots], sorted_rows)):
                 raise BadInput(f"{name}: the row-order map is inconsistent (corrupt file)")
-        return cls(num_rows, slot_rows, sorted_rows, sorted_slots)
+        return cls(num_rows, slot_rows, name)
+
+    # --- The lookup ------------------------------------------------------------------------------
 
     def slot_of(self, ids: np.ndarray, first_row: int = 0) -> np.ndarray:
         """File slot of each row id (int64, the shape of `ids`): ids are local rows plus
@@ -117,18 +121,10 @@ class RowOrder:
             raise IndexError(f"row id {bad} is outside this table's rows [{first_row}, {first_row + self.num_rows})")
         if not self.num_placed:
             return rows
-        words = rows >> 6
-        # Each row's bit moved to the top of its word: it says whether the row is placed, and the
-        # bits at and below it count the placed rows up to it.
-        to_row = rank_words[words, 0]
-        to_row <<= (63 - (rows & 63)).view(np.uint64)
-        placed = to_row >> np.uint64(63)
-        below_row = rank_words[words, 1] + _popcount(to_row)
-        below_row -= placed
-        below_row = below_row.view(np.int64)
+        placed, below_row = _rank(rank_words, rows)
         slots = self.num_placed + rows - below_row
         placed_slots = sorted_slots[np.minimum(below_row, self.num_placed - 1)]
-        return np.where(placed.view(np.int64) != 0, placed_slots, slots)
+        return np.where(placed, placed_slots, slots)
 
     @property
     def rank_index(self) -> RankIndex:
@@ -142,11 +138,33 @@ class RowOrder:
                     self._rank_index = self.build_rank_index()
         return self._rank_index
 
+    @property
+    def rank_words(self) -> np.ndarray:
+        """The index's bits and counts alone (what offline tools need: no `sorted_slots`); raises
+        BadInput where the map places a row twice or one outside the table."""
+        if self._rank_words is None:
+            with self._rank_lock:
+                if self._rank_words is None:
+                    self._rank_words = self._build_rank_words()
+        return self._rank_words
+
     def build_rank_index(self) -> RankIndex:
-        """`rank_index`, computed from `sorted_rows`."""
+        """`rank_index`, computed from `slot_rows`: each placed row's rank goes to its slot."""
+        rank_words = self.rank_words
+        sorted_slots = _huge_page_array((self.num_placed,), np.uint32)
+        for start in range(0, self.num_placed, RANK_BUILD_ROWS):
+            rows = self.slot_rows[start:start + RANK_BUILD_ROWS].astype(np.int64)
+            _, rank = _rank(rank_words, rows)
+            sorted_slots[rank] = np.arange(start, start + len(rows), dtype=np.uint32)
+        return RankIndex(rank_words, sorted_slots)
+
+    def _build_rank_words(self) -> np.ndarray:
         bits = np.zeros(-(-self.num_rows // 64), dtype=np.uint64)
         for start in range(0, self.num_placed, RANK_BUILD_ROWS):
-            rows = self.sorted_rows[start:start + RANK_BUILD_ROWS].astype(np.int64)
+            rows = np.sort(self.slot_rows[start:start + RANK_BUILD_ROWS]).astype(np.int64)
+            if rows[-1] >= self.num_rows:
+                raise BadInput(f"{self._name}: the row-order map places row {rows[-1]} of a "
+                               f"{self.num_rows}-row table (corrupt file)")
             words = rows >> 6
             # Rows ascend, so the bits of one word are adjacent: OR each run of them together.
             starts = np.flatnonzero(np.diff(words, prepend=-1))
@@ -155,25 +173,104 @@ class RowOrder:
         rank_words[:, 0] = bits
         rank_words[0, 1] = 0
         np.cumsum(_popcount(bits[:-1]), dtype=np.uint64, out=rank_words[1:, 1])
-        sorted_slots = _huge_page_array(self.sorted_slots.shape, self.sorted_slots.dtype)
-        sorted_slots[:] = self.sorted_slots
-        return RankIndex(rank_words, sorted_slots)
+        if len(bits) and int(rank_words[-1, 1]) + int(_popcount(bits[-1:])[0]) != self.num_placed:
+            raise BadInput(f"{self._name}: the row-order map places a row twice (corrupt file)")
+        return rank_words
+
+    # --- What the writer and verify read ---------------------------------------------------------
+
+    def placed_below(self, row: int) -> int:
+        """Placed rows below local row `row` (0 <= row <= num_rows)."""
+        if not self.num_placed or row == 0:
+            return 0
+        if row == self.num_rows:
+            return self.num_placed
+        word = self.rank_words[row >> 6]
+        return int(word[1]) + int(_popcount(word[:1] & np.uint64((1 << (row & 63)) - 1))[0])
+
+    def placed_mask(self, start: int, stop: int) -> np.ndarray:
+        """bool per local row in [start, stop): placed or not."""
+        if not self.num_placed:
+            return np.zeros(stop - start, dtype=bool)
+        first, last = start >> 6, -(-stop // 64)
+        bits = np.ascontiguousarray(self.rank_words[first:last, 0])
+        unpacked = np.unpackbits(bits.view(np.uint8), bitorder="little").view(bool)
+        return unpacked[start - 64 * first:stop - 64 * first]
+
+    def ranks_of_placed(self, rows: np.ndarray) -> np.ndarray:
+        """int64 rank (placed rows below it) of each placed local row."""
+        return _rank(self.rank_words, np.asarray(rows, dtype=np.int64))[1]
 
     def rows_at(self, start: int, stop: int) -> np.ndarray:
         """Local row ids held by slots [start, stop), int64."""
-        slots = np.arange(start, stop, dtype=np.int64)
-        rows = np.empty(len(slots), dtype=np.int64)
-        head = slots < self.num_placed
-        rows[head] = self.slot_rows[slots[head]]
-        # The k-th unplaced row is k plus the number of placed rows at or below it.
-        rank = slots[~head] - self.num_placed
-        rows[~head] = rank + np.searchsorted(self._unplaced_below, rank, side="right")
-        return rows
+        head = np.asarray(self.slot_rows[start:min(stop, self.num_placed)], dtype=np.int64)
+        first = max(start, self.num_placed) - self.num_placed
+        count = stop - max(start, self.num_placed)
+        if count <= 0:
+            return head
+        if not self.num_placed:
+            return np.concatenate([head, np.arange(first, first + count, dtype=np.int64)])
+        # The k-th unplaced row: find the word holding it by the unplaced count before each word,
+        # then take unplaced rows from there on.
+        counts = self.rank_words[:, 1].astype(np.int64)
+        unplaced_before = 64 * np.arange(len(counts), dtype=np.int64) - counts
+        word = int(np.searchsorted(unplaced_before, first, side="right")) - 1
+        tail, row = [], 64 * word
+        skip, needed = first - int(unplaced_before[word]), count
+        while needed:
+            span = min(self.num_rows - row, 2 * (needed + skip) + 4096)
+            if span <= 0:
+                raise ValueError(f"slots [{start}, {stop}) are outside the table's {self.num_rows}")
+            free = np.flatnonzero(~self.placed_mask(row, row + span)) + row
+            taken = free[skip:skip + needed]
+            skip = max(0, skip - len(free))
+            tail.append(taken)
+            needed -= len(taken)
+            row += span
+        return np.concatenate([head, *tail])
 
-    @functools.cached_property
-    def _unplaced_below(self) -> np.ndarray:
-        """For each placed row in ascending order, how many unplaced rows come before it."""
-        return self.sorted_rows.astype(np.int64) - np.arange(self.num_placed)
+    @property
+    def sorted_rows(self) -> np.ndarray:
+        """The placed rows in ascending order (uint32), from the index's bits."""
+        if not self.num_placed:
+            return np.zeros(0, dtype=ORDER_DTYPE)
+        return np.flatnonzero(self.placed_mask(0, self.num_rows)).astype(ORDER_DTYPE)
+
+    @property
+    def sorted_slots(self) -> np.ndarray:
+        """The slot of each placed row, rows ascending (uint32)."""
+        return self.rank_index.sorted_slots
+
+    def slots_by_scan(self, rows: np.ndarray) -> np.ndarray:
+        """Slots of distinct local `rows` (int64) without building `sorted_slots`: one pass over the
+        map, for an offline tool that looks up once (memory: the rows and the index's bits)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if not self.num_placed:
+            return rows.copy()
+        placed, below = _rank(self.rank_words, rows)
+        slots = self.num_placed + rows - below
+        wanted = np.flatnonzero(placed)
+        by_row = wanted[np.argsort(rows[wanted], kind="stable")]
+        wanted_rows = rows[by_row]
+        for start in range(0, self.num_placed, RANK_BUILD_ROWS):
+            chunk = self.slot_rows[start:start + RANK_BUILD_ROWS].astype(np.int64)
+            where = np.minimum(np.searchsorted(wanted_rows, chunk), max(len(wanted_rows) - 1, 0))
+            hit = np.flatnonzero(wanted_rows[where] == chunk) if len(wanted_rows) else where[:0]
+            slots[by_row[where[hit]]] = start + hit
+        return slots
+
+
+def _rank(rank_words: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(placed, placed rows below) for each local row (bool, int64), from the rank words."""
+    words = rows >> 6
+    # Each row's bit moved to the top of its word: it says whether the row is placed, and the
+    # bits at and below it count the placed rows up to it.
+    to_row = rank_words[words, 0]
+    to_row <<= (63 - (rows & 63)).view(np.uint64)
+    placed = to_row >> np.uint64(63)
+    below_row = rank_words[words, 1] + _popcount(to_row)
+    below_row -= placed
+    return placed.view(np.int64) != 0, below_row.view(np.int64)
 
 
 def _huge_page_array(shape: tuple[int, ...], dtype) -> np.ndarray:

@@ -7,21 +7,24 @@ hot group, take the coldest groups that fit whole (or, when none does, part of t
 that keeps hot groups whole without holes. Rows never seen follow in source order (`RowOrder`).
 
 Only the order is computed here: nothing reads or writes rows, so a layout for the real
-320M-row geometry can be planned and measured without a 48 GiB file.
+320M-row geometry can be planned and measured without a 48 GiB file. Memory stays a few bytes a
+seen group and a placed row: groups are hashed into rows a chunk at a time against a bitmap of the
+rows already taken, and the packing keeps its state in compact arrays.
 """
 from __future__ import annotations
 
+import array
 import dataclasses
 from typing import Any
 
 import numpy as np
 
 from ..converters.base import TableSource
-from ..core.constants import DEFAULT_MAP_FRACTION
+from ..core.constants import DEFAULT_MAP_FRACTION, ORDER_DTYPE
 from ..core.errors import BadInput
 from ..format.header import ORDER_BYTES_PER_PLACED
 from ..format.layout import TableLayout
-from ..format.order import RowOrder
+from ..format.order import RowOrder, lookup_index_bytes
 from ..format.pages import pages_for
 from ..ngram import rows_of_mixed
 from .profile import Profile
@@ -29,6 +32,10 @@ from .profile import Profile
 MAX_MAP_FRACTION = 0.02
 BUDGETS_GIB = (0.25, 0.5, 1, 2, 4, 8, 16)
 BUDGETS_PERCENT = (1, 2, 5, 10, 20)
+# Groups hashed into rows per step (bounds the temporaries: 8 int64 rows a group).
+GROUP_CHUNK = 1 << 18
+# Pieces turned into slot positions per step.
+PIECE_CHUNK = 1 << 20
 
 
 @dataclasses.dataclass
@@ -41,7 +48,8 @@ class Plan:
     def layout(self, profile: Profile, map_fraction: float) -> dict[str, Any]:
         """The manifest's `layout` entry."""
         return {"kind": "access-ordered", "num_placed": self.order.num_placed,
-                "map_bytes": ORDER_BYTES_PER_PLACED * self.order.num_placed,
+                "map_bytes": ORDER_BYTES_PER_PLACED[2] * self.order.num_placed,
+                "lookup_index_bytes": lookup_index_bytes(self.order.num_rows, self.order.num_placed),
                 "map_fraction_limit": map_fraction, "groups_seen": self.groups_seen,
                 "groups_placed": self.groups_placed, "groups_split": self.groups_split,
                 "profile": {"model": profile.model, "requests": profile.requests,
@@ -58,65 +66,112 @@ def check_map_fraction(map_fraction: float) -> None:
 
 
 def max_placed_rows(num_rows: int, row_bytes: int, map_fraction: float = DEFAULT_MAP_FRACTION) -> int:
-    """Placed rows whose order map fits `map_fraction` of the table's bytes."""
+    """Placed rows whose lookup index (what a server holds for the map, `lookup_index_bytes`) fits
+    `map_fraction` of the table's bytes."""
     check_map_fraction(map_fraction)
-    return min(num_rows, int(map_fraction * num_rows * row_bytes) // ORDER_BYTES_PER_PLACED)
+    allowed = int(map_fraction * num_rows * row_bytes) - lookup_index_bytes(num_rows, 1) + 4
+    return max(0, min(num_rows, allowed // 4))
 
 
-def _hot_groups(profile: Profile, first_row: int, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """The training part's groups, hottest first (ties: lower order, then hash), as local row
-    ids `(groups, heads_per_ngram)` with -1 for rows outside [first_row, first_row + num_rows)."""
-    spec = profile.spec
+def _hot_groups(profile: Profile) -> tuple[np.ndarray, np.ndarray]:
+    """The training part's groups, hottest first (ties: lower order, then hash): their mixed hashes
+    (uint64) and orders (uint8)."""
     keys, counts, orders = [], [], []
     for order, (values, group_counts) in sorted(profile.parts["train"].groups.items()):
         keys.append(values)
         counts.append(group_counts)
-        orders.append(np.full(len(values), order, dtype=np.int64))
+        orders.append(np.full(len(values), order, dtype=np.uint8))
     if not keys:
-        return np.zeros((0, spec.heads_per_ngram), np.int64), np.zeros(0, np.uint64)
+        return np.zeros(0, np.uint64), np.zeros(0, np.uint8)
     keys, counts, orders = np.concatenate(keys), np.concatenate(counts), np.concatenate(orders)
     hottest = np.lexsort((keys, orders, ~counts))
-    keys, counts, orders = keys[hottest], counts[hottest], orders[hottest]
+    del counts
+    return keys[hottest], orders[hottest]
+
+
+def _group_rows(keys: np.ndarray, orders: np.ndarray, spec, first_row: int, num_rows: int) -> np.ndarray:
+    """Local row ids `(groups, heads_per_ngram)` of these groups, -1 for rows outside the slice."""
     rows = np.empty((len(keys), spec.heads_per_ngram), dtype=np.int64)
     for order in np.unique(orders):
         chosen = orders == order
         rows[chosen] = rows_of_mixed(keys[chosen], int(order), spec)
     rows -= first_row
     rows[(rows < 0) | (rows >= num_rows)] = -1
-    return rows, counts
+    return rows
 
 
-def _pack(sizes: list[int], capacity: int, spare: int = 0) -> list[tuple[int, int, int]]:
+def _new_rows(keys: np.ndarray, orders: np.ndarray, spec, first_row: int,
+              num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each group's rows not read by a hotter group, in head order, the groups' runs back to back
+    (uint32), and how many each group has (uint8). A bitmap of the rows taken so far replaces a
+    sort of all of them."""
+    taken = np.zeros(-(-num_rows // 64), dtype=np.uint64)
+    new_rows = np.empty(min(num_rows, spec.heads_per_ngram * len(keys)), dtype=ORDER_DTYPE)
+    new_per_group = np.zeros(len(keys), dtype=np.uint8)
+    filled = 0
+    for start in range(0, len(keys), GROUP_CHUNK):
+        rows = _group_rows(keys[start:start + GROUP_CHUNK], orders[start:start + GROUP_CHUNK], spec,
+                           first_row, num_rows)
+        flat = rows.reshape(-1)
+        inside = flat >= 0
+        bit = np.zeros(len(flat), dtype=np.uint64)
+        bit[inside] = (taken[flat[inside] >> 6] >> (flat[inside] & 63).astype(np.uint64)) & np.uint64(1)
+        candidates = np.flatnonzero(inside & (bit == 0))
+        # A row read by two groups of this chunk is new to the hotter one (the earlier position).
+        _, first_seen = np.unique(flat[candidates], return_index=True)
+        is_new = np.zeros(len(flat), dtype=bool)
+        is_new[candidates[first_seen]] = True
+        fresh = flat[is_new]
+        np.bitwise_or.at(taken, fresh >> 6, np.uint64(1) << (fresh & 63).astype(np.uint64))
+        new_rows[filled:filled + len(fresh)] = fresh
+        filled += len(fresh)
+        new_per_group[start:start + len(rows)] = is_new.reshape(rows.shape).sum(axis=1)
+    return new_rows[:filled], new_per_group
+
+
+def _pack(sizes: np.ndarray, capacity: int, spare: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Order groups of `sizes` rows (hottest first) into pages of `capacity` slots.
 
-    Returns (group, first, stop) pieces in slot order. A page's end too small for the next group
-    takes, in this order: the coldest group that fits whole; rows of the spare pool (group index
-    `len(sizes)`, `spare` rows: rows beyond the map's cap, which would cost a page read each
-    anyway); a cut of the coldest group. Groups larger than a page are placed as they come.
+    Returns the pieces in slot order as three arrays: group, first row taken of it, rows taken.
+    A page's end too small for the next group takes, in this order: the coldest group that fits
+    whole; rows of the spare pool (group index `len(sizes)`, `spare` rows: rows beyond the map's
+    cap, which would cost a page read each anyway); a cut of the coldest group. Groups larger than
+    a page are placed as they come. State is kept in byte arrays (sizes are at most a group's
+    rows), so millions of groups cost a few bytes each.
     """
+    sizes = np.asarray(sizes, dtype=np.int64)
     pool = len(sizes)
-    remaining = list(sizes) + [spare]
-    taken = [0] * (len(sizes) + 1)
-    largest = max(sizes, default=0)
+    remaining = bytearray(sizes.astype(np.uint8).tobytes()) if len(sizes) else bytearray()
+    taken = bytearray(len(sizes))
+    pool_left, pool_taken = spare, 0
+    largest = int(sizes.max(initial=0))
     # Per size, group indices ascending: the coldest of a size is popped from the end.
-    queues: list[list[int]] = [[] for _ in range(largest + 1)]
-    for group, size in enumerate(sizes):
-        queues[size].append(group)
-    pieces: list[tuple[int, int, int]] = []
+    queues = [array.array("l", np.flatnonzero(sizes == size).tolist() if size <= capacity else [])
+              for size in range(largest + 1)]
+    piece_group, piece_first, piece_count = array.array("l"), array.array("l"), array.array("l")
     front, back, fill = 0, len(sizes) - 1, 0
 
     def place(group: int, count: int) -> None:
-        nonlocal fill
-        pieces.append((group, taken[group], taken[group] + count))
-        taken[group] += count
-        remaining[group] -= count
+        nonlocal fill, pool_left, pool_taken
+        piece_group.append(group)
+        if group == pool:
+            piece_first.append(pool_taken)
+            pool_taken += count
+            pool_left -= count
+        else:
+            piece_first.append(taken[group])
+            taken[group] += count
+            remaining[group] -= count
+        piece_count.append(count)
         fill = (fill + count) % capacity
 
     while True:
         while front < pool and remaining[front] == 0:
             front += 1
         if front == pool:
-            return pieces
+            return (np.frombuffer(piece_group, dtype=np.int64).copy() if piece_group else np.zeros(0, np.int64),
+                    np.frombuffer(piece_first, dtype=np.int64).copy() if piece_first else np.zeros(0, np.int64),
+                    np.frombuffer(piece_count, dtype=np.int64).copy() if piece_count else np.zeros(0, np.int64))
         free = capacity - fill
         if remaining[front] <= free or remaining[front] > capacity:
             place(front, remaining[front])
@@ -131,8 +186,8 @@ def _pack(sizes: list[int], capacity: int, spare: int = 0) -> list[tuple[int, in
                 break
         if filler is not None:
             place(filler, remaining[filler])
-        elif remaining[pool]:
-            place(pool, min(free, remaining[pool]))
+        elif pool_left:
+            place(pool, min(free, pool_left))
         else:
             while remaining[back] == 0:
                 back -= 1
@@ -147,47 +202,46 @@ def _pack(sizes: list[int], capacity: int, spare: int = 0) -> list[tuple[int, in
 def plan_order(profile: Profile, num_rows: int, rows_per_page: int, *, max_placed: int,
                first_row: int = 0) -> Plan:
     """The access order for rows [first_row, first_row + num_rows) of a table with this geometry."""
-    rows, _ = _hot_groups(profile, first_row, num_rows)
-    groups_seen = len(rows)
-    flat = rows.reshape(-1)
-    # A row is new to the group that reads it first in hotness order.
-    is_new = np.zeros(len(flat), dtype=bool)
-    inside = np.flatnonzero(flat >= 0)
-    _, first_seen = np.unique(flat[inside], return_index=True)
-    is_new[inside[first_seen]] = True
-    new_per_group = is_new.reshape(rows.shape).sum(axis=1)
-    # Each group's new rows, contiguous in `new_rows` (flat is group-major); the rows of groups
-    # beyond the cap follow as the spare pool.
-    new_rows = flat[is_new]
-    group_start = np.concatenate([[0], np.cumsum(new_per_group)[:-1]])
+    keys, orders = _hot_groups(profile)
+    groups_seen = len(keys)
+    new_rows, new_per_group = _new_rows(keys, orders, profile.spec, first_row, num_rows)
+    del keys, orders
+    ends = np.cumsum(new_per_group, dtype=np.int64)
+    group_start = ends - new_per_group
     # Spare rows filling page ends count against the cap too: pack once, then again with the
-    # groups' share shrunk by the spare rows the first packing used.
+    # groups' share shrunk by the spare rows the first packing used. Groups within the cap are a
+    # prefix (the ends ascend); the rows of the groups beyond it follow them as the spare pool.
     limit = max_placed
     for _ in range(2):
-        within_cap = np.cumsum(new_per_group) <= limit
-        kept = np.flatnonzero(within_cap & (new_per_group > 0))
-        spare = new_rows[~np.repeat(within_cap, new_per_group)]
-        pieces = _pack(new_per_group[kept].tolist(), rows_per_page, len(spare))
-        spare_used = sum(stop - first for group, first, stop in pieces if group == len(kept))
-        if new_per_group[kept].sum() + spare_used <= max_placed:
+        within = int(np.searchsorted(ends, limit, side="right"))
+        kept = np.flatnonzero(new_per_group[:within] > 0)
+        within_rows = int(ends[within - 1]) if within else 0
+        groups, firsts, counts = _pack(new_per_group[kept], rows_per_page, len(new_rows) - within_rows)
+        spare_used = int(counts[groups == len(kept)].sum())
+        if within_rows + spare_used <= max_placed:
             break
         limit = max_placed - spare_used
-    if not pieces:
-        return Plan(RowOrder.from_placed(np.zeros(0, np.int64), num_rows), 0, 0, groups_seen)
-    piece_groups = np.array([p[0] for p in pieces], dtype=np.int64)
-    piece_first = np.array([p[1] for p in pieces], dtype=np.int64)
-    piece_length = np.array([p[2] - p[1] for p in pieces], dtype=np.int64)
-    from_pool = piece_groups == len(kept)
-    starts = np.where(from_pool, len(new_rows) + piece_first,
-                      group_start[kept[np.minimum(piece_groups, len(kept) - 1)]] + piece_first)
-    offsets = np.concatenate([[0], np.cumsum(piece_length)[:-1]])
-    positions = np.repeat(starts - offsets, piece_length) + np.arange(piece_length.sum())
+    if not len(groups):
+        return Plan(RowOrder.identity(num_rows), 0, 0, groups_seen)
     # Whatever still passes the cap is the coldest tail: it goes.
-    placed = np.concatenate([new_rows, spare])[positions][:max_placed]
-    whole = np.cumsum(piece_length) <= max_placed
-    groups = piece_groups[~from_pool]
-    pieces_per_group = np.bincount(groups, minlength=len(kept))
-    cut_off = np.bincount(groups[~whole[~from_pool]], minlength=len(kept)) > 0
+    num_placed = min(max_placed, int(counts.sum()))
+    placed = np.empty(num_placed, dtype=ORDER_DTYPE)
+    piece_ends = np.cumsum(counts)
+    for start in range(0, len(groups), PIECE_CHUNK):
+        stop = min(start + PIECE_CHUNK, len(groups))
+        from_pool = groups[start:stop] == len(kept)
+        starts = np.where(from_pool, within_rows + firsts[start:stop],
+                          group_start[kept[np.minimum(groups[start:stop], len(kept) - 1)]] + firsts[start:stop])
+        lengths = counts[start:stop]
+        offsets = piece_ends[start:stop] - lengths
+        positions = np.repeat(starts - offsets, lengths) + np.arange(offsets[0], piece_ends[stop - 1])
+        first_slot, last_slot = int(offsets[0]), min(num_placed, int(piece_ends[stop - 1]))
+        if first_slot < last_slot:
+            placed[first_slot:last_slot] = new_rows[positions[:last_slot - first_slot]]
+    whole = piece_ends <= max_placed
+    is_group = groups != len(kept)
+    pieces_per_group = np.bincount(groups[is_group], minlength=len(kept))
+    cut_off = np.bincount(groups[is_group & ~whole], minlength=len(kept)) > 0
     return Plan(RowOrder.from_placed(placed, num_rows), int(np.count_nonzero(~cut_off)),
                 int(np.count_nonzero((pieces_per_group > 1) & ~cut_off)), groups_seen)
 
@@ -205,7 +259,7 @@ def residency_hints(order: RowOrder, profile: Profile, *, row_bytes: int, rows_p
     rows, counts = profile.parts["heldout"].rows(profile.spec)
     local = rows - first_row
     inside = (local >= 0) & (local < num_rows)
-    slots = order.slot_of(local[inside])
+    slots = order.slots_by_scan(local[inside])
     by_slot = np.argsort(slots, kind="stable")
     sorted_slots = slots[by_slot]
     served = np.concatenate([[0], np.cumsum(counts[inside][by_slot], dtype=np.uint64)])

@@ -5,10 +5,8 @@ import collections
 import concurrent.futures
 import dataclasses
 import errno
-import fcntl
 import glob
 import hashlib
-import mmap
 import os
 import secrets
 import shutil
@@ -24,7 +22,6 @@ from ..converters.base import TableSource
 from ..core.constants import (
     CHECKSUM_BLOCK_BYTES,
     DEFAULT_PAGE_SIZE,
-    FORMAT_VERSION,
     GGML_TYPES,
     HEADER_SIZE,
     HEADER_STRUCT,
@@ -46,6 +43,8 @@ from ..format.layout import TableLayout
 from ..format.manifest import MANIFEST_FORMAT, manifest_path, spec_digest, write_manifest
 from ..format.order import RowOrder
 from ..format.pages import pack_rows, rows_in_block
+from .direct_io import DIRECT_IO_ALIGNMENT, aligned_zeros, set_direct, write_all
+from .ordered import spill_name, write_access_ordered
 from .progress import Journal, Resumable, progress_name, truncate_after, verify_prefix
 from .progress import identity as run_identity
 from .progress import load as load_journal
@@ -60,10 +59,6 @@ WRITE_BEHIND = 2
 # Chunks past the one being read that the kernel is asked to fetch (page cache, not our memory):
 # the disk keeps a deep queue while the reading thread copies. Measured: 3 beats 1 on a busy host.
 PREFETCH_AHEAD = 3
-# O_DIRECT needs buffers, offsets and lengths aligned to the device's logical block; 4 KiB covers
-# every common device, and pages that size or larger keep every write aligned.
-DIRECT_IO_ALIGNMENT = 4096
-O_DIRECT = getattr(os, "O_DIRECT", 0)
 # Slack beyond the file size so the free-space check does not pass with zero bytes to spare.
 FREE_SPACE_MARGIN = 16 << 20
 
@@ -210,13 +205,19 @@ def _convert_locked(source: TableSource, out: Path, manifest_out: Path, options:
                     layout: TableLayout | None, rows: RowRange,
                     progress: Callable[[int], None] | None) -> dict[str, Any]:
     resumable = _find_resumable(out) if options.resume else None
-    for final in (out, manifest_out, progress_name(out)):
+    for final in (out, manifest_out, progress_name(out), spill_name(out)):
         remove_stale_partials(final, keep=resumable and (resumable.data, resumable.journal))
     _check_replaceable(out, manifest_out, options)
     num_rows = source.num_rows - rows.first_row if rows.num_rows is None else rows.num_rows
     layout = layout or TableLayout(RowOrder.identity(num_rows))
     if layout.order.num_rows != num_rows:
         raise BadInput(f"the row order covers {layout.order.num_rows} rows, the table {num_rows}")
+    if resumable is not None and layout.order.num_placed:
+        # An access-ordered table is written out of file order (offline/ordered.py): no block of a
+        # killed run is known complete, so it starts afresh.
+        for path in (resumable.data, resumable.journal):
+            path.unlink(missing_ok=True)
+        resumable = None
     fingerprint = source.fingerprint()
     digest = spec_digest(source.scale.to_json() if source.scale is not None else None, source.spec.to_json())
 
@@ -242,12 +243,13 @@ def _convert_locked(source: TableSource, out: Path, manifest_out: Path, options:
     # The data and journal share one token, so a resume finds the data file of a journal.
     token = secrets.token_hex(8)
     temporary_data, temporary_journal = partial_path(out, token), partial_path(progress_name(out), token)
+    temporary_spill = partial_path(spill_name(out), token)
     temporary_manifest = None
     try:
         if resumable is not None:
             os.rename(resumable.data, temporary_data)
             os.rename(resumable.journal, temporary_journal)
-        output = _Output(temporary_data, temporary_journal, header, prefix, run, resumable)
+        output = _Output(temporary_data, temporary_journal, header, prefix, run, resumable, temporary_spill)
         checksums, table_sha256 = _write_data(source, layout.order, output, progress)
         manifest = _manifest(source, header, checksums, table_sha256, out.name, layout, fingerprint)
         if rows.tp_size is not None:
@@ -259,7 +261,7 @@ def _convert_locked(source: TableSource, out: Path, manifest_out: Path, options:
         publish(temporary_manifest, manifest_out)
         temporary_journal.unlink()
     except BaseException as exc:
-        for path in (temporary_data, temporary_manifest, temporary_journal):
+        for path in (temporary_data, temporary_manifest, temporary_journal, temporary_spill):
             if path is not None:
                 path.unlink(missing_ok=True)
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -278,27 +280,6 @@ def _check_replaceable(out: Path, manifest_out: Path, options: WriteOptions) -> 
     raise BadInput(f"{existing[0]} exists; pass --force to replace it")
 
 
-def _read_slots(source: TableSource, order: RowOrder, first_row: int, start: int,
-                stop: int, out: np.ndarray) -> np.ndarray:
-    """Rows of slots [start, stop), read into `out` when they are one run of source rows."""
-    if start >= order.num_placed:
-        # Unplaced slots hold rows in source order: one sequential read when no placed row interrupts.
-        rows = order.rows_at(start, stop)
-        if rows[-1] - rows[0] == stop - start - 1:
-            return source.read_rows(first_row + int(rows[0]), first_row + int(rows[-1]) + 1,
-                                    out=out[:stop - start])
-        return source.gather_rows(first_row + rows)
-    return source.gather_rows(first_row + order.rows_at(start, stop))
-
-
-def _prefetch_slots(source: TableSource, order: RowOrder, first_row: int, start: int,
-                    stop: int) -> None:
-    """Hint the kernel to read the source rows of slots [start, stop) when they are unplaced."""
-    if start >= order.num_placed:
-        first, last = order.rows_at(start, start + 1)[0], order.rows_at(stop - 1, stop)[0]
-        source.prefetch(first_row + int(first), first_row + int(last) + 1)
-
-
 @dataclasses.dataclass
 class _Output:
     """The partial data file and journal a run writes, and what it resumes from."""
@@ -309,16 +290,17 @@ class _Output:
     prefix: bytes
     run: dict[str, Any]
     resumable: Resumable | None
+    spill_path: Path  # where an access-ordered table's placed rows wait (offline/ordered.py)
 
 
 class _ChunkReader:
-    """Reads chunk `index` (rows_per_chunk slots) into one of a ring of reused row buffers, and keeps
-    the kernel PREFETCH_AHEAD chunks ahead, each chunk hinted once, from a thread of its own (the
-    hint allocates cache pages and queues I/O: CPU the read needs)."""
+    """Reads chunk `index` (rows_per_chunk slots of a table in source order) into one of a ring of
+    reused row buffers, and keeps the kernel PREFETCH_AHEAD chunks ahead, each chunk hinted once,
+    from a thread of its own (the hint allocates cache pages and queues I/O: CPU the read needs)."""
 
-    def __init__(self, source: TableSource, order: RowOrder, header: Header, chunk_starts: range,
+    def __init__(self, source: TableSource, header: Header, chunk_starts: range,
                  rows_per_chunk: int, prefetcher: concurrent.futures.Executor):
-        self.source, self.order, self.header = source, order, header
+        self.source, self.header = source, header
         self.chunk_starts, self.rows_per_chunk = chunk_starts, rows_per_chunk
         self.prefetcher = prefetcher
         # A row buffer is free again once its chunk is packed and hashed (which may trail by one).
@@ -331,12 +313,14 @@ class _ChunkReader:
     def read(self, index: int) -> np.ndarray:
         low = index + 1 if index == 0 else index + PREFETCH_AHEAD
         high = min(index + PREFETCH_AHEAD, len(self.chunk_starts) - 1)
+        first_row = self.header.first_row
         if low <= high:
-            self.prefetcher.submit(_prefetch_slots, self.source, self.order, self.header.first_row,
-                                   self.chunk_starts[low], self._stop(self.chunk_starts[high]))
+            self.prefetcher.submit(self.source.prefetch, first_row + self.chunk_starts[low],
+                                   first_row + self._stop(self.chunk_starts[high]))
         start = self.chunk_starts[index]
-        return _read_slots(self.source, self.order, self.header.first_row, start, self._stop(start),
-                           self.buffers[index % len(self.buffers)])
+        stop = self._stop(start)
+        return self.source.read_rows(first_row + start, first_row + stop,
+                                     out=self.buffers[index % len(self.buffers)][:stop - start])
 
 
 def _write_data(source: TableSource, order: RowOrder, output: _Output,
@@ -359,17 +343,19 @@ def _write_data(source: TableSource, order: RowOrder, output: _Output,
     pages_per_block = CHECKSUM_BLOCK_BYTES // header.page_size
     pages_per_chunk = max(1, pages_per_block // CHUNKS_PER_CHECKSUM_BLOCK)
     header_crc = zlib.crc32(output.prefix)
+    if order.num_placed:
+        return _write_access_ordered(source, order, output, header_crc, pages_per_chunk, progress)
     block_crcs, table_digest = _verified_blocks(output, header_crc, progress)
     first_slot, _ = rows_in_block(header, len(block_crcs), CHECKSUM_BLOCK_BYTES)
     rows_per_chunk = pages_per_chunk * header.rows_per_page
     chunk_starts = range(first_slot, header.num_rows, rows_per_chunk)
-    page_buffers = [_aligned_zeros(pages_per_chunk * header.page_size).reshape(pages_per_chunk, -1)
+    page_buffers = [aligned_zeros(pages_per_chunk * header.page_size).reshape(pages_per_chunk, -1)
                     for _ in range(WRITE_BEHIND + 1)]
     descriptor, journal = _open_output(output)
     stages = [concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"convert-{name}")
               for name in ("prefetch", "read", "hash", "write")]
     prefetcher, reader, hasher, writer = stages
-    chunks = _ChunkReader(source, order, header, chunk_starts, rows_per_chunk, prefetcher)
+    chunks = _ChunkReader(source, header, chunk_starts, rows_per_chunk, prefetcher)
     block_crc, block_filled = 0, 0
     try:
         _write_head(descriptor, output, len(block_crcs))
@@ -414,6 +400,26 @@ def _write_data(source: TableSource, order: RowOrder, output: _Output,
     return checksums, table_digest.hexdigest()
 
 
+def _write_access_ordered(source: TableSource, order: RowOrder, output: _Output, header_crc: int,
+                          pages_per_chunk: int, progress: Callable[[int], None] | None) -> tuple[dict[str, Any], str]:
+    """`_write_data` for a table with placed rows: one pass over the source (offline/ordered.py).
+    Its journal names the run but lists no block, so a resume starts afresh."""
+    header = output.header
+    descriptor, journal = _open_output(output)
+    try:
+        _write_head(descriptor, output, 0)
+        os.ftruncate(descriptor, header.file_size)
+        crcs, table_digest = write_access_ordered(source, order, header, descriptor, output.path,
+                                                  output.spill_path, pages_per_chunk, progress)
+    finally:
+        os.close(descriptor)
+        journal.close()
+    blocks = -(-(header.file_size - header.data_offset) // CHECKSUM_BLOCK_BYTES)
+    checksums = {"algorithm": "crc32", "block_bytes": CHECKSUM_BLOCK_BYTES,
+                 "header_crc32": header_crc, "blocks": [crcs[block] for block in range(blocks)]}
+    return checksums, table_digest
+
+
 def _verified_blocks(output: _Output, header_crc: int,
                      progress: Callable[[int], None] | None) -> tuple[list[int], Any]:
     """The CRCs of the blocks a resumed run keeps (re-read and re-checked) and the running sha256 of
@@ -437,50 +443,18 @@ def _write_head(descriptor: int, output: _Output, kept_blocks: int) -> None:
     """Header and row order (rewritten whatever their state), then the position after the kept
     blocks; O_DIRECT from here on where the page size allows it."""
     header = output.header
-    head = _aligned_zeros(header.data_offset)
+    head = aligned_zeros(header.data_offset)
     head[:] = np.frombuffer(output.prefix, dtype=np.uint8)
     os.ftruncate(descriptor, header.data_offset + kept_blocks * CHECKSUM_BLOCK_BYTES)
     if header.page_size % DIRECT_IO_ALIGNMENT == 0:
-        _set_direct(descriptor, True)
-    _write_all(descriptor, head)
+        set_direct(descriptor, True)
+    write_all(descriptor, head)
     os.lseek(descriptor, header.data_offset + kept_blocks * CHECKSUM_BLOCK_BYTES, os.SEEK_SET)
-
-
-def _aligned_zeros(nbytes: int) -> np.ndarray:
-    """Zeroed bytes at a page-aligned address (anonymous memory), as O_DIRECT needs."""
-    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
-
-
-def _set_direct(descriptor: int, direct: bool) -> bool:
-    """Turn O_DIRECT on or off; False when the filesystem refuses or nothing changed."""
-    flags = fcntl.fcntl(descriptor, fcntl.F_GETFL)
-    wanted = flags | O_DIRECT if direct else flags & ~O_DIRECT
-    if not O_DIRECT or wanted == flags:
-        return False
-    try:
-        fcntl.fcntl(descriptor, fcntl.F_SETFL, wanted)
-    except OSError:
-        return False
-    return True
-
-
-def _write_all(descriptor: int, pages: np.ndarray) -> None:
-    view = memoryview(pages).cast("B")
-    while len(view):
-        try:
-            written = os.write(descriptor, view)
-        except OSError as exc:
-            # O_DIRECT refused this write (alignment the device wants, or a filesystem that accepts
-            # the flag but not the I/O): carry on through the page cache.
-            if exc.errno == errno.EINVAL and _set_direct(descriptor, False):
-                continue
-            raise
-        view = view[written:]
 
 
 def _write_chunk(descriptor: int, pages: np.ndarray, journal: Journal,
                  finished_block: tuple[int, int] | None) -> None:
-    _write_all(descriptor, pages)
+    write_all(descriptor, pages)
     if finished_block is not None:
         # The block is promised to a resume only once its bytes are on disk.
         os.fsync(descriptor)
@@ -500,7 +474,7 @@ def _manifest(source: TableSource, header: Header, checksums: dict[str, Any], ta
     scale = source.scale.to_json() if source.scale is not None else None
     return {
         "format": MANIFEST_FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": header.version,
         "file_id": header.file_id.hex(),
         "tool_version": __version__,
         "data_file": data_file,

@@ -1,0 +1,235 @@
+"""Write an access-ordered table in one sequential pass over the source, in bounded memory.
+
+Reading the placed rows where the source keeps them would cost one random read each (tens of
+millions for the real table, whose source does not fit the page cache). Instead the source is read
+once, in order:
+
+1. Each chunk's unplaced rows go straight to their slots: they follow the placed ones in source
+   order, so they fill the file's pages after the placed region in order. Its placed rows are
+   appended to a spill file, in buckets of one write chunk of slots each (a bucket's rows arrive
+   in ascending row order; its slots are known from the map).
+2. Then each bucket is read back, put in slot order (an argsort of its part of the map) and
+   written to its pages of the placed region.
+
+The checksum block holding the page where the two regions meet is written by both steps: its CRC is
+read back from the file at the end. Memory: the map and its rank bits, a bucket number per placed
+row, and a few chunks of rows; the spill costs the placed rows' bytes once more on disk.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import hashlib
+import os
+import zlib
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..converters.base import TableSource
+from ..core.constants import CHECKSUM_BLOCK_BYTES
+from ..core.fileio import read_exactly
+from ..format.header import Header
+from ..format.order import RANK_BUILD_ROWS, RowOrder
+from ..format.pages import pack_rows
+from .direct_io import aligned_zeros, pwrite_all
+
+# Source chunks read ahead of the thread that splits them, and page chunks written behind it.
+READ_AHEAD = 2
+WRITE_BEHIND = 2
+PREFETCH_AHEAD = 3
+
+
+def spill_name(out: Path) -> Path:
+    """The name whose partial (`.{name}.spill.{pid}-{token}.partial`) holds the placed rows."""
+    return out.with_name(out.name + ".spill")
+
+
+def _bucket_of_rank(order: RowOrder, bucket_rows: int) -> np.ndarray:
+    """For each placed row in ascending row order, the bucket of slots it belongs to."""
+    buckets = -(-order.num_placed // bucket_rows)
+    dtype = np.uint8 if buckets <= 1 << 8 else np.uint16 if buckets <= 1 << 16 else np.uint32
+    bucket = np.empty(order.num_placed, dtype=dtype)
+    for start in range(0, order.num_placed, RANK_BUILD_ROWS):
+        rows = order.slot_rows[start:start + RANK_BUILD_ROWS]
+        slots = np.arange(start, start + len(rows), dtype=np.int64)
+        bucket[order.ranks_of_placed(rows)] = slots // bucket_rows
+    return bucket
+
+
+class _PageSink:
+    """Pages written at their place in the file, each chunk's CRC folded into its checksum block
+    (chunks of one block arrive in file order); the block `skip_block` is left for the caller."""
+
+    def __init__(self, descriptor: int, header: Header, pages_per_chunk: int, skip_block: int,
+                 writer: concurrent.futures.Executor):
+        self.descriptor, self.header, self.writer = descriptor, header, writer
+        self.pages_per_block = CHECKSUM_BLOCK_BYTES // header.page_size
+        self.skip_block = skip_block
+        self.crcs: dict[int, int] = {}
+        self.buffers = [aligned_zeros(pages_per_chunk * header.page_size).reshape(pages_per_chunk, -1)
+                        for _ in range(WRITE_BEHIND + 1)]
+        self.pending: collections.deque[concurrent.futures.Future] = collections.deque()
+        self.count = 0
+
+    def write(self, first_page: int, rows: np.ndarray) -> None:
+        while len(self.pending) >= len(self.buffers):
+            self.pending.popleft().result()
+        pages = pack_rows(rows, self.buffers[self.count % len(self.buffers)], self.header.rows_per_page)
+        self.count += 1
+        block = first_page // self.pages_per_block
+        if block != self.skip_block:
+            self.crcs[block] = zlib.crc32(pages, self.crcs.get(block, 0))
+        offset = self.header.data_offset + first_page * self.header.page_size
+        self.pending.append(self.writer.submit(pwrite_all, self.descriptor, pages, offset))
+
+    def finish(self) -> None:
+        while self.pending:
+            self.pending.popleft().result()
+
+
+def write_access_ordered(source: TableSource, order: RowOrder, header: Header, descriptor: int,
+                         path: Path, spill_path: Path, pages_per_chunk: int,
+                         progress: Callable[[int], None] | None) -> tuple[dict[int, int], str]:
+    """Write the data region of `header`'s file (its header and map already written through
+    `descriptor`, the file at `path`), spilling placed rows to a new file at `spill_path` (removed
+    after); returns the CRC of every checksum block and the SHA-256 of the rows in source order."""
+    chunk_rows = pages_per_chunk * header.rows_per_page
+    boundary_page = order.num_placed // header.rows_per_page
+    meeting_block = min(boundary_page, header.num_pages - 1) * header.page_size // CHECKSUM_BLOCK_BYTES
+    bucket = _bucket_of_rank(order, chunk_rows)
+    spill = os.open(spill_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                    | getattr(os, "O_CLOEXEC", 0), 0o600)
+    stages = [concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"convert-{name}")
+              for name in ("prefetch", "read", "hash", "write")]
+    prefetcher, reader, hasher, writer = stages
+    sink = _PageSink(descriptor, header, pages_per_chunk, meeting_block, writer)
+    digest = hashlib.sha256()
+    try:
+        boundary_rows = _stream_source(source, order, header, sink, spill, bucket, chunk_rows,
+                                       (prefetcher, reader, hasher), digest, progress)
+        del bucket
+        _write_placed(order, header, sink, spill, chunk_rows, boundary_rows)
+        sink.finish()
+        os.fsync(descriptor)
+    finally:
+        for stage in stages:
+            stage.shutdown(wait=True, cancel_futures=True)
+        os.close(spill)
+        spill_path.unlink(missing_ok=True)
+    sink.crcs[meeting_block] = _read_back_crc(path, header, meeting_block)
+    return sink.crcs, digest.hexdigest()
+
+
+def _stream_source(source: TableSource, order: RowOrder, header: Header, sink: _PageSink, spill: int,
+                   bucket: np.ndarray, chunk_rows: int, threads, digest,
+                   progress: Callable[[int], None] | None) -> np.ndarray:
+    """Step 1; returns the unplaced rows of the page the placed region ends in (for step 2)."""
+    prefetcher, reader, hasher = threads
+    num_placed, num_rows, rows_per_page = order.num_placed, header.num_rows, header.rows_per_page
+    first_row = header.first_row
+    boundary_page, head = divmod(num_placed, rows_per_page)
+    row_bytes = header.row_bytes
+    starts = range(0, num_rows, chunk_rows)
+    buffers = [np.empty((chunk_rows, row_bytes), dtype=np.uint8) for _ in range(READ_AHEAD + 2)]
+
+    def read(index: int) -> np.ndarray:
+        ahead = index + PREFETCH_AHEAD
+        if ahead < len(starts):
+            prefetcher.submit(source.prefetch, first_row + starts[ahead],
+                              first_row + min(starts[ahead] + chunk_rows, num_rows))
+        start = starts[index]
+        stop = min(start + chunk_rows, num_rows)
+        return source.read_rows(first_row + start, first_row + stop, out=buffers[index % len(buffers)][:stop - start])
+
+    # The page chunk being filled: pages [page, page_stop), `filled` of its rows set. The first one
+    # starts at the page the placed region ends in, its first `head` slots left to step 2.
+    pending_rows = np.zeros((chunk_rows, row_bytes), dtype=np.uint8)
+    page = boundary_page
+    page_stop = min(header.num_pages, (page // sink.buffers[0].shape[0] + 1) * sink.buffers[0].shape[0])
+    filled = head
+    boundary_rows = np.zeros((0, row_bytes), dtype=np.uint8)
+    cursors = np.zeros(-(-num_placed // chunk_rows), dtype=np.int64)
+    placed_so_far = 0
+    reads = collections.deque(reader.submit(read, i) for i in range(min(READ_AHEAD, len(starts))))
+    hashes: collections.deque[concurrent.futures.Future] = collections.deque()
+    for index, start in enumerate(starts):
+        rows = reads.popleft().result()
+        hashes.append(hasher.submit(digest.update, rows))
+        while len(hashes) > 2:
+            hashes.popleft().result()
+        if index + READ_AHEAD < len(starts):
+            reads.append(reader.submit(read, index + READ_AHEAD))
+        placed = order.placed_mask(start, start + len(rows))
+        chosen = np.flatnonzero(placed)
+        if len(chosen):
+            _spill_rows(spill, rows[chosen], bucket[placed_so_far:placed_so_far + len(chosen)], cursors,
+                        chunk_rows, row_bytes)
+            placed_so_far += len(chosen)
+        unplaced = rows[~placed] if len(chosen) else rows
+        while len(unplaced):
+            capacity = min(page_stop * rows_per_page, num_rows) - page * rows_per_page
+            taken = min(capacity - filled, len(unplaced))
+            pending_rows[filled:filled + taken] = unplaced[:taken]
+            filled += taken
+            unplaced = unplaced[taken:]
+            if filled == capacity:
+                if page == boundary_page and head:
+                    boundary_rows = pending_rows[head:min(rows_per_page, capacity)].copy()
+                sink.write(page, pending_rows[:filled])
+                page, filled = page_stop, 0
+                page_stop = min(header.num_pages, page + sink.buffers[0].shape[0])
+        if progress is not None:
+            progress(rows.nbytes)
+    for pending in hashes:
+        pending.result()
+    return boundary_rows
+
+
+def _spill_rows(spill: int, rows: np.ndarray, buckets: np.ndarray, cursors: np.ndarray,
+                chunk_rows: int, row_bytes: int) -> None:
+    """Append placed rows (ascending row order) to their buckets' regions of the spill file."""
+    by_bucket = np.argsort(buckets, kind="stable")
+    grouped = rows[by_bucket]
+    sorted_buckets = buckets[by_bucket]
+    edges = np.flatnonzero(np.diff(sorted_buckets.astype(np.int64), prepend=-1, append=-1))
+    for low, high in zip(edges[:-1].tolist(), edges[1:].tolist()):
+        number = int(sorted_buckets[low])
+        offset = (number * chunk_rows + int(cursors[number])) * row_bytes
+        pwrite_all(spill, grouped[low:high], offset)
+        cursors[number] += high - low
+
+
+def _write_placed(order: RowOrder, header: Header, sink: _PageSink, spill: int, chunk_rows: int,
+                  boundary_rows: np.ndarray) -> None:
+    """Step 2: each bucket of the spill in slot order, into the placed region's pages."""
+    num_placed, row_bytes = order.num_placed, header.row_bytes
+    spilled = np.empty((chunk_rows, row_bytes), dtype=np.uint8)
+    in_slot_order = np.empty((chunk_rows + header.rows_per_page, row_bytes), dtype=np.uint8)
+    for start in range(0, num_placed, chunk_rows):
+        count = min(chunk_rows, num_placed - start)
+        read_exactly(spill, memoryview(spilled[:count]).cast("B"), start * row_bytes, "spill file")
+        # The bucket's rows arrived in ascending row order: the k-th smallest row of its slots.
+        by_row = np.argsort(order.slot_rows[start:start + count], kind="stable")
+        in_slot_order[by_row] = spilled[:count]
+        if start + count == num_placed and len(boundary_rows):
+            in_slot_order[count:count + len(boundary_rows)] = boundary_rows
+            count += len(boundary_rows)
+        sink.write(start // header.rows_per_page, in_slot_order[:count])
+
+
+def _read_back_crc(path: Path, header: Header, block: int) -> int:
+    """CRC-32 of checksum block `block` as written (both steps wrote pages of it)."""
+    reader = os.open(path, os.O_RDONLY)
+    try:
+        start = header.data_offset + block * CHECKSUM_BLOCK_BYTES
+        stop = min(start + CHECKSUM_BLOCK_BYTES, header.file_size)
+        crc, buffer = 0, bytearray(8 << 20)
+        for position in range(start, stop, len(buffer)):
+            piece = memoryview(buffer)[:min(len(buffer), stop - position)]
+            read_exactly(reader, piece, position, path.name)
+            crc = zlib.crc32(piece, crc)
+        return crc
+    finally:
+        os.close(reader)
