@@ -481,10 +481,12 @@ def profile() -> None:
 @click.argument("more_prompts", nargs=-1, type=click.Path(path_type=Path))
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Profile file to write.")
 @click.option("--force", is_flag=True, help="Replace an existing profile.")
+@click.option("--workers", type=click.IntRange(min=1), metavar="N",
+              help="Processes that hash the prompts (default: every core; small inputs use one).")
 @json_option
 @quiet_option
 def profile_run(model: Path, prompts: tuple[Path, ...], more_prompts: tuple[Path, ...], out: Path,
-                force: bool, as_json: bool, quiet: bool) -> None:
+                force: bool, workers: int | None, as_json: bool, quiet: bool) -> None:
     """Profile prompt files through the model's hash.
 
     \b
@@ -499,7 +501,7 @@ def profile_run(model: Path, prompts: tuple[Path, ...], more_prompts: tuple[Path
     check_profile_output(out, force=force, inputs=files, model=model)
     started = time.perf_counter()
     with progress_bar(0, "profile", quiet, unit="tok") as advance:
-        result = profile_files(model, files, progress=advance)
+        result = profile_files(model, files, progress=advance, workers=workers)
     save_profile(result, out, force=force, inputs=files, model=model)
     seconds = time.perf_counter() - started
     summary = {"out": str(out), "seconds": round(seconds, 3), **result.summary()}

@@ -171,7 +171,7 @@ def test_inspect_human(converted, runner):
     result = runner.invoke(cli, ["inspect", str(out)])
     assert result.exit_code == 0
     lines = result.stdout.splitlines()
-    assert lines[0] == f"table:      {out} ({4096 + 676 * 4096:,} bytes, format v1)"
+    assert lines[0] == f"table:      {out} ({4096 + 676 * 4096:,} bytes, format v2)"
     assert lines[1] == "encoding:   fp8_e4m3, 160 values in 160 bytes a row, 25 rows a 4096-byte page"
     assert lines[2] == f"rows:       {FIXTURE_ROWS:,} (global 0 to {FIXTURE_ROWS:,} of {FIXTURE_ROWS:,})"
     assert lines[3].startswith("scale:      0.0002012252807617") and lines[3].endswith("(BF16 0x5339)")

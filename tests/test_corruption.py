@@ -137,4 +137,4 @@ def test_verify_cli_reports_damaged_header_as_failed_check(placed_table, runner)
     finally:
         _flip(placed_table, 8, 0)
     assert result.exit_code == 1
-    assert "header BAD" in result.stdout and "file: t.bin: format version 0" in result.stdout
+    assert "header BAD" in result.stdout and "file: t.bin: format version 3" in result.stdout

@@ -27,7 +27,6 @@ def small_chunks(monkeypatch):
     """64 KiB checksum blocks: 4-page write chunks, so the placed rows take many spill buckets and
     the placed region ends inside a block written by both passes."""
     monkeypatch.setattr("ple_prep.offline.writer.CHECKSUM_BLOCK_BYTES", 64 << 10)
-    monkeypatch.setattr("ple_prep.offline.ordered.CHECKSUM_BLOCK_BYTES", 64 << 10)
 
 
 @pytest.mark.parametrize("variant", ["fp8_checkpoint", "nvfp4_checkpoint"])

@@ -204,3 +204,29 @@ def test_profile_row_sums_dense_and_sorted_agree(count, size):
     sorted_keys, sorted_counts = _sum_by_key(keys, counts)
     assert np.array_equal(dense_keys, sorted_keys) and np.array_equal(dense_counts, sorted_counts)
     assert int(sorted_counts.sum()) == int(counts.sum())
+
+
+def _saved_bytes(profile, path) -> bytes:
+    save_profile(profile, path, force=True)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_profile_on_several_workers_equals_one_process(fp8_checkpoint, prompt_files, tmp_path, monkeypatch,
+                                                       workers):
+    """Files shared among worker processes, the .jsonl cut into line-aligned pieces: the same
+    counts, inputs and profile bytes as one process."""
+    monkeypatch.setattr("ple_prep.offline.profile_pool.PIECE_BYTES", 2000)
+    one = profile_files(fp8_checkpoint, prompt_files, workers=1)
+    several = profile_files(fp8_checkpoint, prompt_files, workers=workers)
+    assert several.inputs == one.inputs
+    assert _saved_bytes(several, tmp_path / "several.prof") == _saved_bytes(one, tmp_path / "one.prof")
+
+
+def test_profile_piece_of_a_jsonl_names_the_file_line(fp8_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setattr("ple_prep.offline.profile_pool.PIECE_BYTES", 500)
+    path = tmp_path / "log.jsonl"
+    lines = [json.dumps({"token_ids": [1, 2, 3]})] * 300 + ["[1, 2]"] + [json.dumps({"token_ids": [4]})] * 20
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(BadInput, match=f"{path}:301: each line must be a JSON object"):
+        profile_files(fp8_checkpoint, [path], workers=2)

@@ -35,7 +35,7 @@ MANIFEST_SUFFIX = ".json"
 
 
 class Encoding(enum.IntEnum):
-    """How one row's bytes encode its values. The stored values are part of format v1."""
+    """How one row's bytes encode its values. The stored values are part of the format (v1 and v2)."""
 
     FP8_E4M3 = 1
     BF16 = 2

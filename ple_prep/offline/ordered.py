@@ -28,7 +28,6 @@ from typing import Callable
 import numpy as np
 
 from ..converters.base import TableSource
-from ..core.constants import CHECKSUM_BLOCK_BYTES
 from ..core.fileio import read_exactly
 from ..format.header import Header
 from ..format.order import RANK_BUILD_ROWS, RowOrder
@@ -62,10 +61,10 @@ class _PageSink:
     """Pages written at their place in the file, each chunk's CRC folded into its checksum block
     (chunks of one block arrive in file order); the block `skip_block` is left for the caller."""
 
-    def __init__(self, descriptor: int, header: Header, pages_per_chunk: int, skip_block: int,
-                 writer: concurrent.futures.Executor):
+    def __init__(self, descriptor: int, header: Header, pages_per_chunk: int, block_bytes: int,
+                 skip_block: int, writer: concurrent.futures.Executor):
         self.descriptor, self.header, self.writer = descriptor, header, writer
-        self.pages_per_block = CHECKSUM_BLOCK_BYTES // header.page_size
+        self.pages_per_block = block_bytes // header.page_size
         self.skip_block = skip_block
         self.crcs: dict[int, int] = {}
         self.buffers = [aligned_zeros(pages_per_chunk * header.page_size).reshape(pages_per_chunk, -1)
@@ -90,21 +89,22 @@ class _PageSink:
 
 
 def write_access_ordered(source: TableSource, order: RowOrder, header: Header, descriptor: int,
-                         path: Path, spill_path: Path, pages_per_chunk: int,
+                         path: Path, spill_path: Path, pages_per_chunk: int, block_bytes: int,
                          progress: Callable[[int], None] | None) -> tuple[dict[int, int], str]:
     """Write the data region of `header`'s file (its header and map already written through
     `descriptor`, the file at `path`), spilling placed rows to a new file at `spill_path` (removed
-    after); returns the CRC of every checksum block and the SHA-256 of the rows in source order."""
+    after); returns the CRC of every checksum block of `block_bytes` and the SHA-256 of the rows in
+    source order."""
     chunk_rows = pages_per_chunk * header.rows_per_page
     boundary_page = order.num_placed // header.rows_per_page
-    meeting_block = min(boundary_page, header.num_pages - 1) * header.page_size // CHECKSUM_BLOCK_BYTES
+    meeting_block = min(boundary_page, header.num_pages - 1) * header.page_size // block_bytes
     bucket = _bucket_of_rank(order, chunk_rows)
     spill = os.open(spill_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
                     | getattr(os, "O_CLOEXEC", 0), 0o600)
     stages = [concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"convert-{name}")
               for name in ("prefetch", "read", "hash", "write")]
     prefetcher, reader, hasher, writer = stages
-    sink = _PageSink(descriptor, header, pages_per_chunk, meeting_block, writer)
+    sink = _PageSink(descriptor, header, pages_per_chunk, block_bytes, meeting_block, writer)
     digest = hashlib.sha256()
     try:
         boundary_rows = _stream_source(source, order, header, sink, spill, bucket, chunk_rows,
@@ -118,7 +118,7 @@ def write_access_ordered(source: TableSource, order: RowOrder, header: Header, d
             stage.shutdown(wait=True, cancel_futures=True)
         os.close(spill)
         spill_path.unlink(missing_ok=True)
-    sink.crcs[meeting_block] = _read_back_crc(path, header, meeting_block)
+    sink.crcs[meeting_block] = _read_back_crc(path, header, meeting_block, block_bytes)
     return sink.crcs, digest.hexdigest()
 
 
@@ -219,12 +219,12 @@ def _write_placed(order: RowOrder, header: Header, sink: _PageSink, spill: int, 
         sink.write(start // header.rows_per_page, in_slot_order[:count])
 
 
-def _read_back_crc(path: Path, header: Header, block: int) -> int:
+def _read_back_crc(path: Path, header: Header, block: int, block_bytes: int) -> int:
     """CRC-32 of checksum block `block` as written (both steps wrote pages of it)."""
     reader = os.open(path, os.O_RDONLY)
     try:
-        start = header.data_offset + block * CHECKSUM_BLOCK_BYTES
-        stop = min(start + CHECKSUM_BLOCK_BYTES, header.file_size)
+        start = header.data_offset + block * block_bytes
+        stop = min(start + block_bytes, header.file_size)
         crc, buffer = 0, bytearray(8 << 20)
         for position in range(start, stop, len(buffer)):
             piece = memoryview(buffer)[:min(len(buffer), stop - position)]

@@ -35,10 +35,10 @@ from ..core.fileio import (
     atomic_output,
     check_output,
     open_input,
+    open_regular,
     parse_json,
 )
 from ..ngram import NgramSpec, mixed_values, rows_of_mixed
-from .prompts import PromptReader
 
 MAGIC = b"PLEPROF\x00"
 PROFILE_FORMAT = "ple-prep-profile"
@@ -112,7 +112,8 @@ def _sum_by_key(keys: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.nd
     """Distinct sorted keys and the sum of their counts (exact integer sums)."""
     if not len(keys):
         return keys.copy(), counts.astype(np.uint64)
-    order = np.argsort(keys, kind="stable")
+    # Equal keys are summed, so their order among themselves does not matter: no stable sort.
+    order = np.argsort(keys)
     keys, counts = keys[order], counts[order].astype(np.uint64)
     starts = np.concatenate([[0], np.flatnonzero(keys[1:] != keys[:-1]) + 1])
     return keys[starts], np.add.reduceat(counts, starts)
@@ -215,16 +216,19 @@ class Profiler:
             requests.clear()
         self._buffered = 0
 
+    def counts(self) -> dict[str, PartCounts]:
+        """What was counted so far, per part."""
+        self.flush()
+        return {part: PartCounts(self._requests[part], self._tokens[part],
+                                 {order: self._counters[part][order].result() for order in self.orders})
+                for part in PARTS}
+
     def finish(self, *, model: str, tokenizer_sha256: str | None,
                inputs: list[dict[str, Any]]) -> Profile:
-        self.flush()
-        parts = {part: PartCounts(self._requests[part], self._tokens[part],
-                                  {order: self._counters[part][order].result() for order in self.orders})
-                 for part in PARTS}
-        return Profile(self.spec, tokenizer_sha256, model, inputs, parts, self.heldout_every)
+        return Profile(self.spec, tokenizer_sha256, model, inputs, self.counts(), self.heldout_every)
 
 
-def _file_sha256(path: Path, what: str) -> str:
+def file_sha256(path: Path, what: str) -> str:
     digest = hashlib.sha256()
     with open_input(path, what) as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
@@ -234,13 +238,17 @@ def _file_sha256(path: Path, what: str) -> str:
 
 def tokenizer_fingerprint(model_dir: Path) -> str | None:
     path = model_dir / "tokenizer.json"
-    return _file_sha256(path, "tokenizer") if path.is_file() else None
+    return file_sha256(path, "tokenizer") if path.is_file() else None
 
 
 def profile_files(model: str | Path, prompt_files: Iterable[str | Path], *,
                   progress: Callable[[int], None] | None = None,
-                  spec: NgramSpec | None = None) -> Profile:
-    """Profile prompt files against a checkpoint (its hash spec and tokenizer)."""
+                  spec: NgramSpec | None = None, workers: int | None = None) -> Profile:
+    """Profile prompt files against a checkpoint (its hash spec and tokenizer), on `workers`
+    processes (default: every core this process may use, unless the input is small; 1: in this
+    process). The result does not depend on the number of workers (offline/profile_pool.py)."""
+    from .profile_pool import MIN_PARALLEL_BYTES, default_workers, pieces_of, profile_pieces
+
     model_dir = Path(model)
     if spec is None:
         from ..converters import read_spec
@@ -255,21 +263,38 @@ def profile_files(model: str | Path, prompt_files: Iterable[str | Path], *,
     missing = [str(p) for p in paths if not os.path.lexists(p)]
     if missing:
         raise BadInput(f"prompt file{'s' if len(missing) > 1 else ''} not found: {', '.join(missing)}")
-    reader = PromptReader(model_dir, spec)
-    profiler = Profiler(spec)
-    inputs = []
     for path in paths:
-        requests = tokens = 0
-        for request in reader.requests(path):
-            profiler.add_request(request)
-            requests += bool(len(request))
-            tokens += len(request)
-            if progress is not None:
-                progress(len(request))
-        inputs.append({"name": path.name, "bytes": path.stat().st_size, "sha256": _file_sha256(path, "prompt file"),
-                       "requests": requests, "tokens": tokens})
-    return profiler.finish(model=model_dir.name, tokenizer_sha256=tokenizer_fingerprint(model_dir),
-                           inputs=inputs)
+        os.close(open_regular(path, "prompt file"))
+    pieces = pieces_of(paths)
+    if workers is None:
+        small = sum(path.stat().st_size for path in paths) < MIN_PARALLEL_BYTES
+        workers = 1 if small else default_workers()
+    shares = profile_pieces(model_dir, spec, HELDOUT_EVERY, pieces, workers, progress)
+    parts = _merged_parts([share["parts"] for share in shares])
+    inputs = [{"name": path.name, "bytes": path.stat().st_size, "sha256": None, "requests": 0, "tokens": 0}
+              for path in paths]
+    for piece, entry in zip(pieces, (entry for share in shares for entry in share["pieces"])):
+        found = inputs[piece.file]
+        found["sha256"] = entry["sha256"]
+        found["requests"] += entry["requests"]
+        found["tokens"] += entry["tokens"]
+    return Profile(spec, tokenizer_fingerprint(model_dir), model_dir.name, inputs, parts, HELDOUT_EVERY)
+
+
+def _merged_parts(counted: list[dict[str, PartCounts]]) -> dict[str, PartCounts]:
+    """The sum of several counts of disjoint requests: exactly what one count of them all gives."""
+    if len(counted) == 1:
+        return counted[0]
+    parts = {}
+    for part in PARTS:
+        groups = {}
+        for order in counted[0][part].groups:
+            keys = np.concatenate([c[part].groups[order][0] for c in counted])
+            counts = np.concatenate([c[part].groups[order][1] for c in counted])
+            groups[order] = _sum_by_key(keys, counts)
+        parts[part] = PartCounts(sum(c[part].requests for c in counted), sum(c[part].tokens for c in counted),
+                                 groups)
+    return parts
 
 
 def merge_profiles(profiles: list[Profile]) -> Profile:
@@ -291,15 +316,7 @@ def merge_profiles(profiles: list[Profile]) -> Profile:
             if seen.setdefault(key, number) != number:
                 raise BadInput(f"profiles {seen[key]} and {number} both counted {entry['name']} (same "
                                f"sha256): merging would count its requests twice; give each profile once")
-    parts = {}
-    for part in PARTS:
-        groups = {}
-        for order in first.parts[part].groups:
-            keys = np.concatenate([p.parts[part].groups[order][0] for p in profiles])
-            counts = np.concatenate([p.parts[part].groups[order][1] for p in profiles])
-            groups[order] = _sum_by_key(keys, counts)
-        parts[part] = PartCounts(sum(p.parts[part].requests for p in profiles),
-                                 sum(p.parts[part].tokens for p in profiles), groups)
+    parts = _merged_parts([p.parts for p in profiles])
     return Profile(first.spec, first.tokenizer_sha256, first.model,
                    [entry for p in profiles for entry in p.inputs], parts, first.heldout_every)
 

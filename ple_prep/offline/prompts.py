@@ -84,8 +84,11 @@ class PromptReader:
 
         return render_chat(self.model_dir, self.tokenizer_config, messages, where)
 
-    def requests(self, path: Path) -> Iterator[np.ndarray]:
-        """The requests of one prompt file, as int64 token id arrays, in file order."""
+    def requests(self, path: Path, start: int = 0, stop: int | None = None,
+                 first_line: int = 1) -> Iterator[np.ndarray]:
+        """The requests of one prompt file, as int64 token id arrays, in file order; for a .jsonl,
+        those of its lines in bytes [start, stop) (cut at line breaks), the first numbered
+        `first_line` in messages."""
         suffix = path.suffix.lower()
         os.close(open_regular(path, "prompt file"))
         if suffix == ".npy":
@@ -93,7 +96,7 @@ class PromptReader:
         elif suffix == ".txt":
             yield self._checked(self._encode_pieces(self._txt_pieces(path), True), str(path))
         elif suffix == ".jsonl":
-            yield from self._tokenised(self._jsonl_items(path))
+            yield from self._tokenised(self._jsonl_items(path, start, stop, first_line))
         else:
             raise BadInput(f"{path}: prompt files must be .txt, .jsonl or .npy, not {suffix or 'no suffix'!r}")
 
@@ -140,9 +143,13 @@ class PromptReader:
                            f"{array.dtype} of shape {array.shape}")
         return array
 
-    def _jsonl_items(self, path: Path) -> Iterator[tuple[str, np.ndarray | _Text]]:
+    def _jsonl_items(self, path: Path, start: int = 0, stop: int | None = None,
+                     first_line: int = 1) -> Iterator[tuple[str, np.ndarray | _Text]]:
         with open_input(path, "prompt file") as handle:
-            for number, line in enumerate(iter(lambda: handle.readline(MAX_LINE_BYTES + 1), b""), 1):
+            handle.seek(start)
+            lines = iter(lambda: handle.readline(MAX_LINE_BYTES + 1) if stop is None or handle.tell() < stop
+                         else b"", b"")
+            for number, line in enumerate(lines, first_line):
                 where = f"{path}:{number}"
                 if len(line) > MAX_LINE_BYTES:
                     raise BadInput(f"{where}: a line longer than {MAX_LINE_BYTES >> 20} MiB; put long "

@@ -410,7 +410,8 @@ def _write_access_ordered(source: TableSource, order: RowOrder, output: _Output,
         _write_head(descriptor, output, 0)
         os.ftruncate(descriptor, header.file_size)
         crcs, table_digest = write_access_ordered(source, order, header, descriptor, output.path,
-                                                  output.spill_path, pages_per_chunk, progress)
+                                                  output.spill_path, pages_per_chunk, CHECKSUM_BLOCK_BYTES,
+                                                  progress)
     finally:
         os.close(descriptor)
         journal.close()

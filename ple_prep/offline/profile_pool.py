@@ -1,0 +1,149 @@
+"""Profile prompt files on every core: the inputs cut into pieces, one process a share of them,
+the counts merged exactly (sums of integer counts, in any order).
+
+Pieces are whole files, except that a large .jsonl is cut at line boundaries (so one big log file
+still uses every core). Each worker hashes its share with one `Profiler` and hands back its
+counts; the parent adds them up. Tokenizing happens in the workers too (each loads the tokenizer
+once). Workers are forked: they start in milliseconds and inherit the imported modules, and the
+parent has started no tokenizer threads before forking.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import multiprocessing
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from ..core.fileio import open_input
+from ..ngram import NgramSpec
+
+# A .jsonl larger than this is cut into pieces of about this size, at line boundaries.
+PIECE_BYTES = 32 << 20
+# Less input than this is profiled in the calling process: starting workers would cost more.
+MIN_PARALLEL_BYTES = 8 << 20
+# Shares per worker: more shares even out unequal pieces and let progress advance between them.
+SHARES_PER_WORKER = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One prompt file (the `file`-th given), or the lines of a .jsonl in bytes [start, stop)
+    (`first_line` numbered)."""
+
+    path: Path
+    file: int
+    start: int = 0
+    stop: int | None = None
+    first_line: int = 1
+
+    @property
+    def whole(self) -> bool:
+        return self.stop is None
+
+
+def default_workers() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity call (macOS): every core
+        return os.cpu_count() or 1
+
+
+def pieces_of(paths: list[Path]) -> list[Piece]:
+    """Every file whole, a large .jsonl cut at the first line break after each PIECE_BYTES."""
+    pieces = []
+    for file, path in enumerate(paths):
+        size = path.stat().st_size
+        if path.suffix.lower() != ".jsonl" or size <= PIECE_BYTES:
+            pieces.append(Piece(path, file))
+            continue
+        start, line = 0, 1
+        with open_input(path, "prompt file") as handle:
+            while start < size:
+                handle.seek(start + PIECE_BYTES)
+                handle.readline()
+                stop = min(size, handle.tell())
+                pieces.append(Piece(path, file, start, stop, line))
+                handle.seek(start)
+                line += _count_lines(handle, stop - start)
+                start = stop
+    return pieces
+
+
+def _count_lines(handle, length: int) -> int:
+    count = 0
+    while length > 0:
+        block = handle.read(min(length, 8 << 20))
+        if not block:
+            break
+        count += block.count(b"\n")
+        length -= len(block)
+    return count
+
+
+def _shares(pieces: list[Piece], count: int) -> list[list[int]]:
+    """Piece indices split into `count` runs of about equal bytes (pieces keep their order)."""
+    sizes = np.array([(p.stop if p.stop is not None else p.path.stat().st_size) - p.start for p in pieces],
+                     dtype=np.float64)
+    bounds = np.searchsorted(np.cumsum(sizes), np.linspace(0, sizes.sum(), count + 1)[1:-1], side="right")
+    edges = [0, *sorted(set(bounds.tolist())), len(pieces)]
+    return [list(range(a, b)) for a, b in zip(edges[:-1], edges[1:]) if b > a]
+
+
+def profile_share(model_dir: Path, spec: NgramSpec, heldout_every: int, pieces: list[Piece],
+                  progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Hash one share: its parts' counts and, per piece, its requests, tokens and (for a whole
+    file) sha256."""
+    from .profile import Profiler, file_sha256
+    from .prompts import PromptReader
+
+    reader = PromptReader(model_dir, spec)
+    profiler = Profiler(spec, heldout_every)
+    per_piece = []
+    for piece in pieces:
+        requests = tokens = 0
+        for request in reader.requests(piece.path, piece.start, piece.stop, piece.first_line):
+            profiler.add_request(request)
+            requests += bool(len(request))
+            tokens += len(request)
+            if progress is not None:
+                progress(len(request))
+        per_piece.append({"requests": requests, "tokens": tokens,
+                          "sha256": file_sha256(piece.path, "prompt file") if piece.whole else None})
+    return {"parts": profiler.counts(), "pieces": per_piece}
+
+
+def profile_pieces(model_dir: Path, spec: NgramSpec, heldout_every: int, pieces: list[Piece],
+                   workers: int, progress: Callable[[int], None] | None) -> list[dict[str, Any]]:
+    """Every piece's share results, in piece order; `workers` processes (1: this process)."""
+    from .profile import file_sha256
+
+    split_files = sorted({p.path for p in pieces if not p.whole})
+    if workers <= 1 or len(pieces) == 1:
+        shares = [list(range(len(pieces)))]
+        results = [profile_share(model_dir, spec, heldout_every, pieces, progress)]
+        digests = {path: file_sha256(path, "prompt file") for path in split_files}
+    else:
+        shares = _shares(pieces, workers * SHARES_PER_WORKER)
+        results = [None] * len(shares)
+        context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
+                                              else "spawn")
+        with concurrent.futures.ProcessPoolExecutor(min(workers, len(shares)), mp_context=context) as pool:
+            futures = {pool.submit(profile_share, model_dir, spec, heldout_every, [pieces[i] for i in share]): n
+                       for n, share in enumerate(shares)}
+            # The files cut into pieces are hashed whole here while the workers run.
+            digests = {path: file_sha256(path, "prompt file") for path in split_files}
+            for future in concurrent.futures.as_completed(futures):
+                number = futures[future]
+                results[number] = future.result()
+                if progress is not None:
+                    progress(sum(entry["tokens"] for entry in results[number]["pieces"]))
+    for share, result in zip(shares, results):
+        for index, entry in zip(share, result["pieces"]):
+            if entry["sha256"] is None:
+                entry["sha256"] = digests[pieces[index].path]
+    return results
