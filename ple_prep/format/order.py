@@ -81,7 +81,7 @@ class RowOrder:
         if len(placed) and (placed.min() < 0 or placed.max() >= num_rows):
             raise BadInput(f"placed row outside the table of {num_rows} rows")
         order = cls(num_rows, placed.astype(ORDER_DTYPE))
-        order.rank_words  # noqa: B018 (checks that no row is placed twice)
+        order.rank_words  # noqa: B018 (the property checks that no row is placed twice)
         return order
 
     def to_bytes(self) -> bytes:
@@ -102,6 +102,22 @@ class RowOrder:
                     or not np.array_equal(slot_rows[sorted_slots], sorted_rows)):
                 raise BadInput(f"{name}: the row-order map is inconsistent (corrupt file)")
         return cls(num_rows, slot_rows, name)
+
+    @classmethod
+    def for_table(cls, mapping: mmap.mmap, header, name: str) -> "RowOrder":
+        """The row order of an opened table file (`header` its Header), its lookup index built
+        now so that no request pays for it; the map's pages are then dropped from the mapping
+        (the index holds what lookups read)."""
+        if not header.num_placed:
+            return cls.identity(header.num_rows)
+        # The map starts at order_offset, not at the file's first byte.
+        order = cls.from_buffer(memoryview(mapping)[header.order_offset:header.data_offset],
+                                header.num_placed, header.num_rows, name, header.version)
+        order.rank_index  # noqa: B018 (the property builds it; BadInput for a corrupt map)
+        if hasattr(mmap, "MADV_DONTNEED"):
+            # Private and never written: dropped pages read back from the file if touched again.
+            mapping.madvise(mmap.MADV_DONTNEED, 0, header.data_offset)
+        return order
 
     # --- The lookup ------------------------------------------------------------------------------
 

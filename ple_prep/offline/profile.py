@@ -39,6 +39,8 @@ from ..core.fileio import (
     parse_json,
 )
 from ..ngram import NgramSpec, mixed_values, rows_of_mixed
+from .profile_pool import MIN_PARALLEL_BYTES, Piece, default_workers, file_sha256, pieces_of, profile_pieces
+from .prompts import PromptReader
 
 MAGIC = b"PLEPROF\x00"
 PROFILE_FORMAT = "ple-prep-profile"
@@ -228,17 +230,29 @@ class Profiler:
         return Profile(self.spec, tokenizer_sha256, model, inputs, self.counts(), self.heldout_every)
 
 
-def file_sha256(path: Path, what: str) -> str:
-    digest = hashlib.sha256()
-    with open_input(path, what) as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def tokenizer_fingerprint(model_dir: Path) -> str | None:
     path = model_dir / "tokenizer.json"
     return file_sha256(path, "tokenizer") if path.is_file() else None
+
+
+def _profile_share(model_dir: Path, spec: NgramSpec, heldout_every: int, pieces: list[Piece],
+                  progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Hash one share: its parts' counts and, per piece, its requests, tokens and (for a whole
+    file) sha256."""
+    reader = PromptReader(model_dir, spec)
+    profiler = Profiler(spec, heldout_every)
+    per_piece = []
+    for piece in pieces:
+        requests = tokens = 0
+        for request in reader.requests(piece.path, piece.start, piece.stop, piece.first_line):
+            profiler.add_request(request)
+            requests += bool(len(request))
+            tokens += len(request)
+            if progress is not None:
+                progress(len(request))
+        per_piece.append({"requests": requests, "tokens": tokens,
+                          "sha256": file_sha256(piece.path, "prompt file") if piece.whole else None})
+    return {"parts": profiler.counts(), "pieces": per_piece}
 
 
 def profile_files(model: str | Path, prompt_files: Iterable[str | Path], *,
@@ -247,8 +261,6 @@ def profile_files(model: str | Path, prompt_files: Iterable[str | Path], *,
     """Profile prompt files against a checkpoint (its hash spec and tokenizer), on `workers`
     processes (default: every core this process may use, unless the input is small; 1: in this
     process). The result does not depend on the number of workers (offline/profile_pool.py)."""
-    from .profile_pool import MIN_PARALLEL_BYTES, default_workers, pieces_of, profile_pieces
-
     model_dir = Path(model)
     if spec is None:
         from ..converters import read_spec
@@ -269,7 +281,7 @@ def profile_files(model: str | Path, prompt_files: Iterable[str | Path], *,
     if workers is None:
         small = sum(path.stat().st_size for path in paths) < MIN_PARALLEL_BYTES
         workers = 1 if small else default_workers()
-    shares = profile_pieces(model_dir, spec, HELDOUT_EVERY, pieces, workers, progress)
+    shares = profile_pieces(_profile_share, model_dir, spec, HELDOUT_EVERY, pieces, workers, progress)
     parts = _merged_parts([share["parts"] for share in shares])
     inputs = [{"name": path.name, "bytes": path.stat().st_size, "sha256": None, "requests": 0, "tokens": 0}
               for path in paths]

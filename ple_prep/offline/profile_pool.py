@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import multiprocessing
 import os
 from pathlib import Path
@@ -94,34 +95,20 @@ def _shares(pieces: list[Piece], count: int) -> list[list[int]]:
     return [list(range(a, b)) for a, b in zip(edges[:-1], edges[1:]) if b > a]
 
 
-def profile_share(model_dir: Path, spec: NgramSpec, heldout_every: int, pieces: list[Piece],
-                  progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Hash one share: its parts' counts and, per piece, its requests, tokens and (for a whole
-    file) sha256."""
-    from .profile import Profiler, file_sha256
-    from .prompts import PromptReader
-
-    reader = PromptReader(model_dir, spec)
-    profiler = Profiler(spec, heldout_every)
-    per_piece = []
-    for piece in pieces:
-        requests = tokens = 0
-        for request in reader.requests(piece.path, piece.start, piece.stop, piece.first_line):
-            profiler.add_request(request)
-            requests += bool(len(request))
-            tokens += len(request)
-            if progress is not None:
-                progress(len(request))
-        per_piece.append({"requests": requests, "tokens": tokens,
-                          "sha256": file_sha256(piece.path, "prompt file") if piece.whole else None})
-    return {"parts": profiler.counts(), "pieces": per_piece}
+def file_sha256(path: Path, what: str) -> str:
+    digest = hashlib.sha256()
+    with open_input(path, what) as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
-def profile_pieces(model_dir: Path, spec: NgramSpec, heldout_every: int, pieces: list[Piece],
-                   workers: int, progress: Callable[[int], None] | None) -> list[dict[str, Any]]:
-    """Every piece's share results, in piece order; `workers` processes (1: this process)."""
-    from .profile import file_sha256
-
+def profile_pieces(profile_share: Callable[..., dict[str, Any]], model_dir: Path, spec: NgramSpec,
+                   heldout_every: int, pieces: list[Piece], workers: int,
+                   progress: Callable[[int], None] | None) -> list[dict[str, Any]]:
+    """The results of `profile_share(model_dir, spec, heldout_every, pieces[, progress])` over
+    shares of the pieces, in piece order, each piece's sha256 filled in; `workers` processes (1:
+    this process). `profile_share` must be a module-level function (the workers import it)."""
     split_files = sorted({p.path for p in pieces if not p.whole})
     if workers <= 1 or len(pieces) == 1:
         shares = [list(range(len(pieces)))]

@@ -34,21 +34,6 @@ READ_PATHS = ("direct", "mapped")
 DEFAULT_READ_PATH = "direct"
 
 
-def _open_order(mapping: mmap.mmap, header: Header, name: str) -> RowOrder:
-    """The file's row order with its lookup index built now, so that no request pays for it; the
-    map's pages are then dropped from the mapping (the index holds what lookups read)."""
-    if not header.num_placed:
-        return RowOrder.identity(header.num_rows)
-    # The map starts at order_offset, not at the file's first byte.
-    order = RowOrder.from_buffer(memoryview(mapping)[header.order_offset:header.data_offset],
-                                 header.num_placed, header.num_rows, name, header.version)
-    order.rank_index  # noqa: B018 (built at open; BadInput for a corrupt map)
-    if hasattr(mmap, "MADV_DONTNEED"):
-        # Private and never written: dropped pages read back from the file if touched again.
-        mapping.madvise(mmap.MADV_DONTNEED, 0, header.data_offset)
-    return order
-
-
 class Table:
     """A prepared PLE table mapped copy-on-write; ids are the model's global row ids."""
 
@@ -76,7 +61,7 @@ class Table:
         # The value its exact bytes give: loading the manifest checked that `value` is exactly that
         # (format/manifest.py, scale_value).
         self.scale: float | None = None if scale is None else float(scale["value"])
-        self.order = _open_order(mapping, header, path.name)
+        self.order = RowOrder.for_table(mapping, header, path.name)
         self._gatherer = Gatherer(mapping, header, window_pages, window_bytes, direct, budget)
         # Disk-tier reads go through the host cache when it has a budget (runtime/readahead.py).
         self._disk = CachedDiskTier(self._gatherer, HostCache(header, host_cache_bytes), header.rows_per_page) \
