@@ -1,12 +1,13 @@
 """Disk page reads per 1,000 tokens: access-ordered layout against the checkpoint's own layout.
 
-Run: flock /tmp/ple-bench.lock python bench/layout_bench.py [MAP_FRACTION]
-(MAP_FRACTION: most RAM the row-order map may cost, as a fraction of the table; default 0.005.)
+Run: flock /tmp/ple-bench.lock python bench/layout_bench.py [--map-fraction F] [--base B] [--duplicates]
+(F: most RAM the row-order map's lookup index may cost, as a fraction of the table, default 0.005;
+B: `ngram_vocab_size_base`, 20,000,000 for the real geometry, 2,500,000 for 1/8 of it.)
 
 Corpus: bench/real_corpus.py (real documents, split by document into a profile half and a disjoint
 evaluation half; tokenizer trained on the profile half). The profile half is profiled, and the
-layout planned for the REAL geometry (320,001,536 FP8 rows of 160 bytes, 4 KiB pages, 25 rows a
-page) with the planner alone: no rows are read or written.
+layout planned for the geometry of B (the real one by default: 320,001,536 FP8 rows of 160 bytes,
+4 KiB pages, 25 rows a page) with the planner alone: no rows are read or written.
 
 Metric, for each token of the evaluation half: the number of distinct 4 KiB pages holding its 16
 rows that are not resident (a page read once per token, no page cache beyond the resident set).
@@ -15,11 +16,18 @@ Both layouts get the same resident budget, a fraction of the table's 51.2 GB, as
 - checkpoint: its rows back to back in source order (row r at byte 160*r, so one row in 25.6
   straddles two pages and needs both), with the budget spent on its hottest pages by the profile
   half's row reads.
-The "map charged" column also takes the prepared file's row-order map (12 bytes a placed row) out
-of its resident budget.
+The "map charged" column also takes what a server holds for the row-order map (its lookup index:
+2 bits a table row and 4 bytes a placed row, `format.order.lookup_index_bytes`) out of its
+resident budget.
+
+--duplicates adds what duplicating shared rows would buy (not built: measured to decide): every
+seen n-gram's 8 rows on its own page, 3 groups a page in hotness order, so each seen n-gram costs
+one page read at most, and a row of an unseen n-gram is read from the page of the hottest group
+holding it (or from the tail in source order); the file grows by the rows copied.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -33,8 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_corpus  # noqa: E402
 
 from ple_prep.format.header import ORDER_BYTES_PER_PLACED  # noqa: E402
+from ple_prep.format.order import lookup_index_bytes  # noqa: E402
 from ple_prep.ngram import NgramSpec, mixed_values, rows_of_mixed  # noqa: E402
-from ple_prep.offline.planner import DEFAULT_MAP_FRACTION, max_placed_rows, plan_order  # noqa: E402
+from ple_prep.offline.planner import DEFAULT_MAP_FRACTION, _hot_groups, max_placed_rows, plan_order  # noqa: E402
 from ple_prep.offline.profile import Profiler  # noqa: E402
 from ple_prep.tools.fixtures import fixture_config  # noqa: E402
 
@@ -46,7 +55,8 @@ CHUNK_TOKENS = 1 << 20
 
 
 def evaluation_row_ids(spec: NgramSpec, tokens: np.ndarray, starts: np.ndarray):
-    """(chunk of tokens' row ids `(n, 16)`), request boundaries respected, in chunks of documents."""
+    """(mixed hashes `(n, 2)`, row ids `(n, 16)`) of chunks of tokens, request boundaries respected,
+    in chunks of documents."""
     first = 0
     while first < len(starts) - 1:
         last = first + 1
@@ -56,8 +66,53 @@ def evaluation_row_ids(spec: NgramSpec, tokens: np.ndarray, starts: np.ndarray):
         mixed = mixed_values(chunk, spec, request_starts=starts[first:last] - starts[first])
         rows = np.concatenate([rows_of_mixed(mixed[:, j], j + 2, spec) for j in range(mixed.shape[1])],
                               axis=1)
-        yield rows
+        yield mixed, rows
         first = last
+
+
+class DuplicatedLayout:
+    """The --duplicates layout: every seen group's 8 rows on the page of the group, 3 groups a
+    page in hotness order; rows of no seen group follow in source order."""
+
+    def __init__(self, profile, spec: NgramSpec, num_rows: int):
+        keys, orders = _hot_groups(profile)
+        self.groups = len(keys)
+        groups_per_page = ROWS_PER_PAGE // spec.heads_per_ngram
+        self.group_page = (np.arange(self.groups) // groups_per_page).astype(np.int32)
+        self.by_order = {}
+        for order in np.unique(orders):
+            chosen = np.flatnonzero(orders == order)
+            by_key = np.argsort(keys[chosen])
+            self.by_order[int(order)] = (keys[chosen][by_key], chosen[by_key])
+        # A row of an unseen n-gram is read from the hottest group's page holding it: assign the
+        # coldest chunks first so hotter ones overwrite (and, inside a chunk, the hottest last).
+        self.page_of_row = np.full(num_rows, -1, dtype=np.int32)
+        step = 1 << 18
+        for start in reversed(range(0, self.groups, step)):
+            stop = min(start + step, self.groups)
+            rows = np.empty((stop - start, spec.heads_per_ngram), dtype=np.int64)
+            for order in np.unique(orders[start:stop]):
+                chosen = np.flatnonzero(orders[start:stop] == order)
+                rows[chosen] = rows_of_mixed(keys[start:stop][chosen], int(order), spec)
+            pages = np.repeat(self.group_page[start:stop], spec.heads_per_ngram)
+            self.page_of_row[rows[::-1].reshape(-1)] = pages.reshape(-1, spec.heads_per_ngram)[::-1].reshape(-1)
+        self.grouped_pages = int(self.group_page[-1]) + 1 if self.groups else 0
+        unseen = self.page_of_row < 0
+        self.distinct_seen_rows = int(num_rows - np.count_nonzero(unseen))
+        tail = int(np.count_nonzero(unseen))
+        self.page_of_row[unseen] = self.grouped_pages + np.arange(tail, dtype=np.int32) // ROWS_PER_PAGE
+        self.num_pages = self.grouped_pages + -(-tail // ROWS_PER_PAGE)
+
+    def pages(self, mixed: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Per token, the page of each of its 16 rows as this layout reads them."""
+        pages = self.page_of_row[rows]
+        heads = rows.shape[1] // mixed.shape[1]
+        for column in range(mixed.shape[1]):
+            sorted_keys, group = self.by_order[column + 2]
+            where = np.minimum(np.searchsorted(sorted_keys, mixed[:, column]), len(sorted_keys) - 1)
+            seen = sorted_keys[where] == mixed[:, column]
+            pages[seen, column * heads:(column + 1) * heads] = self.group_page[group[where[seen]]][:, None]
+        return pages
 
 
 def first_of_each_page(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -79,9 +134,14 @@ def dense_slots(order) -> np.ndarray:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--map-fraction", type=float, default=DEFAULT_MAP_FRACTION)
+    parser.add_argument("--base", type=int, default=20_000_000)
+    parser.add_argument("--duplicates", action="store_true")
+    args = parser.parse_args()
     started = time.perf_counter()
     corpus = real_corpus.load()
-    spec = NgramSpec.from_config(fixture_config(base=20_000_000))
+    spec = NgramSpec.from_config(fixture_config(base=args.base))
     num_rows = spec.rows_stored
     table_bytes = num_rows * ROW_BYTES
     timings = {}
@@ -94,12 +154,12 @@ def main() -> None:
     timings["profile_s"] = round(time.perf_counter() - clock, 1)
 
     clock = time.perf_counter()
-    map_fraction = float(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_MAP_FRACTION
-    limit = max_placed_rows(num_rows, ROW_BYTES, map_fraction)
+    limit = max_placed_rows(num_rows, ROW_BYTES, args.map_fraction)
     plan = plan_order(profile, num_rows, ROWS_PER_PAGE, max_placed=limit)
     order = plan.order
     timings["plan_s"] = round(time.perf_counter() - clock, 1)
-    map_bytes = ORDER_BYTES_PER_PLACED * order.num_placed
+    map_bytes = ORDER_BYTES_PER_PLACED[2] * order.num_placed
+    index_bytes = lookup_index_bytes(num_rows, order.num_placed)
 
     # A dense slot of every row (1.28 GB, bench only: random lookups into it are ~10x faster
     # than the runtime's compact map, whose answers it must equal).
@@ -125,7 +185,7 @@ def main() -> None:
     budgets = {}
     for fraction in BUDGETS:
         resident_pages = int(fraction * table_bytes) // PAGE_SIZE
-        charged_pages = max(0, int(fraction * table_bytes) - map_bytes) // PAGE_SIZE
+        charged_pages = max(0, int(fraction * table_bytes) - index_bytes) // PAGE_SIZE
         checkpoint_resident = np.zeros(num_pages, dtype=bool)
         checkpoint_resident[hottest_pages[:resident_pages]] = True
         budgets[fraction] = {"resident_pages": resident_pages, "charged_pages": charged_pages,
@@ -135,8 +195,14 @@ def main() -> None:
 
     clock = time.perf_counter()
     tokens = 0
-    for row_ids in evaluation_row_ids(spec, *corpus["evaluation"]):
+    duplicated = DuplicatedLayout(profile, spec, num_rows) if args.duplicates else None
+    for mixed, row_ids in evaluation_row_ids(spec, *corpus["evaluation"]):
         tokens += len(row_ids)
+        if duplicated is not None:
+            dup_sorted, dup_fresh = first_of_each_page(duplicated.pages(mixed, row_ids))
+            for budget in budgets.values():
+                budget["duplicated"] = budget.get("duplicated", 0) + int(
+                    np.count_nonzero(dup_fresh & (dup_sorted >= budget["charged_pages"])))
         prepared_page = slot_of_row[row_ids] // ROWS_PER_PAGE
         prepared_sorted, prepared_fresh = first_of_each_page(prepared_page.reshape(row_ids.shape))
         byte = row_ids * ROW_BYTES
@@ -157,20 +223,31 @@ def main() -> None:
     result = {
         "corpus": corpus["info"], "evaluation_tokens": tokens,
         "profile": profile.summary(),
+        "geometry": {"base": args.base, "rows": num_rows, "table_bytes": table_bytes},
         "layout": {"num_placed": order.num_placed, "map_bytes": map_bytes,
-                   "map_fraction_of_table": round(map_bytes / table_bytes, 5),
+                   "map_bytes_per_placed_row": round(map_bytes / max(order.num_placed, 1), 3),
+                   "lookup_index_bytes": index_bytes,
+                   "lookup_index_bytes_per_placed_row": round(index_bytes / max(order.num_placed, 1), 3),
+                   "lookup_index_fraction_of_table": round(index_bytes / table_bytes, 5),
                    "groups_seen": plan.groups_seen, "groups_placed": plan.groups_placed,
                    "groups_split": plan.groups_split},
         "budgets": [], "timings": timings, "seconds": round(time.perf_counter() - started, 1),
     }
+    if duplicated is not None:
+        prepared_pages = -(-num_rows // ROWS_PER_PAGE)
+        result["duplicated"] = {"groups": duplicated.groups, "distinct_seen_rows": duplicated.distinct_seen_rows,
+                                "copied_rows": 8 * duplicated.groups - duplicated.distinct_seen_rows,
+                                "file_growth": round(duplicated.num_pages / prepared_pages - 1, 4)}
     for fraction, budget in budgets.items():
         per_k = {key: round(1000 * budget[key] / tokens, 1)
-                 for key in ("prepared", "prepared_charged", "checkpoint")}
+                 for key in ("prepared", "prepared_charged", "checkpoint", "duplicated") if key in budget}
         result["budgets"].append({
             "budget": f"{fraction:.0%}", "resident_bytes": budget["resident_pages"] * PAGE_SIZE,
             "page_reads_per_1000_tokens": per_k,
             "ratio_prepared_to_checkpoint": round(budget["prepared"] / budget["checkpoint"], 3),
             "ratio_map_charged": round(budget["prepared_charged"] / budget["checkpoint"], 3),
+            **({"ratio_duplicated_map_charged": round(budget["duplicated"] / budget["checkpoint"], 3)}
+               if "duplicated" in budget else {}),
             "row_hit_fraction": {"prepared": round(budget["prepared_row_hits"] / (16 * tokens), 4),
                                  "checkpoint": round(budget["checkpoint_row_hits"] / (16 * tokens), 4)},
         })
