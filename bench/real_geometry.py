@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,7 +41,7 @@ CLI = [sys.executable, "-m", "ple_prep"]
 ROW_BYTES = 90  # IQ4_NL: 5 blocks of 18 bytes
 
 
-def step(name: str, command: list[str], results: dict, stdout=None) -> None:
+def step(name: str, command: list[str], results: dict, stdout=subprocess.DEVNULL) -> None:
     """Run one child; its seconds and peak RSS (the largest process of its tree) into results."""
     seconds, rss, _ = run_timed(command, stdout=stdout)
     results[name] = {"seconds": round(seconds, 2), "peak_rss_mib": round(rss / 2**20, 1)}

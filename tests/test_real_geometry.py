@@ -25,8 +25,10 @@ def _check(results: dict, folder: Path) -> None:
     assert layout["map_bytes"] == 4 * layout["num_placed"]
     assert results["verify"]["report"]["ok"] and results["verify"]["report"]["mismatched_rows"] == 0
     assert results["bench"]["report"]
-    for name in ("profile", "convert", "verify", "bench"):
+    for name in ("profile", "verify", "bench"):
         assert results[name]["seconds"] > 0 and results[name]["peak_rss_mib"] > 0
+    for pair in results["convert"]["rounds"]:
+        assert pair["copy_s"] > 0 and pair["convert_s"] > 0 and pair["convert_peak_rss_mib"] > 0
     # Everything the run wrote is gone but what --keep keeps.
     assert sorted(p.name for p in folder.iterdir()) == ["ckpt"]
 
