@@ -29,13 +29,22 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr("ple_prep.offline.writer.CHECKSUM_BLOCK_BYTES", 64 << 10)
 
 
-@pytest.mark.parametrize("variant", ["fp8_checkpoint", "nvfp4_checkpoint"])
-def test_access_ordered_convert_places_every_row_in_one_source_pass(variant, request, tmp_path,
+@pytest.mark.parametrize(("variant", "count"), [
+    ("fp8_checkpoint", 5_003),   # the placed region ends inside a page, past several buckets
+    ("fp8_checkpoint", 5_000),   # ... at a page's end
+    ("fp8_checkpoint", 7),       # inside the first page
+    ("fp8_checkpoint", 16_896),  # every row placed
+    ("nvfp4_checkpoint", 5_003),
+])
+def test_access_ordered_convert_places_every_row_in_one_source_pass(variant, count, request, tmp_path,
                                                                      converted_table, small_chunks):
-    made = converted_table(request.getfixturevalue(variant), tmp_path / "t.bin", placed=_placed,
+    def placed_rows(num_rows, _spec):
+        return np.random.default_rng(11).permutation(num_rows)[:count]
+
+    made = converted_table(request.getfixturevalue(variant), tmp_path / "t.bin", placed=placed_rows,
                            with_rows=True)
     manifest, rows = made.manifest, made.rows
-    placed = _placed(len(rows), None)
+    placed = placed_rows(len(rows), None)
     raw = made.path.read_bytes()
     header = Header.unpack(raw[:HEADER_SIZE], len(raw))
     assert header.version == manifest["format_version"] == 2 and header.num_placed == len(placed)
@@ -55,7 +64,7 @@ def test_access_ordered_convert_places_every_row_in_one_source_pass(variant, req
     assert manifest["checksums"]["blocks"] == [zlib.crc32(data[i:i + block]) for i in range(0, len(data), block)]
     assert manifest["checksums"]["header_crc32"] == zlib.crc32(raw[:header.data_offset])
     assert manifest["source"]["table_sha256"] == hashlib.sha256(rows.tobytes()).hexdigest()
-    # The spill file and the journal are gone.
+    # The journal is gone, and no other file was made.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.bin", "t.bin.json"]
     with open_table(made.path) as table:
         assert np.array_equal(table.gather(np.arange(len(rows))), rows)

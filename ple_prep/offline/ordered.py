@@ -6,14 +6,17 @@ once, in order:
 
 1. Each chunk's unplaced rows go straight to their slots: they follow the placed ones in source
    order, so they fill the file's pages after the placed region in order. Its placed rows are
-   appended to a spill file, in buckets of one write chunk of slots each (a bucket's rows arrive
-   in ascending row order; its slots are known from the map).
+   appended, packed back to back, to their bucket: one write chunk of slots, staged in the very
+   bytes of the file its pages will take (a bucket's rows take fewer bytes packed than in pages),
+   so no spill file costs disk space. A bucket's rows arrive in ascending row order.
 2. Then each bucket is read back, put in slot order (an argsort of its part of the map) and
-   written to its pages of the placed region.
+   written over itself as pages.
 
-The checksum block holding the page where the two regions meet is written by both steps: its CRC is
-read back from the file at the end. Memory: the map and its rank bits, a bucket number per placed
-row, and a few chunks of rows; the spill costs the placed rows' bytes once more on disk.
+The page where the placed region ends, when it is shared with the first unplaced rows, may hold
+staged bytes of the last bucket: step 1 keeps that first chunk of unplaced rows in memory and step
+2 writes it with the last bucket. The checksum block holding that page is written by both steps:
+its CRC is read back from the file at the end. Memory: the map and its rank bits, a bucket number
+per placed row, and a few chunks of rows; the placed rows cost one more write and read.
 """
 from __future__ import annotations
 
@@ -38,11 +41,6 @@ from .direct_io import aligned_zeros, pwrite_all
 READ_AHEAD = 2
 WRITE_BEHIND = 2
 PREFETCH_AHEAD = 3
-
-
-def spill_name(out: Path) -> Path:
-    """The name whose partial (`.{name}.spill.{pid}-{token}.partial`) holds the placed rows."""
-    return out.with_name(out.name + ".spill")
 
 
 def _bucket_of_rank(order: RowOrder, bucket_rows: int) -> np.ndarray:
@@ -89,43 +87,43 @@ class _PageSink:
 
 
 def write_access_ordered(source: TableSource, order: RowOrder, header: Header, descriptor: int,
-                         path: Path, spill_path: Path, pages_per_chunk: int, block_bytes: int,
+                         path: Path, pages_per_chunk: int, block_bytes: int,
                          progress: Callable[[int], None] | None) -> tuple[dict[int, int], str]:
     """Write the data region of `header`'s file (its header and map already written through
-    `descriptor`, the file at `path`), spilling placed rows to a new file at `spill_path` (removed
-    after); returns the CRC of every checksum block of `block_bytes` and the SHA-256 of the rows in
-    source order."""
+    `descriptor`, the file at `path`, as long as the header says); returns the CRC of every checksum
+    block of `block_bytes` and the SHA-256 of the rows in source order."""
     chunk_rows = pages_per_chunk * header.rows_per_page
     boundary_page = order.num_placed // header.rows_per_page
     meeting_block = min(boundary_page, header.num_pages - 1) * header.page_size // block_bytes
     bucket = _bucket_of_rank(order, chunk_rows)
-    spill = os.open(spill_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-                    | getattr(os, "O_CLOEXEC", 0), 0o600)
+    # Staged rows are small writes at any offset: through the page cache, not O_DIRECT (the
+    # kernel writes such pages back before a direct write of the same range, and drops them after).
+    staging = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
     stages = [concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"convert-{name}")
               for name in ("prefetch", "read", "hash", "write")]
     prefetcher, reader, hasher, writer = stages
     sink = _PageSink(descriptor, header, pages_per_chunk, block_bytes, meeting_block, writer)
     digest = hashlib.sha256()
     try:
-        boundary_rows = _stream_source(source, order, header, sink, spill, bucket, chunk_rows,
-                                       (prefetcher, reader, hasher), digest, progress)
+        held = _stream_source(source, order, header, sink, staging, bucket, chunk_rows,
+                              (prefetcher, reader, hasher), digest, progress)
         del bucket
-        _write_placed(order, header, sink, spill, chunk_rows, boundary_rows)
+        _write_placed(order, header, sink, staging, chunk_rows, held)
         sink.finish()
         os.fsync(descriptor)
     finally:
         for stage in stages:
             stage.shutdown(wait=True, cancel_futures=True)
-        os.close(spill)
-        spill_path.unlink(missing_ok=True)
+        os.close(staging)
     sink.crcs[meeting_block] = _read_back_crc(path, header, meeting_block, block_bytes)
     return sink.crcs, digest.hexdigest()
 
 
-def _stream_source(source: TableSource, order: RowOrder, header: Header, sink: _PageSink, spill: int,
+def _stream_source(source: TableSource, order: RowOrder, header: Header, sink: _PageSink, staging: int,
                    bucket: np.ndarray, chunk_rows: int, threads, digest,
-                   progress: Callable[[int], None] | None) -> np.ndarray:
-    """Step 1; returns the unplaced rows of the page the placed region ends in (for step 2)."""
+                   progress: Callable[[int], None] | None) -> np.ndarray | None:
+    """Step 1; returns the first chunk of unplaced rows when the placed region ends inside its
+    first page (the chunk's rows from its first slot, placed ones zero), for step 2 to write."""
     prefetcher, reader, hasher = threads
     num_placed, num_rows, rows_per_page = order.num_placed, header.num_rows, header.rows_per_page
     first_row = header.first_row
@@ -149,7 +147,7 @@ def _stream_source(source: TableSource, order: RowOrder, header: Header, sink: _
     page = boundary_page
     page_stop = min(header.num_pages, (page // sink.buffers[0].shape[0] + 1) * sink.buffers[0].shape[0])
     filled = head
-    boundary_rows = np.zeros((0, row_bytes), dtype=np.uint8)
+    held = None
     cursors = np.zeros(-(-num_placed // chunk_rows), dtype=np.int64)
     placed_so_far = 0
     reads = collections.deque(reader.submit(read, i) for i in range(min(READ_AHEAD, len(starts))))
@@ -164,8 +162,8 @@ def _stream_source(source: TableSource, order: RowOrder, header: Header, sink: _
         placed = order.placed_mask(start, start + len(rows))
         chosen = np.flatnonzero(placed)
         if len(chosen):
-            _spill_rows(spill, rows[chosen], bucket[placed_so_far:placed_so_far + len(chosen)], cursors,
-                        chunk_rows, row_bytes)
+            _stage_rows(staging, rows[chosen], bucket[placed_so_far:placed_so_far + len(chosen)], cursors,
+                        header, sink.buffers[0].shape[0])
             placed_so_far += len(chosen)
         unplaced = rows[~placed] if len(chosen) else rows
         while len(unplaced):
@@ -176,47 +174,58 @@ def _stream_source(source: TableSource, order: RowOrder, header: Header, sink: _
             unplaced = unplaced[taken:]
             if filled == capacity:
                 if page == boundary_page and head:
-                    boundary_rows = pending_rows[head:min(rows_per_page, capacity)].copy()
-                sink.write(page, pending_rows[:filled])
+                    held = pending_rows[:filled].copy()
+                else:
+                    sink.write(page, pending_rows[:filled])
                 page, filled = page_stop, 0
                 page_stop = min(header.num_pages, page + sink.buffers[0].shape[0])
         if progress is not None:
             progress(rows.nbytes)
     for pending in hashes:
         pending.result()
-    return boundary_rows
+    return held
 
 
-def _spill_rows(spill: int, rows: np.ndarray, buckets: np.ndarray, cursors: np.ndarray,
-                chunk_rows: int, row_bytes: int) -> None:
-    """Append placed rows (ascending row order) to their buckets' regions of the spill file."""
+def _stage_offset(header: Header, bucket: int, pages_per_chunk: int) -> int:
+    """Where bucket `bucket` is staged: the first byte of its pages."""
+    return header.data_offset + bucket * pages_per_chunk * header.page_size
+
+
+def _stage_rows(staging: int, rows: np.ndarray, buckets: np.ndarray, cursors: np.ndarray, header: Header,
+                pages_per_chunk: int) -> None:
+    """Append placed rows (ascending row order) to their buckets, packed."""
     by_bucket = np.argsort(buckets, kind="stable")
     grouped = rows[by_bucket]
     sorted_buckets = buckets[by_bucket]
     edges = np.flatnonzero(np.diff(sorted_buckets.astype(np.int64), prepend=-1, append=-1))
     for low, high in zip(edges[:-1].tolist(), edges[1:].tolist()):
         number = int(sorted_buckets[low])
-        offset = (number * chunk_rows + int(cursors[number])) * row_bytes
-        pwrite_all(spill, grouped[low:high], offset)
+        offset = _stage_offset(header, number, pages_per_chunk) + int(cursors[number]) * header.row_bytes
+        pwrite_all(staging, grouped[low:high], offset)
         cursors[number] += high - low
 
 
-def _write_placed(order: RowOrder, header: Header, sink: _PageSink, spill: int, chunk_rows: int,
-                  boundary_rows: np.ndarray) -> None:
-    """Step 2: each bucket of the spill in slot order, into the placed region's pages."""
+def _write_placed(order: RowOrder, header: Header, sink: _PageSink, staging: int, chunk_rows: int,
+                  held: np.ndarray | None) -> None:
+    """Step 2: each bucket in slot order, written over its staged bytes as pages."""
     num_placed, row_bytes = order.num_placed, header.row_bytes
-    spilled = np.empty((chunk_rows, row_bytes), dtype=np.uint8)
-    in_slot_order = np.empty((chunk_rows + header.rows_per_page, row_bytes), dtype=np.uint8)
+    pages_per_chunk = sink.buffers[0].shape[0]
+    staged = np.empty((chunk_rows, row_bytes), dtype=np.uint8)
+    in_slot_order = np.empty((chunk_rows, row_bytes), dtype=np.uint8)
     for start in range(0, num_placed, chunk_rows):
         count = min(chunk_rows, num_placed - start)
-        read_exactly(spill, memoryview(spilled[:count]).cast("B"), start * row_bytes, "spill file")
+        bucket = start // chunk_rows
+        read_exactly(staging, memoryview(staged[:count]).cast("B"),
+                     _stage_offset(header, bucket, pages_per_chunk), "table")
         # The bucket's rows arrived in ascending row order: the k-th smallest row of its slots.
         by_row = np.argsort(order.slot_rows[start:start + count], kind="stable")
-        in_slot_order[by_row] = spilled[:count]
-        if start + count == num_placed and len(boundary_rows):
-            in_slot_order[count:count + len(boundary_rows)] = boundary_rows
-            count += len(boundary_rows)
-        sink.write(start // header.rows_per_page, in_slot_order[:count])
+        in_slot_order[by_row] = staged[:count]
+        if start + count == num_placed and held is not None:
+            # The first unplaced rows share the last placed page: one chunk from here on.
+            first = count % header.rows_per_page
+            in_slot_order[count:count + len(held) - first] = held[first:]
+            count += len(held) - first
+        sink.write(bucket * pages_per_chunk, in_slot_order[:count])
 
 
 def _read_back_crc(path: Path, header: Header, block: int, block_bytes: int) -> int:

@@ -44,7 +44,7 @@ from ..format.manifest import MANIFEST_FORMAT, manifest_path, spec_digest, write
 from ..format.order import RowOrder
 from ..format.pages import pack_rows, rows_in_block
 from .direct_io import DIRECT_IO_ALIGNMENT, aligned_zeros, set_direct, write_all
-from .ordered import spill_name, write_access_ordered
+from .ordered import write_access_ordered
 from .progress import Journal, Resumable, progress_name, truncate_after, verify_prefix
 from .progress import identity as run_identity
 from .progress import load as load_journal
@@ -205,7 +205,7 @@ def _convert_locked(source: TableSource, out: Path, manifest_out: Path, options:
                     layout: TableLayout | None, rows: RowRange,
                     progress: Callable[[int], None] | None) -> dict[str, Any]:
     resumable = _find_resumable(out) if options.resume else None
-    for final in (out, manifest_out, progress_name(out), spill_name(out)):
+    for final in (out, manifest_out, progress_name(out)):
         remove_stale_partials(final, keep=resumable and (resumable.data, resumable.journal))
     _check_replaceable(out, manifest_out, options)
     num_rows = source.num_rows - rows.first_row if rows.num_rows is None else rows.num_rows
@@ -243,13 +243,12 @@ def _convert_locked(source: TableSource, out: Path, manifest_out: Path, options:
     # The data and journal share one token, so a resume finds the data file of a journal.
     token = secrets.token_hex(8)
     temporary_data, temporary_journal = partial_path(out, token), partial_path(progress_name(out), token)
-    temporary_spill = partial_path(spill_name(out), token)
     temporary_manifest = None
     try:
         if resumable is not None:
             os.rename(resumable.data, temporary_data)
             os.rename(resumable.journal, temporary_journal)
-        output = _Output(temporary_data, temporary_journal, header, prefix, run, resumable, temporary_spill)
+        output = _Output(temporary_data, temporary_journal, header, prefix, run, resumable)
         checksums, table_sha256 = _write_data(source, layout.order, output, progress)
         manifest = _manifest(source, header, checksums, table_sha256, out.name, layout, fingerprint)
         if rows.tp_size is not None:
@@ -261,7 +260,7 @@ def _convert_locked(source: TableSource, out: Path, manifest_out: Path, options:
         publish(temporary_manifest, manifest_out)
         temporary_journal.unlink()
     except BaseException as exc:
-        for path in (temporary_data, temporary_manifest, temporary_journal, temporary_spill):
+        for path in (temporary_data, temporary_manifest, temporary_journal):
             if path is not None:
                 path.unlink(missing_ok=True)
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -290,7 +289,6 @@ class _Output:
     prefix: bytes
     run: dict[str, Any]
     resumable: Resumable | None
-    spill_path: Path  # where an access-ordered table's placed rows wait (offline/ordered.py)
 
 
 class _ChunkReader:
@@ -410,8 +408,7 @@ def _write_access_ordered(source: TableSource, order: RowOrder, output: _Output,
         _write_head(descriptor, output, 0)
         os.ftruncate(descriptor, header.file_size)
         crcs, table_digest = write_access_ordered(source, order, header, descriptor, output.path,
-                                                  output.spill_path, pages_per_chunk, CHECKSUM_BLOCK_BYTES,
-                                                  progress)
+                                                  pages_per_chunk, CHECKSUM_BLOCK_BYTES, progress)
     finally:
         os.close(descriptor)
         journal.close()
