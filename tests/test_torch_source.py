@@ -310,6 +310,37 @@ def test_device_ids_errors_surface_at_finish_and_an_abandoned_start_is_dropped(t
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_stats_count_each_position_once_by_the_tier_that_served_it(page_cache, device, loops):
+    """stats(): every position of every start counted once, by the tier that served it; the rows
+    read through the read path are the disk positions' distinct rows (past DEDUP_MIN_ROWS)."""
+    table = page_cache
+    source = EmbeddingSource(table, device=device, resident_bytes=500 * table.row_bytes, max_ids=300 * 16)
+    first = source.stats()
+    for tokens, seed, split in ((3, 51, True), (300, 52, True), (40, 53, False)):
+        ids = token_ids(table, tokens, seed)
+        before = source.stats()
+        if split:
+            source.start(ids)
+            source.finish()
+        else:
+            source(ids)
+        served = source.stats() - before
+        slots = table.slot_of(ids.reshape(-1))
+        disk = slots[slots >= source.num_resident]
+        assert (served.starts, served.ids, served.lookups) == (1, ids.size, 1)
+        assert served.rows_resident == ids.size - len(disk)
+        assert served.rows_page_cache + served.rows_disk == len(disk)
+        if served.rows_disk:  # read through the read path, not copied from the page cache
+            distinct = len(np.unique(disk)) if len(disk) > staging.DEDUP_MIN_ROWS else len(disk)
+            assert (served.rows_page_cache, served.rows_read) == (0, distinct)
+        else:
+            assert served.rows_read == 0
+    served = source.stats() - first
+    assert served.starts_from_device == served.helper_lookups == served.one_call_finishes == 0
+    assert (served.graph_captures > 0) == (device == "cuda")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("resident_rows", [0, "all"])
 def test_all_from_disk_and_all_resident(table, device, resident_rows):
     resident = table.num_rows if resident_rows == "all" else 0
