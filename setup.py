@@ -6,17 +6,17 @@ from setuptools import Extension, setup
 
 CORE = "ple_prep/core/native/"
 RUNTIME = "ple_prep/runtime/native/"
-SHARED = [CORE + "buffers.c", CORE + "slots.c"]
+SHARED = [CORE + "buffers.c", CORE + "guard.c", CORE + "slots.c"]
 # Hidden symbols: the two modules each carry the shared files, and only their init functions are exported.
 FLAGS = ["-O2", "-fvisibility=hidden"]
 
 setup(ext_modules=[
-    Extension("ple_prep.core._native", [CORE + "module.c", *SHARED], extra_compile_args=FLAGS, optional=True,
-              depends=[CORE + "buffers.h", CORE + "rows.h"]),
+    Extension("ple_prep.core._native", [CORE + "module.c", CORE + "pagesums.c", *SHARED], extra_compile_args=FLAGS,
+              optional=True, depends=[CORE + "buffers.h", CORE + "guard.h", CORE + "pagesums.h", CORE + "rows.h"]),
     Extension("ple_prep.runtime._native",
-              [RUNTIME + name for name in ("module.c", "stage.c", "pool.c", "jobs.c", "cuda.c", "hostcache.c")]
+              [RUNTIME + name for name in ("module.c", "view.c", "stage.c", "pool.c", "jobs.c", "cuda.c", "hostcache.c")]
               + SHARED,
               extra_compile_args=FLAGS, optional=True,
-              depends=[CORE + "buffers.h", CORE + "rows.h"]
-              + [RUNTIME + name for name in ("cuda.h", "hostcache.h", "jobs.h", "pool.h", "stage.h")]),
+              depends=[CORE + "buffers.h", CORE + "guard.h", CORE + "rows.h"]
+              + [RUNTIME + name for name in ("cuda.h", "hostcache.h", "jobs.h", "pool.h", "stage.h", "view.h")]),
 ])

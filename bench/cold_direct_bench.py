@@ -8,6 +8,10 @@ order of the two paths swapped every round (the file evicted before each gather)
 against the synthetic table's known bytes. After a direct gather the share of the file in the page
 cache is measured with mincore (it should stay 0). Medians over the rounds and each gather's
 rows/s against the fio run of its own round are printed as one JSON object; BENCHMARKS.md records it.
+
+With --verify, each direct variant also runs with `verify_reads=True` (the table's page sums are
+written first if missing), alternating with it in the same round, and `verify_cost` gives each
+round's verified time over the unverified one. --no-mapped leaves the mapped path out.
 """
 from __future__ import annotations
 
@@ -25,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gather_bench import DISTINCT_ROWS, distinct_request  # noqa: E402
 from synthetic import expected_rows  # noqa: E402
 
+from ple_prep.format.pagesums import page_sums, pagesums_path  # noqa: E402
 from ple_prep.ngram import NgramSpec  # noqa: E402
+from ple_prep.offline.pagesums import write_page_sums  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
 from ple_prep.runtime.table import DEFAULT_READ_PATH  # noqa: E402
 from ple_prep.tools.benchmark import cached_fraction, evict, fio_random_read, major_faults  # noqa: E402
@@ -78,6 +84,8 @@ def main() -> None:
                         help="Also time this many cold one-token requests (16 rows) per path and round.")
     parser.add_argument("--queue-depths", default="64",
                         help="Comma-separated queue depths of the direct path, each its own variant.")
+    parser.add_argument("--verify", action="store_true", help="Also each direct variant with verify_reads.")
+    parser.add_argument("--no-mapped", action="store_true", help="Leave the mapped path out.")
     args = parser.parse_args()
     path = args.table
     with open_table(path) as table:
@@ -86,9 +94,14 @@ def main() -> None:
     row_ids = real_text_row_ids(spec, 40_000)
     ids = distinct_request(row_ids, DISTINCT_ROWS, 0)
     expected = expected_rows(ids)
-    variants = {"mapped": {"read_path": "mapped"}}
+    variants = {} if args.no_mapped else {"mapped": {"read_path": "mapped"}}
     for depth in [int(d) for d in args.queue_depths.split(",")]:
         variants[f"direct_qd{depth}"] = {"read_path": "direct", "queue_depth": depth}
+        if args.verify:
+            variants[f"direct_qd{depth}_verified"] = {"read_path": "direct", "queue_depth": depth,
+                                                      "verify_reads": True}
+    if args.verify and not pagesums_path(path).exists():
+        write_page_sums(path)
     runs: dict[str, list[dict]] = {name: [] for name in variants}
     fio: list[int] = []
     command = None
@@ -118,6 +131,25 @@ def main() -> None:
               "fio_command": command, "fio_iops": fio, "fio_median_iops": round(float(np.median(fio))),
               "rounds": args.rounds}
     report |= {name: summary(samples, fio) for name, samples in runs.items()}
+    for name in [name for name in runs if name.endswith("_verified")]:
+        plain = runs[name[:-len("_verified")]]
+        costs = [base["rows_per_s"] / run["rows_per_s"] for run, base in zip(runs[name], plain)]
+        report[f"{name}_cost"] = {"median_time_ratio": round(float(np.median(costs)), 4),
+                                  "time_ratios": [round(cost, 4) for cost in costs]}
+    if args.verify:
+        # The verification's own work, apart from the disk's noise: the sums of as many pages as the
+        # gather read, against the median unverified gather's time.
+        with open_table(path) as table:
+            pages = np.random.default_rng(0).integers(0, 256, (len(np.unique(table.page_of(ids))), table.page_size),
+                                                       dtype=np.uint8)
+        timings = []
+        for _ in range(7):
+            started = time.perf_counter()
+            page_sums(pages)
+            timings.append(time.perf_counter() - started)
+        gather_seconds = DISTINCT_ROWS / float(np.median([run["rows_per_s"] for run in runs["direct_qd512"]]))
+        report["page_sums"] = {"pages": len(pages), "median_ms": round(float(np.median(timings)) * 1e3, 3),
+                               "share_of_a_cold_gather": round(float(np.median(timings)) / gather_seconds, 4)}
     for name, seconds in decode.items():
         report[f"cold_decode_16_{name}"] = {
             "requests": len(seconds), "p50_us": round(float(np.percentile(seconds, 50)) * 1e6, 1),

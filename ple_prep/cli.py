@@ -300,6 +300,30 @@ def verify(table: Path, model: Path | None, sample: int | None, seed: int, as_js
 
 @cli.command()
 @click.argument("table", type=click.Path(path_type=Path))
+@quiet_option
+def pagesums(table: Path, quiet: bool) -> None:
+    """Write the page sums that open_table(verify_reads=True) checks disk reads against.
+
+    Reads the whole table once; the sums are written (TABLE.pagesums, beside it) only if every
+    block matches the manifest's checksums.
+
+    \b
+    Example:
+        ple-prep pagesums /nvme/ple.bin
+    """
+    from .format.manifest import load_table_manifest
+    from .offline.pagesums import write_page_sums
+
+    manifest = load_table_manifest(table)
+    with progress_bar(manifest["file_size"] - manifest["data_offset"], "pagesums", quiet) as advance:
+        written = write_page_sums(table, advance)
+    if not quiet:
+        pages = (manifest["file_size"] - manifest["data_offset"]) // manifest["page_size"]
+        click.echo(f"wrote {written}: {_count(pages, 'page')}")
+
+
+@cli.command()
+@click.argument("table", type=click.Path(path_type=Path))
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path),
               help="Draw the residency curve to this PNG (needs matplotlib: the 'plot' extra).")
 @click.option("--force", is_flag=True, help="Replace an existing --plot file.")

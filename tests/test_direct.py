@@ -52,12 +52,13 @@ def request_ids(num_rows: int, count: int, seed: int) -> np.ndarray:
     return ids
 
 
+@pytest.mark.parametrize("read_path", ["direct", "pread"])
 @pytest.mark.parametrize("queue_depth", [1, 3, 64])
 def test_direct_gather_writes_every_position_with_its_source_row(ordered_table, source_rows, queue_depth,
-                                                                 monkeypatch):
+                                                                 read_path, monkeypatch):
     monkeypatch.setattr(Gatherer, "cached", lambda self, slots: False)
-    with open_table(ordered_table, read_path="direct", queue_depth=queue_depth) as table:
-        assert table.read_path == "direct"
+    with open_table(ordered_table, read_path=read_path, queue_depth=queue_depth) as table:
+        assert table.read_path == read_path
         out = np.full((3000, table.row_bytes), POISON, dtype=np.uint8)
         for seed, count in ((0, 3000), (1, 3000), (2, 1), (3, 64), (4, 20)):
             ids = request_ids(table.num_rows, count, seed)
@@ -140,14 +141,26 @@ def test_refused_o_direct_falls_back_by_default_and_fails_clearly_when_asked_for
 
     monkeypatch.setattr(direct.os, "open", refusing_open)
     with open_table(ordered_table) as table:
-        assert table.read_path == "mapped"
+        # Not the mapping: a failing disk must raise, not fault (docs/RELIABILITY.md).
+        assert table.read_path == "pread"
         assert "O_DIRECT unavailable" in table.read_path_note
         ids = request_ids(table.num_rows, 1000, 5)
+        evict(ordered_table)
         assert np.array_equal(table.gather(ids), source_rows[ids])
-    with pytest.raises(BadInput, match="read_path='mapped'"):
+    with pytest.raises(BadInput, match="read_path='pread'"):
         open_table(ordered_table, read_path="direct")
     with pytest.raises(ValueError, match="read_path must be one of"):
         open_table(ordered_table, read_path="uring")
+
+
+def test_refused_native_aio_falls_back_to_pread(ordered_table, source_rows, monkeypatch):
+    """fs.aio-max-nr used up by other processes, or a kernel without native AIO."""
+    monkeypatch.setattr(direct, "_SYSCALL", None)
+    with open_table(ordered_table) as table:
+        assert table.read_path == "pread" and "no native AIO" in table.read_path_note
+        ids = request_ids(table.num_rows, 3000, 6)
+        evict(ordered_table)
+        assert np.array_equal(table.gather(ids), source_rows[ids])
 
 
 def test_direct_tables_share_one_aio_context_and_a_forked_child_makes_its_own(ordered_table, source_rows,

@@ -124,6 +124,8 @@ class _Recorder:
 def test_gather_advice_stays_within_the_window_ahead_of_the_copy(table_path, source_rows,
                                                                  window_pages, monkeypatch):
     monkeypatch.setattr(Gatherer, "cached", lambda self, slots: False)
+    # The numpy copy, which the recorder below stands in for (the compiled one copies the same rows).
+    monkeypatch.setattr("ple_prep.runtime.gather._core_native", None)
     with open_table(table_path, window_pages=window_pages, read_path="mapped") as table:
         gatherer = table._gatherer
         recorder = _Recorder(gatherer._units, gatherer._units_per_page, table.page_size,
@@ -203,7 +205,9 @@ def test_gather_other_page_sizes(fp8_checkpoint, source_rows, tmp_path, monkeypa
 def test_gather_cached_rows_on_threads(table_path, source_rows, monkeypatch, threads, loops):
     monkeypatch.setattr(Gatherer, "cached", lambda self, slots: True)
     monkeypatch.setattr("ple_prep.runtime.gather.THREAD_MIN_ROWS", 100)
-    with open_table(table_path) as table:
+    # Through the mapping: without the compiled copy, the default path reads every row with its
+    # disk reader instead (docs/RELIABILITY.md).
+    with open_table(table_path, read_path="mapped") as table:
         table.threads = threads
         out = np.full((1000, table.row_bytes), POISON, dtype=np.uint8)
         for seed in range(2):

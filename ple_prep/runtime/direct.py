@@ -1,21 +1,24 @@
 """The disk tier read with O_DIRECT: the distinct blocks of a request at a fixed queue depth.
 
-A cold gather through the mapping rides on the page cache: its advice window sets the queue depth,
-but the reads behind the advice are the kernel's buffered reads, whose rate on a busy host falls
-well below the disk's (docs/RUNTIME.md), and every page read stays cached and charged to the
-process's memory cgroup. `DirectReader` reads instead with Linux native AIO on a file descriptor
-opened with `O_DIRECT`: one `io_submit` puts `queue_depth` block reads in flight into an aligned
-anonymous buffer, and each `io_getevents` batch has its rows copied out and its buffer slots
-refilled with the next blocks, so the disk sees `queue_depth` reads at every moment and nothing
-enters the page cache. The system calls go through `syscall(2)` with ctypes and `struct iocb`
-arrays built in numpy: no compiler, no extra package.
+`DirectReader` reads with Linux native AIO on a file descriptor opened with `O_DIRECT`: one
+`io_submit` puts `queue_depth` block reads in flight into an aligned anonymous buffer, and each
+`io_getevents` batch has its rows copied out and its slots refilled with the next blocks, so the
+disk sees `queue_depth` reads at every moment and nothing enters the page cache (docs/RUNTIME.md:
+why not the mapping's buffered reads). The system calls go through `syscall(2)` with ctypes and
+`struct iocb` arrays built in numpy: no compiler, no extra package.
 
 A block is `max(page_size, 4096)` bytes, aligned to its size: O_DIRECT needs the offset, length and
 buffer aligned to the device's logical block (512 or 4096 bytes), and a table page never straddles
 a block (page_size is a power of two and the data region starts on a page boundary).
+
+Where O_DIRECT or native AIO is refused, runtime/pread.py reads the same blocks with `preadv` on
+threads. Both readers release the GIL around every wait on the disk, fail a request whose reads make
+no progress for `timeout` seconds with `ReadTimeout`, and name the file and the cause in every error
+(docs/RELIABILITY.md, "Serving under a failing disk").
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import math
@@ -28,6 +31,7 @@ import weakref
 import numpy as np
 
 from ..format.pages import row_offsets
+from .readcheck import DEFAULT_READ_TIMEOUT, PageCheck, ReadTimeout, check_timeout, read_error
 
 # Reads kept in flight. Deeper than fio's reference depth of 64 on purpose: completions come in
 # bursts and a busy host deschedules the refilling thread for milliseconds, so the queue must hold
@@ -52,6 +56,15 @@ _EVENT = np.dtype([("data", "<u8"), ("obj", "<u8"), ("res", "<i8"), ("res2", "<i
 
 class DirectUnavailable(OSError):
     """This host or file system cannot serve the disk tier with O_DIRECT and native AIO."""
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _timespec(seconds: float) -> _Timespec:
+    whole = int(seconds)
+    return _Timespec(whole, int((seconds - whole) * 1e9))
 
 
 def _load_syscall():
@@ -92,6 +105,11 @@ class _Context:
     per table would run out with a few hundred tables open across the host's processes. A fork's
     child cannot use its parent's context (contexts belong to an address space): it makes its own.
     Requests from all tables take turns on its lock.
+
+    A request that times out leaves reads in flight that nothing can cancel (io_cancel does not
+    apply to file reads, and io_destroy would wait for them): its context and buffer are
+    `abandoned`, kept alive in `_ABANDONED` so the kernel never completes a read into freed
+    memory, and the next request makes a new context.
     """
 
     def __init__(self):
@@ -101,8 +119,13 @@ class _Context:
         self.handle = handle.value
         self.events = np.zeros(MAX_QUEUE_DEPTH, dtype=_EVENT)
         self.in_flight = 0
+        self.abandoned = False
         self.lock = threading.Lock()
         weakref.finalize(self, _destroy, self.handle, self.pid)
+
+
+# Contexts and buffers with reads still in flight after a timeout (see _Context).
+_ABANDONED: list = []
 
 
 _SHARED: _Context | None = None
@@ -112,7 +135,7 @@ _SHARED_LOCK = threading.Lock()
 def _shared_context() -> _Context:
     global _SHARED
     with _SHARED_LOCK:
-        if _SHARED is None or _SHARED.pid != os.getpid():
+        if _SHARED is None or _SHARED.pid != os.getpid() or _SHARED.abandoned:
             _SHARED = _Context()
         return _SHARED
 
@@ -122,14 +145,21 @@ class DirectReader:
 
     Raises DirectUnavailable when the file system refuses O_DIRECT (EINVAL) or the kernel refuses
     native AIO (no syscall, ENOSYS, or the host's aio-max-nr reached). One request at a time per
-    process: readers share one AIO context (`_Context`) and take turns on its lock.
+    process: readers share one AIO context (`_Context`) and take turns on its lock. `name` is the
+    file's name in errors; a wait of `timeout` seconds with no read completing raises ReadTimeout.
     """
 
-    def __init__(self, path, header, queue_depth: int = DEFAULT_QUEUE_DEPTH):
+    kind = "direct"
+
+    def __init__(self, path, header, queue_depth: int = DEFAULT_QUEUE_DEPTH, *, name: str | None = None,
+                 timeout: float = DEFAULT_READ_TIMEOUT, page_sums: np.ndarray | None = None):
         if _SYSCALL is None:
             raise DirectUnavailable(errno.ENOSYS, f"no native AIO on {platform.machine()} here")
         if not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
             raise ValueError(f"queue_depth must be from 1 to {MAX_QUEUE_DEPTH}")
+        self.name = name or str(path)
+        timeout = check_timeout(timeout)
+        self.timeout = DEFAULT_READ_TIMEOUT
         self._header = header
         self._row_bytes = header.row_bytes
         self._block = max(header.page_size, MIN_BLOCK)
@@ -142,7 +172,7 @@ class DirectReader:
             self._descriptor = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
         except OSError as exc:
             if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
-                raise DirectUnavailable(exc.errno, f"{path} refuses O_DIRECT ({exc.strerror})") from None
+                raise DirectUnavailable(exc.errno, f"{self.name} refuses O_DIRECT ({exc.strerror})") from None
             raise
         try:
             self._context = _shared_context()
@@ -150,10 +180,36 @@ class DirectReader:
             os.close(self._descriptor)
             self._descriptor = -1
             raise DirectUnavailable(exc.errno, f"native AIO refused: {exc.strerror}") from None
+        # Rows as opaque elements of a strided view of the buffer, as Gatherer does over the mapping.
+        self._step = math.gcd(header.page_size, header.row_bytes)
+        self._row_type = np.dtype((np.void, header.row_bytes))
+        self._new_buffer()
+        self.page_check = None if page_sums is None else PageCheck(page_sums, header, self._block, self.name)
+        self.synchronous = self._completes_inside_submit()
+        self.timeout = timeout
+
+    def _completes_inside_submit(self) -> bool:
+        """Whether this file system does O_DIRECT reads inside io_submit (FUSE without async direct
+        I/O, some network file systems): its reads then run one at a time and a hung one hangs the
+        submitting thread, out of reach of the timeout. Two reads of the first block, each found
+        complete the moment io_submit returns, say so; a disk's read takes tens of microseconds."""
+        with self._locked_context():
+            context = self._context
+            self._iocbs["offset"][0] = 0
+            for _ in range(2):
+                self._submit(self._pointers[:1])
+                got = _call(_NUMBERS[3], ctypes.c_ulong(context.handle), ctypes.c_long(0), ctypes.c_long(1),
+                            ctypes.c_void_p(context.events.ctypes.data), ctypes.byref(_timespec(0)))
+                context.in_flight -= got
+                self._drain()
+                if not got:
+                    return False
+            return True
+
+    def _new_buffer(self) -> None:
         # Private anonymous memory from mmap is page aligned, as O_DIRECT needs (and, unlike
         # mmap's shared default, not shmem that a memory cgroup counts as page cache).
-        self._buffer = mmap.mmap(-1, self.queue_depth * self._block,
-                                 flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._buffer = mmap.mmap(-1, self.queue_depth * self._block, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         base = np.frombuffer(self._buffer, dtype=np.uint8, count=1).ctypes.data
         self._iocbs = np.zeros(self.queue_depth, dtype=_IOCB)
         self._iocbs["data"] = np.arange(self.queue_depth)
@@ -162,12 +218,9 @@ class DirectReader:
         self._iocbs["buf"] = base + np.arange(self.queue_depth, dtype=np.uint64) * self._block
         self._iocbs["nbytes"] = self._block
         self._pointers = self._iocbs.ctypes.data + np.arange(self.queue_depth, dtype=np.uint64) * _IOCB.itemsize
-        # Rows as opaque elements of a strided view of the buffer, as Gatherer does over the mapping.
-        step = math.gcd(header.page_size, header.row_bytes)
-        self._step = step
-        self._row_type = np.dtype((np.void, header.row_bytes))
-        self._units = np.ndarray(shape=((len(self._buffer) - header.row_bytes) // step + 1,),
-                                 dtype=self._row_type, buffer=self._buffer, strides=(step,))
+        self._units = np.ndarray(shape=((len(self._buffer) - self._row_bytes) // self._step + 1,),
+                                 dtype=self._row_type, buffer=self._buffer, strides=(self._step,))
+        self._blocks = np.frombuffer(self._buffer, dtype=np.uint8).reshape(self.queue_depth, self._block)
 
     def close(self) -> None:
         if self._descriptor >= 0:
@@ -187,8 +240,6 @@ class DirectReader:
             raise ValueError("the table is closed")
         if not len(slots):
             return out
-        if self._context.pid != os.getpid():
-            self._context = _shared_context()
         if len(slots) <= self.queue_depth:
             return self._gather_few(slots, out)
         distinct, inverse = np.unique(slots, return_inverse=True)
@@ -200,11 +251,26 @@ class DirectReader:
         # Element of `_units` for each row, counted from its block's buffer slot (slot added later).
         within = (offsets % self._block) // self._step
         rows = np.empty((len(distinct), self._row_bytes), dtype=np.uint8)
-        with self._context.lock:
+        with self._locked_context():
             self._read(blocks[starts] * self._block, starts, block_rows, within,
                        rows.view(self._row_type).reshape(-1))
-        out[...] = rows[inverse.reshape(-1)]
+        # Into `out` directly: a fancy index would first build a request-sized temporary.
+        np.take(rows, inverse.reshape(-1), axis=0, out=out)
         return out
+
+    @contextlib.contextmanager
+    def _locked_context(self):
+        """The shared context, locked; a fresh one after a fork or a timeout abandoned this one."""
+        while True:
+            if self._context.pid != os.getpid() or self._context.abandoned:
+                try:
+                    self._context = _shared_context()
+                except OSError as exc:
+                    raise read_error(self.name, exc.errno, "no native AIO context for the read") from None
+            with self._context.lock:
+                if not self._context.abandoned:
+                    yield
+                    return
 
     def _gather_few(self, slots: np.ndarray, out: np.ndarray) -> np.ndarray:
         """A request with no more rows than the queue is deep (a decode step): every block in one
@@ -213,35 +279,58 @@ class DirectReader:
         blocks = offsets // self._block
         distinct = np.unique(blocks)
         count = len(distinct)
-        context = self._context
-        with context.lock:
+        with self._locked_context():
+            context = self._context
             self._iocbs["offset"][:count] = distinct * self._block
             try:
                 self._submit(self._pointers[:count])
                 done = 0
                 while done < count:
-                    got = _call(_NUMBERS[3], ctypes.c_ulong(context.handle), ctypes.c_long(count - done),
-                                ctypes.c_long(count - done),
-                                ctypes.c_void_p(context.events.ctypes.data + done * _EVENT.itemsize), None)
-                    context.in_flight -= got
+                    got = self._wait(count - done, count - done, done)
                     done += got
             finally:
                 self._drain()
             events = context.events[:count]
             self._check(events["res"], self._iocbs["offset"][events["data"].astype(np.int64)])
+            if self.page_check is not None:
+                self.page_check.check(self._blocks[:count], distinct * self._block)
             # Slot i holds distinct block i (the iocbs' order), whatever order they completed in.
             units = np.searchsorted(distinct, blocks) * (self._block // self._step) \
                 + (offsets % self._block) // self._step
             out.view(self._row_type).reshape(-1)[...] = self._units[units]
         return out
 
+    def _wait(self, least: int, most: int, first_event: int) -> int:
+        """io_getevents for at least `least` completions into events[first_event:]; ReadTimeout when
+        none completes within the timeout (the GIL is released meanwhile: ctypes drops it)."""
+        context = self._context
+        got = _call(_NUMBERS[3], ctypes.c_ulong(context.handle), ctypes.c_long(least), ctypes.c_long(most),
+                    ctypes.c_void_p(context.events.ctypes.data + first_event * _EVENT.itemsize),
+                    ctypes.byref(_timespec(self.timeout)))
+        context.in_flight -= got
+        if got == 0:
+            in_flight = context.in_flight
+            self._abandon()
+            raise ReadTimeout(errno.ETIMEDOUT, f"{self.name}: no O_DIRECT read completed in {self.timeout:g} s "
+                                               f"({in_flight} in flight): the disk stalled; this request failed "
+                                               f"and the next one reads again")
+        return got
+
+    def _abandon(self) -> None:
+        """Leave the context and buffer to the reads still in flight (see _Context)."""
+        self._context.abandoned = True
+        # (Reads in flight hold their own reference to the open file: closing the descriptor is safe.)
+        _ABANDONED.append((self._context, self._buffer, self._iocbs))
+        self._new_buffer()
+
     def _drain(self) -> None:
         """Wait for every read still in flight: the next request reuses their buffer."""
         context = self._context
-        while context.in_flight > 0:
-            context.in_flight -= _call(_NUMBERS[3], ctypes.c_ulong(context.handle),
-                                       ctypes.c_long(context.in_flight), ctypes.c_long(MAX_QUEUE_DEPTH),
-                                       ctypes.c_void_p(context.events.ctypes.data), None)
+        try:
+            while context.in_flight > 0 and not context.abandoned:
+                self._wait(1, MAX_QUEUE_DEPTH, 0)
+        except ReadTimeout:
+            pass  # the request fails with its own error; its reads are abandoned
 
     def _read(self, block_offsets: np.ndarray, starts: np.ndarray, block_rows: np.ndarray,
               within: np.ndarray, target: np.ndarray) -> None:
@@ -262,13 +351,13 @@ class DirectReader:
                     slot_block[take] = fresh
                     submitted += len(take)
                     self._submit(np.ascontiguousarray(self._pointers[take]))
-                got = _call(_NUMBERS[3], ctypes.c_ulong(context.handle), ctypes.c_long(1),
-                            ctypes.c_long(depth), ctypes.c_void_p(context.events.ctypes.data), None)
-                context.in_flight -= got
+                got = self._wait(1, depth, 0)
                 events = context.events[:got]
                 free = events["data"].astype(np.int64)
                 finished = slot_block[free]
                 self._check(events["res"], block_offsets[finished])
+                if self.page_check is not None:
+                    self.page_check.check(self._blocks[free], block_offsets[finished])
                 lengths = block_rows[finished]
                 first = starts[finished]
                 # Rows of the finished blocks, in the distinct-row order: their runs concatenated.
@@ -282,8 +371,11 @@ class DirectReader:
         """Submit every iocb in `pointers`; the kernel may take fewer per call."""
         sent = 0
         while sent < len(pointers):
-            taken = _call(_NUMBERS[2], ctypes.c_ulong(self._context.handle), ctypes.c_long(len(pointers) - sent),
-                          ctypes.c_void_p(pointers.ctypes.data + sent * pointers.itemsize))
+            try:
+                taken = _call(_NUMBERS[2], ctypes.c_ulong(self._context.handle), ctypes.c_long(len(pointers) - sent),
+                              ctypes.c_void_p(pointers.ctypes.data + sent * pointers.itemsize))
+            except OSError as exc:
+                raise read_error(self.name, exc.errno, "submitting O_DIRECT reads") from None
             self._context.in_flight += taken
             sent += taken
 
@@ -292,6 +384,7 @@ class DirectReader:
         for index in np.flatnonzero(results < self._block).tolist():
             result, offset = int(results[index]), int(offsets[index])
             if result < 0:
-                raise OSError(-result, f"O_DIRECT read at byte {offset}: {os.strerror(-result)}")
+                raise read_error(self.name, -result, f"O_DIRECT read of {self._block} bytes at byte {offset}")
             if offset + result < self._file_end:
-                raise OSError(errno.EIO, f"short O_DIRECT read at byte {offset}: the file shrank")
+                raise OSError(errno.EIO, f"{self.name}: short O_DIRECT read at byte {offset} ({result} of "
+                                         f"{self._block} bytes): the file shrank or the disk failed")

@@ -37,6 +37,10 @@ except ImportError:
 # flooding a small page cache (docs/benchmark-history.md, "The gather path").
 DEFAULT_WINDOW_PAGES = 128
 DEFAULT_WINDOW_BYTES = 8 << 20
+# The most rows one call may ask for unless the table is opened with another bound (the vLLM plugin
+# sets it from vLLM's maximum tokens per step): 4 Mi rows, 640 MiB of 160-byte rows and 2.5 GiB of
+# their float32 values; a larger request is refused before anything is allocated for it.
+DEFAULT_MAX_REQUEST_ROWS = 1 << 22
 # Pages of a request checked with mincore to tell a cached request from a cold one.
 PROBE_PAGES = 4
 # With threads > 1, a cached gather is split into parts of at least this many rows; smaller
@@ -102,7 +106,10 @@ class StageJob:
     def join(self) -> tuple[int, bool, bool]:
         """Wait for it: (number of disk positions, whether their rows were staged, whether the job
         queued their copy to the device); its error if any."""
-        (disk, staged), copied = _native.stage_joined(self._job)
+        try:
+            (disk, staged), copied = _native.stage_joined(self._job)
+        except OSError as exc:
+            raise OSError(exc.errno, f"{self._gatherer.name}: {exc.strerror}") from None
         return (*self._gatherer._staged(disk, staged), copied)
 
     def cancel(self) -> None:
@@ -119,8 +126,14 @@ class Gatherer:
     """Copies rows out of one mapped data region; the Table owns one."""
 
     def __init__(self, mapping: mmap.mmap, header, window_pages: int = DEFAULT_WINDOW_PAGES,
-                 window_bytes: int = DEFAULT_WINDOW_BYTES, direct=None, budget=None):
+                 window_bytes: int = DEFAULT_WINDOW_BYTES, direct=None, budget=None, *, name: str = "the table",
+                 max_request_rows: int = DEFAULT_MAX_REQUEST_ROWS, order=None):
         self._mapping = mapping
+        # The table's row order (format/order.py), for the compiled runtime's view of it.
+        self._order = order
+        # The file's name in errors, and the most rows one call may ask for.
+        self.name = name
+        self.max_request_rows = max_request_rows
         self._header = header
         self._data_offset = header.data_offset
         self._page_size = header.page_size
@@ -145,12 +158,15 @@ class Gatherer:
         self.window_pages = window_pages
         self.window_bytes = window_bytes
         self.threads = 1
-        # The O_DIRECT reader of runtime/direct.py, when the table reads its disk tier that way.
+        # The disk tier's reader of runtime/direct.py (O_DIRECT or pread), unless the table reads
+        # it through the mapping.
         self.direct = direct
         # The footprint bound of runtime/footprint.py, when the table has one.
         self.budget = budget
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_threads = 0
+        # The compiled runtime's view of this table (runtime/native/view.c), built at first use.
+        self._view = None
 
     def close(self) -> None:
         if self.direct is not None:
@@ -158,6 +174,7 @@ class Gatherer:
             self.direct = None
         self._units = None
         self._mapping = None
+        self._view = None
         if self._pool is not None:
             self._pool.shutdown()
             self._pool, self._pool_threads = None, 0
@@ -169,8 +186,25 @@ class Gatherer:
             return 0
         return max(1, min(self.window_pages, self.window_bytes // self._page_size))
 
+    def check_request(self, count: int) -> None:
+        """Refuse a request larger than max_request_rows: its buffers would be sized by the caller."""
+        if count > self.max_request_rows:
+            raise ValueError(f"a request of {count} rows is more than the {self.max_request_rows} one call may ask "
+                             f"for (max_request_rows): split it, or open the table with a larger max_request_rows")
+
+    def check_slots(self, slots: np.ndarray) -> None:
+        """IndexError for a slot outside the table, as the compiled copy raises."""
+        if len(slots):
+            low, high = int(slots.min()), int(slots.max())
+            if low < 0 or high >= self._num_slots:
+                raise IndexError(f"slot {low if low < 0 else high} is outside the table's {self._num_slots} slots")
+
     def gather_slots(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """uint8 `(len(slots), row_bytes)`: the rows at these file slots, in request order."""
+        slots = np.asarray(slots)
+        if slots.dtype.kind not in "iu":
+            raise TypeError(f"slots must be integers, not {slots.dtype}")
+        self.check_request(slots.size)
         slots = np.ascontiguousarray(slots, dtype=np.int64).reshape(-1)
         count = len(slots)
         if out is not None:
@@ -182,8 +216,13 @@ class Gatherer:
                 return out
         if not count:
             return np.empty((0, self._row_bytes), dtype=np.uint8) if out is None else out
+        if _core_native is None or self.direct is not None:
+            self.check_slots(slots)
         window = self.window
-        cold = (self.direct is not None or window) and not self.cached(slots)
+        # Without the compiled copy (which turns a failed page read into an error), rows are never
+        # copied through the mapping where a disk reader can read them.
+        cold = self.direct is not None and _core_native is None or \
+            (self.direct is not None or window) and not self.cached(slots)
         if cold and self.direct is not None:
             # Read past the mapping: nothing is left mapped, so nothing counts against the budget.
             return self.direct.gather_slots(slots, out if out is not None else
@@ -193,7 +232,7 @@ class Gatherer:
         if cold:
             if out is None:
                 out = np.empty((count, self._row_bytes), dtype=np.uint8)
-            self._gather_cold(self._units_of(slots), out, window)
+            self._gather_cold(slots, out, window)
             return out
         parts = min(self.threads, count // THREAD_MIN_ROWS)
         if _core_native is None and out is None and parts <= 1:
@@ -208,10 +247,14 @@ class Gatherer:
         return out
 
     def _copy(self, slots: np.ndarray, out: np.ndarray) -> None:
-        """The cached rows at `slots` into `out` (C-contiguous)."""
+        """The rows at `slots` into `out` (C-contiguous), without the GIL where compiled; a page the
+        kernel cannot read raises OSError naming the file (core/native/guard.h)."""
         if _core_native is not None:
-            _core_native.copy_rows(self._mapping, slots, out, self._data_offset, self._page_size,
-                              self._rows_per_page, self._row_bytes, self._num_slots)
+            try:
+                _core_native.copy_rows(self._mapping, slots, out, self._data_offset, self._page_size,
+                                       self._rows_per_page, self._row_bytes, self._num_slots)
+            except OSError as exc:
+                raise OSError(exc.errno, f"{self.name}: {exc.strerror}") from None
             return
         target = self._as_rows(out)
         for start in range(0, len(slots), COPY_STEP_ROWS):
@@ -223,8 +266,11 @@ class Gatherer:
         """Table.stage, with the table's row order (format/order.py) and first row. The compiled
         helper checks the buffers itself; the numpy loops check them here."""
         if _native is not None:
-            return self._staged(*_native.stage(*self._stage_arguments(ids, order, first_row, num_resident, slots,
-                                                                      index, out, threads)))
+            try:
+                return self._staged(*_native.stage(*self._stage_arguments(ids, order, first_row, num_resident, slots,
+                                                                          index, out, threads)))
+            except OSError as exc:
+                raise OSError(exc.errno, f"{self.name}: {exc.strerror}") from None
         for name, array, dtype in (("slots", slots, np.int64), ("index", index, np.int32)):
             if array.dtype != dtype or array.shape != ids.shape or not array.flags.c_contiguous:
                 raise ValueError(f"{name} must be a contiguous {np.dtype(dtype)} array as long as ids")
@@ -235,7 +281,8 @@ class Gatherer:
         index[resident] = slots[resident]
         positions = np.flatnonzero(~resident)
         disk = len(positions)
-        staged = disk == 0 or self.cached(slots[positions])
+        # Rows are copied through the mapping only by the compiled copy, or where it is the read path.
+        staged = disk == 0 or (self.direct is None or _core_native is not None) and self.cached(slots[positions])
         if disk and staged:
             first = len(out) - disk
             self._copy(slots[positions], out[first:])
@@ -260,11 +307,23 @@ class Gatherer:
         return (*self._staged(disk, staged), launched)
 
     def _stage_arguments(self, ids, order, first_row, num_resident, slots, index, out, threads) -> tuple:
-        """The compiled helper's `stage` arguments (runtime/native/stage.c), this table's geometry included."""
-        rank_words, sorted_slots = order.rank_index
-        return (ids, first_row, order.num_rows, rank_words, sorted_slots, num_resident, slots, index, self._mapping,
-                out, self._data_offset, self._page_size, self._rows_per_page, self._row_bytes, self._num_slots,
-                PROBE_PAGES, threads)
+        """The compiled helper's `stage` arguments (runtime/native/stage.c)."""
+        return self.table_view(order, first_row), ids, num_resident, slots, index, out, PROBE_PAGES, threads
+
+    def table_view(self, order=None, first_row: int | None = None):
+        """The compiled runtime's TableView of this table: its mapping, geometry and rank index,
+        checked once (runtime/native/view.c). `order` (format/order.py) is needed the first time
+        (else the identity order)."""
+        if self._view is None:
+            if self._mapping is None:
+                raise ValueError("the table is closed")
+            rank_words, sorted_slots = (order.rank_index if order is not None else
+                                        (np.zeros(0, np.uint64), np.zeros(0, np.uint32)))
+            self._view = _native.TableView(self._mapping, rank_words, sorted_slots,
+                                           self._header.first_row if first_row is None else first_row,
+                                           self._num_slots if order is None else order.num_rows, self._data_offset,
+                                           self._page_size, self._rows_per_page, self._row_bytes, self._num_slots)
+        return self._view
 
     def _staged(self, disk: int, staged: bool) -> tuple[int, bool]:
         """A stage's outcome, its copies through the mapping counted against the footprint budget."""
@@ -299,13 +358,13 @@ class Gatherer:
         """`out` (C-contiguous) seen as one opaque element per row: the copies' target."""
         return out.view(self._row_type).reshape(len(out))
 
-    def _gather_cold(self, units: np.ndarray, out: np.ndarray, window: int) -> None:
-        count = len(units)
-        sorted_units, requests, first = sorted_positions(units)
+    def _gather_cold(self, slots: np.ndarray, out: np.ndarray, window: int) -> None:
+        count = len(slots)
+        sorted_slots, requests, first = sorted_positions(slots)
         distinct_starts = np.append(np.flatnonzero(first), count)  # sorted index of each distinct row
         ranks = np.cumsum(first) - 1                                # distinct row of each sorted entry
-        distinct_units = sorted_units[first]
-        row_pages = distinct_units // self._units_per_page
+        distinct_slots = sorted_slots[first]
+        row_pages = distinct_slots // self._rows_per_page
         page_starts = np.append(np.flatnonzero(np.diff(row_pages, prepend=-1)), len(row_pages))
         distinct_pages = row_pages[page_starts[:-1]]
         num_pages = len(distinct_pages)
@@ -318,15 +377,23 @@ class Gatherer:
                 self._advise(distinct_pages[advised:ahead])
                 advised = ahead
             low, high = page_starts[page], page_starts[min(page + step, num_pages)]
-            rows = self._units[distinct_units[low:high]]
+            rows = self._rows_at(distinct_slots[low:high])
             begin, end = distinct_starts[low], distinct_starts[high]
             target[requests[begin:end]] = rows[ranks[begin:end] - low]
+
+    def _rows_at(self, slots: np.ndarray) -> np.ndarray:
+        """The rows at `slots`, one opaque element each: through the compiled copy where it was
+        built (the page faults of a cold read then wait without the GIL, and a failed one raises)."""
+        if _core_native is None:
+            return self._units[self._units_of(slots)]
+        rows = np.empty((len(slots), self._row_bytes), dtype=np.uint8)
+        self._copy(slots, rows)
+        return self._as_rows(rows)
 
     def cached(self, slots: np.ndarray) -> bool:
         """Whether the memory pages of a few rows spread over the request are all in the page cache."""
         if _native is not None:
-            return _native.cached(self._mapping, slots, self._data_offset, self._page_size, self._rows_per_page,
-                                  self._row_bytes, self._num_slots, PROBE_PAGES)
+            return _native.cached(self.table_view(self._order), slots, PROBE_PAGES)
         if _MINCORE is None:
             return False
         last = len(slots) - 1

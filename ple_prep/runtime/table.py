@@ -14,23 +14,30 @@ from ..core.fileio import open_regular
 from ..format.header import Header
 from ..format.manifest import load_table_manifest, manifest_path, spec_digest
 from ..format.order import RowOrder
+from ..format.pagesums import load_page_sums
 from . import gather
 from .compiled import warn_once_if_missing
 from .dequant import decode
-from .direct import DEFAULT_QUEUE_DEPTH, DirectReader, DirectUnavailable
+from .direct import DEFAULT_QUEUE_DEPTH, DirectReader
+from .diskreader import open_disk_reader
 from .footprint import MappedBudget
-from .gather import DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_PAGES, Gatherer
+from .gather import DEFAULT_MAX_REQUEST_ROWS, DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_PAGES, Gatherer
 from .hostcache import HostCache, default_budget
 from .readahead import CachedDiskTier, ReadAhead
+from .readcheck import DEFAULT_READ_TIMEOUT
 from .tiers import Lookup, Resident, load_resident, merge, split
 from .watch import FileWatch
 
 # Header fields that must agree with the manifest's, or the pair does not belong together.
 _MATCHED_FIELDS = ("page_size", "row_bytes", "rows_per_page", "values_per_row", "num_rows",
                    "first_row", "data_offset", "file_size")
-# How uncached rows are read: "direct" (O_DIRECT and native AIO, runtime/direct.py) or "mapped"
-# (page faults behind MADV_WILLNEED, runtime/gather.py): BENCHMARKS.md, "Cold rows against fio".
-READ_PATHS = ("direct", "mapped")
+# How uncached rows are read: "direct" (O_DIRECT and native AIO, runtime/direct.py), "pread"
+# (buffered preadv on threads, runtime/pread.py) or "mapped" (page faults behind MADV_WILLNEED,
+# runtime/gather.py): BENCHMARKS.md, "Cold rows against fio"; what each does when the disk fails:
+# docs/RELIABILITY.md, section 10.
+READ_PATHS = ("direct", "pread", "mapped")
+# The smallest step of `values`' decode: below it, a step's fixed costs outweigh the memory saved.
+VALUES_STEP_ROWS = 1024
 DEFAULT_READ_PATH = "direct"
 
 
@@ -41,7 +48,7 @@ class Table:
                  watch: FileWatch, window_pages: int = DEFAULT_WINDOW_PAGES,
                  window_bytes: int = DEFAULT_WINDOW_BYTES, direct: DirectReader | None = None,
                  read_path_note: str | None = None, budget: MappedBudget | None = None,
-                 host_cache_bytes: int = 0):
+                 host_cache_bytes: int = 0, max_request_rows: int = DEFAULT_MAX_REQUEST_ROWS):
         self.path = path
         self._watch = watch
         # The file validated at open: later reads (resident tier, another mapping) go through it,
@@ -62,7 +69,8 @@ class Table:
         # (format/manifest.py, scale_value).
         self.scale: float | None = None if scale is None else float(scale["value"])
         self.order = RowOrder.for_table(mapping, header, path.name)
-        self._gatherer = Gatherer(mapping, header, window_pages, window_bytes, direct, budget)
+        self._gatherer = Gatherer(mapping, header, window_pages, window_bytes, direct, budget, name=str(path),
+                                  max_request_rows=max_request_rows, order=self.order)
         # Disk-tier reads go through the host cache when it has a budget (runtime/readahead.py).
         self._disk = CachedDiskTier(self._gatherer, HostCache(header, host_cache_bytes), header.rows_per_page) \
             if host_cache_bytes > 0 else None
@@ -108,6 +116,14 @@ class Table:
             raise TypeError(f"row ids must be integers, not {ids.dtype}")
         return self.order.slot_of(ids.reshape(-1), self.first_row)
 
+    def _request_ids(self, ids) -> np.ndarray:
+        """Row ids as a flat int64 array, refused as `gather` refuses them (not integers, too many)."""
+        ids = np.asarray(ids)
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"row ids must be integers, not {ids.dtype}")
+        self._gatherer.check_request(ids.size)
+        return np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+
     def page_of(self, ids: np.ndarray) -> np.ndarray:
         """Index of the file page (counted from the data region) holding each row."""
         return self.slot_of(ids) // self.rows_per_page
@@ -127,7 +143,7 @@ class Table:
         request where the compiled helper runs it.
         """
         self._watch.check()
-        ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+        ids = self._request_ids(ids)
         return self._gatherer.stage(ids, self.order, self.first_row, num_resident, slots, index, out, threads)
 
     def _stage_when(self, flags: np.ndarray, ids_value: int, free_value: int, ids: np.ndarray, num_resident: int,
@@ -172,8 +188,8 @@ class Table:
 
     @property
     def read_path(self) -> str:
-        """How rows not in the page cache are read: "direct" (O_DIRECT) or "mapped" (page faults)."""
-        return "mapped" if self._gatherer.direct is None else "direct"
+        """How rows not in the page cache are read: "direct" (O_DIRECT), "pread" or "mapped" (page faults)."""
+        return "mapped" if self._gatherer.direct is None else self._gatherer.direct.kind
 
     @property
     def mapped_budget(self) -> MappedBudget | None:
@@ -199,6 +215,18 @@ class Table:
         self._gatherer.window_bytes = int(limit)
 
     @property
+    def max_request_rows(self) -> int:
+        """The most row ids one call may ask for; a larger request raises ValueError before anything
+        is allocated for it (`open_table(max_request_rows=...)`)."""
+        return self._gatherer.max_request_rows
+
+    @max_request_rows.setter
+    def max_request_rows(self, rows: int) -> None:
+        if int(rows) < 1:
+            raise ValueError("max_request_rows must be >= 1")
+        self._gatherer.max_request_rows = int(rows)
+
+    @property
     def advice_window(self) -> int:
         """Distinct pages a cold mapped gather advises ahead of its copy: `window_pages`, capped by
         `window_bytes`; 0: no advice."""
@@ -221,10 +249,10 @@ class Table:
     def gather(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """uint8 `(len(ids), row_bytes)`: the source bytes of each row, in request order."""
         self._watch.check()
-        return self._reader.gather_slots(self.slot_of(ids), out)
+        return self._reader.gather_slots(self.slot_of(self._request_ids(ids)), out)
 
     def gather_slots(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """Like `gather`, by file slot (`slot_of`) instead of row id; slots are not checked."""
+        """Like `gather`, by file slot (`slot_of`) instead of row id; IndexError outside the table."""
         self._watch.check()
         return self._reader.gather_slots(slots, out)
 
@@ -264,8 +292,10 @@ class Table:
         """
         if out is not None and not isinstance(out, np.ndarray):
             raise TypeError(f"out must be a numpy array, not {type(out).__name__} (rows on a GPU: EmbeddingSource)")
+        if out is not None and out.dtype != np.uint8:
+            raise ValueError(f"out must hold uint8 row bytes, not {out.dtype}")
         self._watch.check()
-        found = split(self.slot_of(ids), self._resident, self._reader)
+        found = split(self.slot_of(self._request_ids(ids)), self._resident, self._reader)
         if out is not None:
             count = len(found.resident_positions) + len(found.disk_positions)
             if tuple(out.shape) != (count, self.row_bytes):
@@ -274,8 +304,15 @@ class Table:
         return found
 
     def values(self, ids: np.ndarray) -> np.ndarray:
-        """float32 `(len(ids), values_per_row)`: exactly what the model layer computes."""
-        return decode(self.header.encoding, self.gather(ids), self.values_per_row, self.scale)
+        """float32 `(len(ids), values_per_row)`: exactly what the model layer computes. Decoded in
+        steps of at most a sixteenth of the request, so its temporaries stay a fraction of the result."""
+        rows = self.gather(ids)
+        values = np.empty((len(rows), self.values_per_row), dtype=np.float32)
+        step = max(VALUES_STEP_ROWS, -(-len(rows) // 16))
+        for start in range(0, len(rows), step):
+            values[start:start + step] = decode(self.header.encoding, rows[start:start + step], self.values_per_row,
+                                                self.scale)
+        return values
 
 
 def check_spec_digest(header: Header, meta: dict[str, Any], name: str, manifest_name: str) -> None:
@@ -293,24 +330,33 @@ def open_table(path: str | Path, manifest: str | Path | None = None, *,
                window_pages: int = DEFAULT_WINDOW_PAGES,
                window_bytes: int = DEFAULT_WINDOW_BYTES, read_path: str | None = None,
                queue_depth: int = DEFAULT_QUEUE_DEPTH, mapped_budget_bytes: int | None = None,
-               budget_advice: str = "dontneed", host_cache_bytes: int | None = None) -> Table:
+               budget_advice: str = "dontneed", host_cache_bytes: int | None = None,
+               read_timeout: float = DEFAULT_READ_TIMEOUT, max_request_rows: int = DEFAULT_MAX_REQUEST_ROWS,
+               verify_reads: bool = False) -> Table:
     """Open a prepared table and its manifest, refusing any pair that does not belong together.
 
     `window_pages`/`window_bytes` bound the read-ahead advice of cold gathers (docs/RUNTIME.md).
-    `read_path` "direct" reads uncached rows with O_DIRECT at `queue_depth` reads in flight and
-    refuses a file system or kernel that cannot; "mapped" reads them through the mapping; None
-    takes DEFAULT_READ_PATH, falling back to "mapped" where O_DIRECT is refused (`read_path_note`
-    says why). `mapped_budget_bytes` bounds the pages that copies leave mapped (RssFile): past it
-    the data region is advised away with `budget_advice`, "dontneed" or "pageout"
+    `read_path` "direct" reads uncached rows with O_DIRECT at `queue_depth` reads in flight, "pread"
+    with buffered system calls on up to PREAD_THREADS threads, "mapped" through the mapping; None
+    takes DEFAULT_READ_PATH, falling back to "pread" where O_DIRECT cannot serve (`read_path_note`
+    says why; runtime/diskreader.py). A disk-tier read that makes no progress for `read_timeout`
+    seconds fails its request with ReadTimeout; a call asking for more than `max_request_rows` rows
+    is refused; `verify_reads` checks what the direct or pread path reads against the table's page
+    sums (`ple-prep pagesums`). docs/RELIABILITY.md, section 10: what each path does when the disk
+    fails. `mapped_budget_bytes` bounds the pages that copies leave mapped (RssFile): past it the
+    data region is advised away with `budget_advice`, "dontneed" or "pageout"
     (runtime/footprint.py). `host_cache_bytes` bounds the host cache of disk-tier rows
-    (runtime/hostcache.py; rows, tags and flags): None takes `default_budget` on a read path that
-    bypasses the page cache ("direct") and 0 on "mapped" (the page cache is its cache); 0 turns it off.
+    (runtime/hostcache.py): None takes `default_budget` on "direct" (which bypasses the page cache)
+    and 0 on "pread" and "mapped" (the page cache is their cache); 0 turns it off.
     To also refuse a table whose source checkpoint changed since conversion, open it with
     `ple_prep.offline.staleness.open_checked` (that check reads the checkpoint's format).
     """
     warn_once_if_missing()  # serving without the compiled helper is slow: say so once
     if read_path is not None and read_path not in READ_PATHS:
         raise ValueError(f"read_path must be one of {', '.join(READ_PATHS)}, not {read_path!r}")
+    if verify_reads and read_path == "mapped":
+        raise ValueError("verify_reads checks the disk tier's reads, which the mapped path leaves to page faults: "
+                         "open the table with read_path='direct' or 'pread'")
     if host_cache_bytes is not None and host_cache_bytes < 0:
         raise ValueError(f"host_cache_bytes must be >= 0, not {host_cache_bytes}")
     path = Path(path)
@@ -340,21 +386,15 @@ def open_table(path: str | Path, manifest: str | Path | None = None, *,
     try:
         budget = None if mapped_budget_bytes is None else \
             MappedBudget(mapping, header, mapped_budget_bytes, budget_advice)
-        direct, note = None, None
-        if (read_path or DEFAULT_READ_PATH) == "direct":
-            try:
-                # Reopened through the validated descriptor: the same file, whatever `path` names now.
-                direct = DirectReader(f"/proc/self/fd/{descriptor}", header, queue_depth)
-            except DirectUnavailable as exc:
-                if read_path == "direct":
-                    raise BadInput(f"cannot read {path.name} with O_DIRECT: {exc.strerror}; "
-                                   f"open it with read_path='mapped'") from None
-                note = f"O_DIRECT unavailable ({exc.strerror}): rows are read through the mapping"
+        sums = load_page_sums(path, header) if verify_reads else None
+        direct, note = open_disk_reader(read_path or DEFAULT_READ_PATH, read_path is None, descriptor, path, header,
+                                        queue_depth, read_timeout, sums)
     except BaseException:
         mapping.close()
         watch.close()
         raise
     if host_cache_bytes is None:
-        host_cache_bytes = 0 if direct is None else default_budget(header.num_pages * header.page_size)
+        host_cache_bytes = default_budget(header.num_pages * header.page_size) \
+            if direct is not None and direct.kind == "direct" else 0
     return Table(path, meta, header, mapping, watch, window_pages, window_bytes, direct, note, budget,
-                 int(host_cache_bytes))
+                 int(host_cache_bytes), max_request_rows)

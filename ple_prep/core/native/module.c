@@ -3,10 +3,16 @@
  * each, with the same results bit for bit. Both release the GIL, so work split over threads scales.
  *
  * copy_rows(mapping, slots, out, data_offset, page_size, rows_per_page, row_bytes, num_slots)
- *     out[i] = the row at file slot slots[i]: one memcpy per row, straight into `out`.
+ *     out[i] = the row at file slot slots[i]: one memcpy per row, straight into `out`. A page the
+ *     kernel cannot read (an I/O error, a file that shrank) raises OSError instead of a SIGBUS
+ *     (guard.h).
  * slot_of(ids, first_row, num_rows, rank_words, sorted_slots, out)
  *     out[i] = the file slot of row id ids[i] (local row ids[i] - first_row, refused outside
  *     [0, num_rows)), from format/order.py's rank index (the identity where sorted_slots is empty).
+ *
+ * page_sums(pages, page_size, out)
+ *     out[k] = the low 32 bits of XXH64 of page k of `pages` (pagesums.h), for the page-sums file
+ *     and the disk tier's read verification (format/pagesums.py).
  *
  * The runtime's staging, thread pool and CUDA driver calls are ple_prep.runtime._native
  * (runtime/native/module.c), which builds on rows.h and buffers.h here.
@@ -14,6 +20,8 @@
 #include <string.h>
 
 #include "buffers.h"
+#include "guard.h"
+#include "pagesums.h"
 #include "rows.h"
 
 static PyObject *copy_rows(PyObject *self, PyObject *args)
@@ -44,22 +52,41 @@ static PyObject *copy_rows(PyObject *self, PyObject *args)
     const int64_t *slot = (const int64_t *)slots->buf;
     const char *data = (const char *)mapping->buf + data_offset;
     char *target = (char *)out->buf;
-    Py_ssize_t bad = -1;
+    /* Written through a pointer, so that its value survives a fault's jump back (guard.h). */
+    volatile int64_t bad_slot = 0;
+    volatile int bad = 0;
+    int faulted = 0;
+    fault_guard guard;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < count; i++) {
-        if (i + PREFETCH_AHEAD < count && (uint64_t)slot[i + PREFETCH_AHEAD] < (uint64_t)num_slots)
-            prefetch_row(row_address(data, slot[i + PREFETCH_AHEAD], page_size, rows_per_page, row_bytes), row_bytes);
-        if ((uint64_t)slot[i] >= (uint64_t)num_slots) {
-            bad = i;
-            break;
+    if (sigsetjmp(guard.jump, 0) != 0) {
+        faulted = 1;
+    } else {
+        current_guard = &guard;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            /* Read once: a caller writing its slots meanwhile cannot move a copy outside the table. */
+            int64_t s = slot[i];
+            if (i + PREFETCH_AHEAD < count) {
+                int64_t ahead = slot[i + PREFETCH_AHEAD];
+                if ((uint64_t)ahead < (uint64_t)num_slots)
+                    prefetch_row(row_address(data, ahead, page_size, rows_per_page, row_bytes), row_bytes);
+            }
+            if ((uint64_t)s >= (uint64_t)num_slots) {
+                bad_slot = s;
+                bad = 1;
+                break;
+            }
+            memcpy(target + i * row_bytes, row_address(data, s, page_size, rows_per_page, row_bytes),
+                   (size_t)row_bytes);
         }
-        memcpy(target + i * row_bytes, row_address(data, slot[i], page_size, rows_per_page, row_bytes),
-               (size_t)row_bytes);
+        current_guard = NULL;
     }
     Py_END_ALLOW_THREADS
-    if (bad >= 0) {
-        PyErr_Format(PyExc_IndexError, "slot %lld is outside the table's %zd slots", (long long)slot[bad],
-                     num_slots);
+    if (faulted) {
+        refuse_fault((const char *)mapping->buf, guard.address);
+        goto done;
+    }
+    if (bad) {
+        PyErr_Format(PyExc_IndexError, "slot %lld is outside the table's %zd slots", (long long)bad_slot, num_slots);
         goto done;
     }
     result = Py_None;
@@ -108,7 +135,41 @@ done:
     return result;
 }
 
+static PyObject *page_sums(PyObject *self, PyObject *args)
+{
+    PyObject *pages_object, *out_object;
+    Py_ssize_t page_size;
+    if (!PyArg_ParseTuple(args, "OnO", &pages_object, &page_size, &out_object))
+        return NULL;
+    if (page_size < 32 || page_size % 32) {
+        PyErr_SetString(PyExc_ValueError, "page_sums: page_size must be a positive multiple of 32");
+        return NULL;
+    }
+    held_buffers held = {.held = 0};
+    PyObject *result = NULL;
+    Py_buffer *pages, *out;
+    if (!(pages = hold(&held, pages_object, 0, 1, "pages")) || !(out = hold(&held, out_object, 1, sizeof(uint32_t), "out")))
+        goto done;
+    Py_ssize_t count = out->len / (Py_ssize_t)sizeof(uint32_t);
+    if (pages->len != count * page_size) {
+        PyErr_Format(PyExc_ValueError, "page_sums: %zd bytes are not %zd pages of %zd", pages->len, count, page_size);
+        goto done;
+    }
+    const unsigned char *data = pages->buf;
+    uint32_t *sums = out->buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t k = 0; k < count; k++)
+        sums[k] = (uint32_t)xxh64_stripes(data + k * page_size, (size_t)page_size);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    release(&held);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"page_sums", page_sums, METH_VARARGS, "The low 32 bits of XXH64 of each page (see the module's comment)."},
     {"copy_rows", copy_rows, METH_VARARGS, "Rows at file slots into out (see the module's comment)."},
     {"slot_of", slot_of, METH_VARARGS, "File slots of row ids from the rank index."},
     {NULL, NULL, 0, NULL},
@@ -119,5 +180,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", NULL, -1, 
 PyMODINIT_FUNC PyInit__native(void)
 {
     select_find_slots();
+    if (guard_faults() != 0)
+        return NULL;
     return PyModule_Create(&module);
 }

@@ -6,14 +6,17 @@ static inline __attribute__((always_inline)) void find_slots_body(
     const uint32_t *slot, int64_t num_placed, int64_t *target, Py_ssize_t *bad)
 {
     *bad = -1;
+    /* Local rows in unsigned arithmetic: id - first_row wraps instead of overflowing (an id of
+     * -2**63 on a rank table), and every id outside [first_row, first_row + limit) lands at or
+     * above `limit`. */
     if (num_placed == 0) {
         for (Py_ssize_t i = 0; i < count; i++) {
-            int64_t r = row[i] - first_row;
-            if (r < 0 || r >= limit) {
+            uint64_t r = (uint64_t)row[i] - (uint64_t)first_row;
+            if (r >= (uint64_t)limit) {
                 *bad = i;
                 return;
             }
-            target[i] = r;
+            target[i] = (int64_t)r;
         }
         return;
     }
@@ -22,15 +25,16 @@ static inline __attribute__((always_inline)) void find_slots_body(
      * 64 rows (format/order.py), then the placed rows' slots. */
     for (Py_ssize_t i = 0; i < count; i++) {
         if (i + RANK_PREFETCH_AHEAD < count) {
-            uint64_t ahead = (uint64_t)(row[i + RANK_PREFETCH_AHEAD] - first_row) >> 6;
+            uint64_t ahead = ((uint64_t)row[i + RANK_PREFETCH_AHEAD] - (uint64_t)first_row) >> 6;
             if (ahead < (uint64_t)limit >> 6)
                 __builtin_prefetch(&rank_words[2 * ahead]);
         }
-        int64_t r = row[i] - first_row;
-        if (r < 0 || r >= limit) {
+        uint64_t local = (uint64_t)row[i] - (uint64_t)first_row;
+        if (local >= (uint64_t)limit) {
             *bad = i;
             return;
         }
+        int64_t r = (int64_t)local;
         /* The row's bit moved to the top: it says whether the row is placed, and the bits at and
          * below it count the placed rows up to it. */
         const uint64_t *pair = &rank_words[2 * (r >> 6)];

@@ -28,6 +28,7 @@ static void load_cuda(void)
         {(void **)&cuda.event_record, "cuEventRecord"},
         {(void **)&cuda.event_synchronize, "cuEventSynchronize"},
         {(void **)&cuda.graph_launch, "cuGraphLaunch"},
+        {(void **)&cuda.get_error_name, "cuGetErrorName"},
     };
     for (size_t k = 0; k < sizeof(symbols) / sizeof(symbols[0]); k++)
         if (!(*symbols[k].function = dlsym(library, symbols[k].name)))
@@ -42,6 +43,14 @@ int cuda_ready(void)
         return 0;
     PyErr_SetString(PyExc_OSError, "the CUDA driver (libcuda.so.1) cannot be loaded");
     return -1;
+}
+
+PyObject *refuse_cuda(const char *what, cuda_result result)
+{
+    const char *name = NULL;
+    if (!cuda.get_error_name || cuda.get_error_name(result, &name) != 0 || !name)
+        name = "an error the driver does not name";
+    return PyErr_Format(PyExc_RuntimeError, "%s failed: %s (CUDA error %d)", what, name, result);
 }
 
 int parse_pointer(PyObject *object, void *pointer)

@@ -21,6 +21,7 @@ typedef struct {
     cuda_result (*event_record)(void *, void *);
     cuda_result (*event_synchronize)(void *);
     cuda_result (*graph_launch)(void *, void *);
+    cuda_result (*get_error_name)(cuda_result, const char **);
 } cuda_driver;
 extern cuda_driver cuda;
 
@@ -32,6 +33,9 @@ typedef struct {
 
 /* 0 once the CUDA driver is loaded, else -1 with an OSError set. */
 int cuda_ready(void);
+
+/* A RuntimeError "<what> failed: CUDA_ERROR_<NAME> (CUDA error <n>)"; returns NULL. */
+PyObject *refuse_cuda(const char *what, cuda_result result);
 
 /* An int argument as a pointer, for PyArg_ParseTuple's O& converter. */
 int parse_pointer(PyObject *object, void *pointer);

@@ -51,6 +51,7 @@ static void copy_staged(const stage_call *call, device_copy *copy)
 
 typedef struct {
     stage_call *call;
+    Py_buffer flag;  /* held from stage_when until the job is joined or dropped: its thread polls it */
     const int32_t *flags;
     int32_t values[2];
     device_copy copy;
@@ -108,9 +109,9 @@ static void join_job(stage_job *job, int cancel)
     pthread_join(job->thread, NULL);
     Py_END_ALLOW_THREADS
     job->joined = 1;
+    PyBuffer_Release(&job->flag);
     if (cancel) {
-        release(&job->call->held);
-        PyMem_RawFree(job->call);
+        free_stage_call(job->call);
     }
 }
 
@@ -178,8 +179,7 @@ PyObject *stage_when(PyObject *self, PyObject *args)
         && (const char *)call->request.index < call->request.out + call->out_rows * call->request.row_bytes) {
         /* copy_staged copies from the staged rows up to the index's end: the index must follow. */
         PyErr_SetString(PyExc_ValueError, "stage_when: a device copy needs index after out in one buffer");
-        release(&call->held);
-        PyMem_RawFree(call);
+        free_stage_call(call);
         call = NULL;
     }
     stage_job *job = call ? PyMem_RawCalloc(1, sizeof(stage_job)) : NULL;
@@ -187,9 +187,9 @@ PyObject *stage_when(PyObject *self, PyObject *args)
     if (call && !job)
         PyErr_NoMemory();
     if (job) {
-        /* The flags outlive the job: the caller holds their buffer until it joins or drops it. */
-        *job = (stage_job){.call = call, .flags = flag.buf, .values = {(int32_t)values[0], (int32_t)values[1]},
-                           .copy = copy};
+        /* The job holds the flags' buffer (and so the array) until it is joined or dropped. */
+        *job = (stage_job){.call = call, .flag = flag, .flags = flag.buf,
+                           .values = {(int32_t)values[0], (int32_t)values[1]}, .copy = copy};
         if (pthread_create(&job->thread, NULL, stage_job_main, job) != 0)
             PyErr_SetString(PyExc_OSError, "stage_when: cannot start a thread");
         else if (!(capsule = PyCapsule_New(job, "ple_prep.stage_job", stage_job_destroy))) {
@@ -197,12 +197,13 @@ PyObject *stage_when(PyObject *self, PyObject *args)
             pthread_join(job->thread, NULL);
         }
     }
-    if (!capsule && call) {
-        release(&call->held);
-        PyMem_RawFree(call);
+    if (!capsule) {
+        if (call) {
+            free_stage_call(call);
+        }
         PyMem_RawFree(job);
+        PyBuffer_Release(&flag);
     }
-    PyBuffer_Release(&flag);
     return capsule;
 }
 
@@ -225,10 +226,8 @@ PyObject *stage_joined(PyObject *self, PyObject *args)
     /* The thread queues the copy exactly when asked and the rows were staged (copy_staged). */
     int copied = job->copy.address && job->call->staged;
     if (job->copy.result != 0) {
-        release(&job->call->held);
-        PyMem_RawFree(job->call);
-        return PyErr_Format(PyExc_RuntimeError, "the copy of the staged rows to the device failed (CUDA error %d)",
-                            job->copy.result);
+        free_stage_call(job->call);
+        return refuse_cuda("the copy of the staged rows to the device", job->copy.result);
     }
     PyObject *staged = finish_stage(job->call);
     if (!staged)

@@ -3,8 +3,11 @@
  * stage and cached, with the same results bit for bit (the CUDA driver calls have none: the device
  * package uses torch's copies without the helper). All release the GIL.
  *
- * stage(ids, first_row, num_rows, rank_words, sorted_slots, num_resident, slots, index, mapping, out,
- *       data_offset, page_size, rows_per_page, row_bytes, num_slots, probes, threads) -> (disk, staged)
+ * TableView(mapping, rank_words, sorted_slots, first_row, num_rows, data_offset, page_size,
+ *           rows_per_page, row_bytes, num_slots)
+ *     A table's mapping, geometry and rank index (format/order.py), checked once and held by the
+ *     view, and by every call and job that uses it, for as long as they read them (view.c).
+ * stage(view, ids, num_resident, slots, index, out, probes, threads) -> (disk, staged)
  *     The host half of a tiered lookup (runtime/gather.py's Gatherer.stage): slots[i] = the file
  *     slot of row id ids[i] (the identity where sorted_slots is empty), index[i] = that slot where
  *     it is below num_resident (the resident tier's rows); `disk` counts the other positions. If
@@ -27,25 +30,28 @@
  * stage_and_launch(context, events, graph, stream, *the arguments of stage) -> ((disk, staged), launched)
  *     `stage` once CUDA events have completed, then, if the rows were staged, a CUDA graph's launch:
  *     a small device-ids request's finish in one call.
- * cached(mapping, slots, data_offset, page_size, rows_per_page, row_bytes, num_slots, probes)
+ * cached(view, slots, probes)
  *     Whether the memory page holding the first byte of each of `probes` rows spread over the
  *     request (first and last included) is in the page cache (mincore); slots outside the table are
- *     left to copy_rows to refuse.
+ *     left to copy_rows to refuse; OSError if mincore fails.
  *
  * hostcache_lookup, hostcache_probe, hostcache_admit: the host cache's loops (hostcache.c).
  *
- * Files: stage.c (the stage and its parts), pool.c (the thread pool), jobs.c (stage_when),
- * cuda.c (the driver table), hostcache.c (runtime/hostcache.py's loops); the rows' addresses and the slot lookup come from core/native/.
+ * Files: view.c (the table view), stage.c (the stage and its parts), pool.c (the thread pool),
+ * jobs.c (stage_when), cuda.c (the driver table), hostcache.c (runtime/hostcache.py's loops); the
+ * rows' addresses and the slot lookup come from core/native/.
  */
 #include <pthread.h>
 
 #include "../../core/native/buffers.h"
+#include "../../core/native/guard.h"
 #include "../../core/native/rows.h"
 #include "cuda.h"
 #include "hostcache.h"
 #include "jobs.h"
 #include "pool.h"
 #include "stage.h"
+#include "view.h"
 
 static PyObject *stage(PyObject *self, PyObject *args)
 {
@@ -70,10 +76,8 @@ static PyObject *device_context(PyObject *self, PyObject *args)
         result = cuda.device_get(&device, ordinal);
     if (result == 0)
         result = cuda.primary_context_retain(&context, device);
-    if (result != 0) {
-        PyErr_Format(PyExc_RuntimeError, "CUDA error %d opening device %d's context", result, ordinal);
-        return NULL;
-    }
+    if (result != 0)
+        return refuse_cuda("opening the device's CUDA context", result);
     return PyLong_FromVoidPtr(context);
 }
 
@@ -106,7 +110,7 @@ static PyObject *queue_ids_copy(PyObject *self, PyObject *args)
         result = cuda.event_record(event, stream);
     leave_context(context, previous);
     if (result != 0)
-        return PyErr_Format(PyExc_RuntimeError, "queueing the ids' copy failed (CUDA error %d)", result);
+        return refuse_cuda("queueing the ids' copy", result);
     Py_RETURN_NONE;
 }
 
@@ -165,10 +169,8 @@ static PyObject *stage_and_launch(PyObject *self, PyObject *args)
     leave_context(context, previous);
     Py_END_ALLOW_THREADS
     if (result != 0) {
-        release(&call->held);
-        PyMem_RawFree(call);
-        return PyErr_Format(PyExc_RuntimeError, "a device-ids lookup's CUDA wait or launch failed (CUDA error %d)",
-                            result);
+        free_stage_call(call);
+        return refuse_cuda("a device-ids lookup's CUDA wait or launch", result);
     }
     PyObject *staged = finish_stage(call);
     if (!staged)
@@ -178,35 +180,32 @@ static PyObject *stage_and_launch(PyObject *self, PyObject *args)
 
 static PyObject *cached(PyObject *self, PyObject *args)
 {
-    PyObject *mapping_object, *slots_object;
-    Py_ssize_t data_offset, page_size, rows_per_page, row_bytes, num_slots, probes;
-    if (!PyArg_ParseTuple(args, "OOnnnnnn", &mapping_object, &slots_object, &data_offset, &page_size,
-                          &rows_per_page, &row_bytes, &num_slots, &probes)
-        || check_geometry(data_offset, page_size, rows_per_page, row_bytes, num_slots) != 0)
+    PyObject *view_object, *slots_object;
+    Py_ssize_t probes;
+    if (!PyArg_ParseTuple(args, "OOn", &view_object, &slots_object, &probes))
+        return NULL;
+    table_view *view = as_table_view(view_object);
+    if (!view)
         return NULL;
     if (probes < 2) {
         PyErr_SetString(PyExc_ValueError, "cached: probes must be >= 2");
         return NULL;
     }
-    held_buffers held = {.held = 0};
-    Py_buffer *mapping, *slots;
-    if (!(mapping = hold(&held, mapping_object, 0, 1, "mapping"))
-        || !(slots = hold(&held, slots_object, 0, sizeof(int64_t), "slots"))) {
-        release(&held);
+    Py_buffer slots;
+    if (get_buffer(slots_object, &slots, 0, sizeof(int64_t), "slots") != 0)
         return NULL;
-    }
-    Py_ssize_t count = slots->len / (Py_ssize_t)sizeof(int64_t);
-    const int64_t *slot = (const int64_t *)slots->buf;
-    const char *data = (const char *)mapping->buf + data_offset;
+    Py_ssize_t count = slots.len / (Py_ssize_t)sizeof(int64_t);
+    const int64_t *slot = (const int64_t *)slots.buf;
     int resident = 1;
-    for (Py_ssize_t k = 0; k < probes && count && resident; k++) {
+    for (Py_ssize_t k = 0; k < probes && count && resident == 1; k++) {
         int64_t s = slot[(count - 1) * k / (probes - 1)];
-        if ((uint64_t)s >= (uint64_t)num_slots
-            || data_offset + (s / rows_per_page) * page_size + (s % rows_per_page) * row_bytes >= mapping->len)
+        if ((uint64_t)s >= (uint64_t)view->num_slots)
             continue;  /* left to copy_rows to refuse */
-        resident = page_cached(row_address(data, s, page_size, rows_per_page, row_bytes));
+        resident = page_cached(row_address(view->data, s, view->page_size, view->rows_per_page, view->row_bytes));
     }
-    release(&held);
+    PyBuffer_Release(&slots);
+    if (resident < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
     return PyBool_FromLong(resident);
 }
 
@@ -231,5 +230,10 @@ PyMODINIT_FUNC PyInit__native(void)
 {
     pthread_atfork(NULL, NULL, pool_after_fork);
     select_find_slots();
-    return PyModule_Create(&module);
+    if (guard_faults() != 0 || PyType_Ready(&table_view_type) != 0)
+        return NULL;
+    PyObject *created = PyModule_Create(&module);
+    if (created && PyModule_AddObjectRef(created, "TableView", (PyObject *)&table_view_type) != 0)
+        Py_CLEAR(created);
+    return created;
 }

@@ -1,3 +1,4 @@
+#include <errno.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -5,8 +6,10 @@
 #include <emmintrin.h>
 #endif
 
+#include "../../core/native/guard.h"
 #include "../../core/native/rows.h"
 #include "stage.h"
+#include "view.h"
 
 /* --- Stores past the CPU caches (non-temporal) for what a device copies next: rows that the
  * pool's threads leave modified in their own caches are read by the device's copy at a third of
@@ -46,7 +49,11 @@ int page_cached(const char *address)
 {
     uintptr_t system_page = (uintptr_t)sysconf(_SC_PAGESIZE), at = (uintptr_t)address;
     unsigned char state = 0;
-    return mincore((void *)(at - at % system_page), 1, &state) == 0 && (state & 1);
+    int result;
+    /* EAGAIN: the kernel was short of memory for a moment; try again. */
+    while ((result = mincore((void *)(at - at % system_page), 1, &state)) != 0 && errno == EAGAIN)
+        ;
+    return result != 0 ? -1 : (state & 1);
 }
 
 static void part_bounds(const stage_request *request, int part, Py_ssize_t *low, Py_ssize_t *high)
@@ -86,50 +93,73 @@ static void copy_part(void *context, int part)
 {
     stage_request *request = context;
     Py_ssize_t low, high, next = request->first[part], row_bytes = request->row_bytes;
+    Py_ssize_t stop = next + request->disk[part];
     part_bounds(request, part, &low, &high);
-    const int64_t *slot = request->slots;
-    int64_t resident = request->num_resident;
+    /* Each slot read once and checked: the caller owns the buffer and may write it meanwhile. */
+    const volatile int64_t *slot = request->slots;
+    int64_t resident = request->num_resident, num_slots = request->num_slots;
+    fault_guard guard;
+    if (sigsetjmp(guard.jump, 0) != 0) {
+        request->fault[part] = guard.address;
+        request->faulted[part] = 1;
+        stores_done();
+        return;
+    }
+    current_guard = &guard;
     for (Py_ssize_t i = low; i < high; i++) {
-        if (i + PREFETCH_AHEAD < high && slot[i + PREFETCH_AHEAD] >= resident)
-            prefetch_row(row_at(request, slot[i + PREFETCH_AHEAD]), row_bytes);
-        if (slot[i] < resident)
+        if (i + PREFETCH_AHEAD < high) {
+            int64_t ahead = slot[i + PREFETCH_AHEAD];
+            if (ahead >= resident && ahead < num_slots)
+                prefetch_row(row_at(request, ahead), row_bytes);
+        }
+        int64_t s = slot[i];
+        if (s < resident)
             continue;
-        store_row_uncached(request->out + next * row_bytes, row_at(request, slot[i]), row_bytes);
+        if (s >= num_slots || next >= stop) {
+            request->raced[part] = 1;
+            break;
+        }
+        store_row_uncached(request->out + next * row_bytes, row_at(request, s), row_bytes);
         store_index_uncached(&request->index[i], (int32_t)(resident + next));
         next++;
     }
+    current_guard = NULL;
     stores_done();
 }
 
 /* Whether the memory pages holding the first byte of `probes` disk rows spread over the request
- * are in the page cache (mincore). */
+ * are in the page cache (mincore); -1 with errno set when mincore fails. */
 static int disk_rows_cached(const stage_request *request, Py_ssize_t probes)
 {
     Py_ssize_t count = request->count;
     for (Py_ssize_t k = 0; k < probes; k++) {
         Py_ssize_t i = probes > 1 ? (count - 1) * k / (probes - 1) : 0;
-        while (i < count && request->slots[i] < request->num_resident)
+        int64_t s = -1;
+        while (i < count && (s = request->slots[i]) < request->num_resident)
             i++;
-        if (i < count && !page_cached(row_at(request, request->slots[i])))
-            return 0;
+        if (i >= count)
+            continue;
+        if (s >= request->num_slots)
+            return 0; /* changed by the caller: copy_part refuses it */
+        int cached = page_cached(row_at(request, s));
+        if (cached != 1)
+            return cached;
     }
     return 1;
 }
 
 stage_call *new_stage_call(PyObject *args)
 {
-    PyObject *ids_object, *rank_words_object, *sorted_slots_object, *slots_object, *index_object,
-        *mapping_object, *out_object;
-    long long first_row, num_rows, num_resident;
-    Py_ssize_t data_offset, page_size, rows_per_page, row_bytes, num_slots, probes, threads;
-    if (!PyArg_ParseTuple(args, "OLLOOLOOOOnnnnnnn", &ids_object, &first_row, &num_rows, &rank_words_object,
-                          &sorted_slots_object, &num_resident, &slots_object, &index_object,
-                          &mapping_object, &out_object, &data_offset, &page_size, &rows_per_page, &row_bytes,
-                          &num_slots, &probes, &threads))
+    PyObject *view_object, *ids_object, *slots_object, *index_object, *out_object;
+    long long num_resident;
+    Py_ssize_t probes, threads;
+    if (!PyArg_ParseTuple(args, "OOLOOOnn", &view_object, &ids_object, &num_resident, &slots_object, &index_object,
+                          &out_object, &probes, &threads))
         return NULL;
-    if (check_geometry(data_offset, page_size, rows_per_page, row_bytes, num_slots) != 0)
+    table_view *view = as_table_view(view_object);
+    if (!view)
         return NULL;
-    if (num_rows < 0 || num_rows > num_slots || num_resident < 0 || probes < 1) {
+    if (num_resident < 0 || probes < 1) {
         PyErr_SetString(PyExc_ValueError, "stage: bad row counts");
         return NULL;
     }
@@ -138,41 +168,35 @@ stage_call *new_stage_call(PyObject *args)
         PyErr_NoMemory();
         return NULL;
     }
+    Py_INCREF(view_object);
+    call->view = view_object;
     held_buffers *held = &call->held;
-    Py_buffer *ids, *rank_words, *sorted_slots, *slots, *index, *mapping, *out;
+    Py_buffer *ids, *slots, *index, *out;
     if (!(ids = hold(held, ids_object, 0, sizeof(int64_t), "ids"))
-        || !(rank_words = hold(held, rank_words_object, 0, sizeof(uint64_t), "rank_words"))
-        || !(sorted_slots = hold(held, sorted_slots_object, 0, sizeof(uint32_t), "sorted_slots"))
         || !(slots = hold(held, slots_object, 1, sizeof(int64_t), "slots"))
         || !(index = hold(held, index_object, 1, sizeof(int32_t), "index"))
-        || !(mapping = hold(held, mapping_object, 0, 1, "mapping"))
         || !(out = hold(held, out_object, 1, 1, "out")))
         goto refused;
+    Py_ssize_t row_bytes = view->row_bytes;
     if (out->ndim != 2 || out->shape[1] != row_bytes) {
         PyErr_Format(PyExc_ValueError, "out must be rows of %zd bytes", row_bytes);
         goto refused;
     }
     Py_ssize_t count = ids->len / (Py_ssize_t)sizeof(int64_t);
-    Py_ssize_t num_words = rank_words->len / (Py_ssize_t)(2 * sizeof(uint64_t));
-    Py_ssize_t num_pages = (num_slots + rows_per_page - 1) / rows_per_page;
     stage_request *request = &call->request;
     *request = (stage_request){
-        .id = ids->buf, .count = count, .first_row = first_row, .num_rows = num_rows,
-        .num_placed = sorted_slots->len / (Py_ssize_t)sizeof(uint32_t), .num_resident = num_resident,
-        .rank_words = rank_words->buf, .slot_by_rank = sorted_slots->buf,
-        .data = (const char *)mapping->buf + data_offset, .page_size = page_size,
-        .rows_per_page = rows_per_page, .row_bytes = row_bytes, .out = out->buf, .slots = slots->buf,
-        .index = index->buf};
+        .id = ids->buf, .count = count, .first_row = view->first_row, .num_rows = view->num_rows,
+        .num_placed = view->num_placed, .num_resident = num_resident, .rank_words = view->rank_words,
+        .slot_by_rank = view->slot_by_rank, .data = view->data, .mapping = view->mapping,
+        .page_size = view->page_size, .rows_per_page = view->rows_per_page, .row_bytes = row_bytes,
+        .num_slots = view->num_slots, .out = out->buf, .slots = slots->buf, .index = index->buf};
     call->out_rows = out->len / row_bytes;
     call->probes = probes;
-    call->first_row = first_row;
-    call->num_rows = num_rows;
+    call->first_row = view->first_row;
+    call->num_rows = view->num_rows;
     const char *mismatch = slots->len != ids->len ? "slots must be as long as ids"
         : index->len / (Py_ssize_t)sizeof(int32_t) != count ? "index must be as long as ids"
-        : rank_words->len % (Py_ssize_t)(2 * sizeof(uint64_t)) || (request->num_placed && num_words * 64 < num_rows)
-            ? "stage: the rank index does not cover the table"
-        : num_resident + call->out_rows > INT32_MAX ? "stage: tier rows past int32"
-        : data_offset + num_pages * page_size > mapping->len ? "stage: the mapping is shorter than its pages" : NULL;
+        : num_resident + call->out_rows > INT32_MAX ? "stage: tier rows past int32" : NULL;
     if (mismatch) {
         PyErr_SetString(PyExc_ValueError, mismatch);
         goto refused;
@@ -184,9 +208,15 @@ stage_call *new_stage_call(PyObject *args)
     request->parts = (int)parts;
     return call;
 refused:
-    release(held);
-    PyMem_RawFree(call);
+    free_stage_call(call);
     return NULL;
+}
+
+void free_stage_call(stage_call *call)
+{
+    release(&call->held);
+    Py_XDECREF(call->view);
+    PyMem_RawFree(call);
 }
 
 void run_stage(stage_call *call)
@@ -199,7 +229,11 @@ void run_stage(stage_call *call)
         disk += request->disk[part];
     }
     call->staged = 0;
-    if (bad < 0 && disk <= call->out_rows && (disk == 0 || disk_rows_cached(request, call->probes))) {
+    call->probe_error = 0;
+    int cached = bad < 0 && disk <= call->out_rows && disk ? disk_rows_cached(request, call->probes) : 1;
+    if (cached < 0)
+        call->probe_error = errno ? errno : EIO;
+    if (bad < 0 && disk <= call->out_rows && cached == 1) {
         Py_ssize_t next = call->out_rows - disk;
         for (int part = 0; part < request->parts; part++) {
             request->first[part] = next;
@@ -216,14 +250,25 @@ void run_stage(stage_call *call)
 PyObject *finish_stage(stage_call *call)
 {
     PyObject *result = NULL;
-    if (call->bad >= 0)
+    const stage_request *request = &call->request;
+    int part = 0;
+    while (part < request->parts && !request->faulted[part] && !request->raced[part])
+        part++;
+    if (call->staged && part < request->parts && request->faulted[part])
+        refuse_fault(request->mapping, request->fault[part]);
+    else if (call->staged && part < request->parts)
+        PyErr_SetString(PyExc_RuntimeError, "stage: the slots buffer changed while the rows were copied "
+                        "(another thread wrote it); nothing was staged");
+    else if (call->probe_error)
+        PyErr_Format(PyExc_OSError, "[Errno %d] stage: mincore failed on the table's mapping (%s)", call->probe_error,
+                     strerror(call->probe_error));
+    else if (call->bad >= 0)
         refuse_row_id(call->request.id[call->bad], call->first_row, call->num_rows);
     else if (call->disk > call->out_rows)
         PyErr_Format(PyExc_ValueError, "out holds %zd rows, fewer than the %zd disk positions", call->out_rows,
                      call->disk);
     else
         result = Py_BuildValue("nO", call->disk, call->staged ? Py_True : Py_False);
-    release(&call->held);
-    PyMem_RawFree(call);
+    free_stage_call(call);
     return result;
 }
