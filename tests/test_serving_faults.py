@@ -172,7 +172,7 @@ def test_an_o_direct_read_past_its_timeout_fails_and_the_next_request_reads_agai
     def case():
         with open(f"{group}/blkio.throttle.read_iops_device", "w") as file:
             file.write(f"{os.major(device)}:{os.minor(device)} 1")
-        with open_table(fp8_table, read_path="direct", read_timeout=0.3, queue_depth=1) as table:
+        with open_table(fp8_table, read_path="direct", read_timeout=0.3, queue_depth=1, host_cache_bytes=0) as table:
             if table.read_path != "direct":
                 return "skip"
             ids = cold_request(table)
@@ -286,7 +286,8 @@ def test_a_disk_returning_zeros_is_refused_with_verify_reads_and_served_without(
     def case():
         outcomes = []
         for verify in (False, True):
-            with open_table(path, read_path=read_path, verify_reads=verify) as table:
+            # No host cache: it would keep the wrong rows an unverified read admitted (section 10).
+            with open_table(path, read_path=read_path, verify_reads=verify, host_cache_bytes=0) as table:
                 ids = cold_request(table)
                 row = int(row_offsets(table.header, table.slot_of(ids[7:8]))[0])
                 evict(path)

@@ -26,6 +26,7 @@ import mmap
 import numpy as np
 
 from ..format.pages import row_offsets
+from .requests import DEFAULT_MAX_REQUEST_ROWS, checked_slots
 
 try:  # built only where a C compiler was there at install (setup.py): both or neither
     from ..core import _native as _core_native
@@ -37,10 +38,6 @@ except ImportError:
 # flooding a small page cache (docs/benchmark-history.md, "The gather path").
 DEFAULT_WINDOW_PAGES = 128
 DEFAULT_WINDOW_BYTES = 8 << 20
-# The most rows one call may ask for unless the table is opened with another bound (the vLLM plugin
-# sets it from vLLM's maximum tokens per step): 4 Mi rows, 640 MiB of 160-byte rows and 2.5 GiB of
-# their float32 values; a larger request is refused before anything is allocated for it.
-DEFAULT_MAX_REQUEST_ROWS = 1 << 22
 # Pages of a request checked with mincore to tell a cached request from a cold one.
 PROBE_PAGES = 4
 # With threads > 1, a cached gather is split into parts of at least this many rows; smaller
@@ -186,26 +183,9 @@ class Gatherer:
             return 0
         return max(1, min(self.window_pages, self.window_bytes // self._page_size))
 
-    def check_request(self, count: int) -> None:
-        """Refuse a request larger than max_request_rows: its buffers would be sized by the caller."""
-        if count > self.max_request_rows:
-            raise ValueError(f"a request of {count} rows is more than the {self.max_request_rows} one call may ask "
-                             f"for (max_request_rows): split it, or open the table with a larger max_request_rows")
-
-    def check_slots(self, slots: np.ndarray) -> None:
-        """IndexError for a slot outside the table, as the compiled copy raises."""
-        if len(slots):
-            low, high = int(slots.min()), int(slots.max())
-            if low < 0 or high >= self._num_slots:
-                raise IndexError(f"slot {low if low < 0 else high} is outside the table's {self._num_slots} slots")
-
     def gather_slots(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """uint8 `(len(slots), row_bytes)`: the rows at these file slots, in request order."""
-        slots = np.asarray(slots)
-        if slots.dtype.kind not in "iu":
-            raise TypeError(f"slots must be integers, not {slots.dtype}")
-        self.check_request(slots.size)
-        slots = np.ascontiguousarray(slots, dtype=np.int64).reshape(-1)
+        slots = checked_slots(slots, self._num_slots, self.max_request_rows)
         count = len(slots)
         if out is not None:
             if out.shape != (count, self._row_bytes) or out.dtype != np.uint8:
@@ -216,8 +196,6 @@ class Gatherer:
                 return out
         if not count:
             return np.empty((0, self._row_bytes), dtype=np.uint8) if out is None else out
-        if _core_native is None or self.direct is not None:
-            self.check_slots(slots)
         window = self.window
         # Without the compiled copy (which turns a failed page read into an error), rows are never
         # copied through the mapping where a disk reader can read them.

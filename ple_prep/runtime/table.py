@@ -21,10 +21,11 @@ from .dequant import decode
 from .direct import DEFAULT_QUEUE_DEPTH, DirectReader
 from .diskreader import open_disk_reader
 from .footprint import MappedBudget
-from .gather import DEFAULT_MAX_REQUEST_ROWS, DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_PAGES, Gatherer
+from .gather import DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_PAGES, Gatherer
 from .hostcache import HostCache, default_budget
 from .readahead import CachedDiskTier, ReadAhead
 from .readcheck import DEFAULT_READ_TIMEOUT
+from .requests import DEFAULT_MAX_REQUEST_ROWS, check_request, checked_slots
 from .tiers import Lookup, Resident, load_resident, merge, split
 from .watch import FileWatch
 
@@ -36,8 +37,7 @@ _MATCHED_FIELDS = ("page_size", "row_bytes", "rows_per_page", "values_per_row", 
 # runtime/gather.py): BENCHMARKS.md, "Cold rows against fio"; what each does when the disk fails:
 # docs/RELIABILITY.md, section 10.
 READ_PATHS = ("direct", "pread", "mapped")
-# The smallest step of `values`' decode: below it, a step's fixed costs outweigh the memory saved.
-VALUES_STEP_ROWS = 1024
+VALUES_STEP_ROWS = 1024  # the smallest step of `values`' decode: below it, fixed costs outweigh memory saved
 DEFAULT_READ_PATH = "direct"
 
 
@@ -121,7 +121,7 @@ class Table:
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu":
             raise TypeError(f"row ids must be integers, not {ids.dtype}")
-        self._gatherer.check_request(ids.size)
+        check_request(ids.size, self._gatherer.max_request_rows)
         return np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
 
     def page_of(self, ids: np.ndarray) -> np.ndarray:
@@ -254,7 +254,7 @@ class Table:
     def gather_slots(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Like `gather`, by file slot (`slot_of`) instead of row id; IndexError outside the table."""
         self._watch.check()
-        return self._reader.gather_slots(slots, out)
+        return self._reader.gather_slots(checked_slots(slots, self.num_rows, self._gatherer.max_request_rows), out)
 
     @property
     def host_cache(self) -> CachedDiskTier | None:
