@@ -315,3 +315,37 @@ def test_verify_reads_needs_the_page_sums_and_a_disk_tier_read_path(fp8_table, t
         open_table(fp8_table, verify_reads=True)
     with pytest.raises(ValueError, match="read_path='direct' or 'pread'"):
         open_table(fp8_table, read_path="mapped", verify_reads=True)
+
+
+@pytest.mark.parametrize("read_path", READ_PATHS)
+def test_the_device_source_raises_a_failing_read_at_finish_and_serves_the_next_request(faults, source_rows,
+                                                                                      read_path):
+    """EmbeddingSource.finish, on the CPU device: the call SERVING.md names for I/O errors."""
+    torch = pytest.importorskip("torch")
+    from ple_prep.runtime.device import EmbeddingSource
+
+    path = faults.path("t.bin")
+
+    def case():
+        with open_table(path, read_path=read_path, host_cache_bytes=0) as table:
+            source = EmbeddingSource(table, device="cpu", resident_bytes=0, max_ids=3000)
+            ids = cold_request(table)
+            start, end = data_range(table, table.slot_of(ids[1500:1600]))
+            evict(path)
+            faults.fail("t.bin", start, end, "eio")
+            try:
+                source.start(ids)
+                source.finish()
+                message = None
+            except OSError as exc:
+                message = str(exc)
+            faults.clear()
+            evict(path)
+            source.start(ids)
+            values = source.finish()
+            expected = torch.from_numpy(table.values(ids)).to(torch.bfloat16)
+            return message, bool(torch.equal(values, expected))
+
+    message, recovered = in_child(case)
+    assert message is not None and str(path) in message, message
+    assert recovered

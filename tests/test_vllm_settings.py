@@ -129,3 +129,24 @@ def test_every_key_is_a_settings_field():
     fields = {field for field in Settings.__dataclass_fields__ if field != "origins"}
     assert {key.field for key in KEYS} == fields
     assert all(key.variable.startswith("PLE_PREP_") for key in KEYS)
+
+
+def test_read_timeout_and_verification_reach_open_table():
+    environ = {"PLE_PREP_TABLE": "/a.bin", "PLE_PREP_READ_TIMEOUT": "2.5s", "PLE_PREP_READ_PATH": "pread"}
+    settings = read_settings({"ple_prep": {"verify_reads": True}}, environ)
+    assert settings.open_options() == {"read_path": "pread", "read_timeout": 2.5, "verify_reads": True}
+    assert read_settings({}, {"PLE_PREP_TABLE": "/a.bin"}).open_options() == {}
+    for text, on in (("1", True), ("off", False), ("TRUE", True), ("no", False)):
+        assert read_settings({}, {"PLE_PREP_TABLE": "/a.bin", "PLE_PREP_VERIFY_READS": text}).verify_reads is on
+    assert read_settings({}, {"PLE_PREP_TABLE": "/a.bin", "PLE_PREP_READ_TIMEOUT": "30"}).read_timeout == 30.0
+
+
+@pytest.mark.parametrize("variable, text, cause", [
+    ("PLE_PREP_READ_TIMEOUT", "0", "more than 0"), ("PLE_PREP_READ_TIMEOUT", "3601", "at most 3600"),
+    ("PLE_PREP_READ_TIMEOUT", "30 minutes", "not a number of seconds"),
+    ("PLE_PREP_READ_TIMEOUT", "\uff13\uff10", "not a number of seconds"),
+    ("PLE_PREP_READ_TIMEOUT", "1e9", "not a number of seconds"),
+    ("PLE_PREP_VERIFY_READS", "maybe", "on or off"), ("PLE_PREP_VERIFY_READS", "2", "on or off")])
+def test_read_timeout_and_verification_are_parsed_strictly(variable, text, cause):
+    with pytest.raises(BadInput, match=f"^{variable}=.*: .*{cause}"):
+        read_settings({}, {"PLE_PREP_TABLE": "/a.bin", variable: text})

@@ -305,10 +305,10 @@ class Table:
 
     def values(self, ids: np.ndarray) -> np.ndarray:
         """float32 `(len(ids), values_per_row)`: exactly what the model layer computes. Decoded in
-        steps of at most a sixteenth of the request, so its temporaries stay a fraction of the result."""
+        steps of at most a 32nd of the request, so its temporaries stay a fraction of the result."""
         rows = self.gather(ids)
         values = np.empty((len(rows), self.values_per_row), dtype=np.float32)
-        step = max(VALUES_STEP_ROWS, -(-len(rows) // 16))
+        step = max(VALUES_STEP_ROWS, -(-len(rows) // 32))
         for start in range(0, len(rows), step):
             values[start:start + step] = decode(self.header.encoding, rows[start:start + step], self.values_per_row,
                                                 self.scale)

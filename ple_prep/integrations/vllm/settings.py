@@ -1,7 +1,7 @@
 """Where the operator points vLLM at a prepared table: vLLM's additional config or the environment.
 
     --additional-config '{"ple_prep": {"table": "/nvme/ple.bin", "resident_bytes": "4GiB", "read_path": "mapped"}}'
-    PLE_PREP_TABLE=/nvme/ple.bin  PLE_PREP_RESIDENT_BYTES=4GiB  PLE_PREP_READ_PATH=mapped
+    PLE_PREP_TABLE=/nvme/ple.bin  PLE_PREP_RESIDENT_BYTES=4GiB  PLE_PREP_READ_PATH=mapped  PLE_PREP_READ_TIMEOUT=30
 
 The additional config wins over the environment, key by key. With tensor parallelism the table
 path names each rank's file through `{rank}` and `{size}` (`/nvme/ple.tp{rank}of{size}.bin`, the
@@ -29,6 +29,11 @@ CONFIG_KEY = "ple_prep"
 TABLE_VARIABLE = "PLE_PREP_TABLE"
 RESIDENT_VARIABLE = "PLE_PREP_RESIDENT_BYTES"
 READ_PATH_VARIABLE = "PLE_PREP_READ_PATH"
+READ_TIMEOUT_VARIABLE = "PLE_PREP_READ_TIMEOUT"
+VERIFY_READS_VARIABLE = "PLE_PREP_VERIFY_READS"
+# The longest read timeout a setting may ask for: an hour, past any disk's own retry time.
+MAX_READ_TIMEOUT_SECONDS = 3600
+_SECONDS = re.compile(r"([0-9]{1,4})(?:\.([0-9]{1,6}))? ?s?", re.ASCII)
 # Byte units, by their lowercase spelling: GB, MB, KB, TB are powers of 1000 (4GB = 4 * 10**9), GiB,
 # MiB, KiB, TiB and the bare letters G, M, K, T powers of 1024 (4GiB = 4G = 4 * 2**30).
 UNITS = {"": 1, "b": 1,
@@ -99,6 +104,31 @@ def parse_read_path(value: Any, where: str) -> str:
     return value
 
 
+def parse_seconds(value: Any, where: str) -> float:
+    """A positive number of seconds, at most MAX_READ_TIMEOUT_SECONDS ("30", "2.5s", 30)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and (found := _SECONDS.fullmatch(value.strip())):
+        seconds = float(f"{found.group(1)}.{found.group(2) or 0}")
+    else:
+        raise refuse(where, value, "not a number of seconds; write one such as 30 or 2.5s")
+    if not 0 < seconds <= MAX_READ_TIMEOUT_SECONDS:
+        raise refuse(where, value, f"the read timeout is more than 0 and at most {MAX_READ_TIMEOUT_SECONDS} seconds")
+    return seconds
+
+
+def parse_switch(value: Any, where: str) -> bool:
+    """On or off: true/false, 1/0, yes/no, on/off (any case), or a JSON boolean."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower() if isinstance(value, (str, int)) else None
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise refuse(where, value, "on or off: write 1 or 0 (true/false, yes/no, on/off)")
+
+
 @dataclasses.dataclass(frozen=True)
 class Key:
     """One setting: its field of `Settings` (also its key in the additional config), its
@@ -112,7 +142,11 @@ KEYS = (
     Key("table", TABLE_VARIABLE, parse_table),
     Key("resident_bytes", RESIDENT_VARIABLE, parse_bytes),
     Key("read_path", READ_PATH_VARIABLE, parse_read_path),
+    Key("read_timeout", READ_TIMEOUT_VARIABLE, parse_seconds),
+    Key("verify_reads", VERIFY_READS_VARIABLE, parse_switch),
 )
+# The settings passed on to open_table as they are, by name.
+OPEN_OPTIONS = ("read_path", "read_timeout", "verify_reads")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +154,14 @@ class Settings:
     table: str                  # the path, possibly with {rank} and {size}
     resident_bytes: int | None = None  # None: from the table's residency hints
     read_path: str | None = None  # the disk tier's read path (open_table's read_path); None: its default
+    read_timeout: float | None = None  # open_table's read_timeout; None: its default
+    verify_reads: bool | None = None  # open_table's verify_reads; None: its default (off)
     # Where each set field came from (`PLE_PREP_TABLE` or `additional_config['ple_prep']['table']`).
     origins: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def open_options(self) -> dict[str, Any]:
+        """open_table's keyword arguments that were set (OPEN_OPTIONS)."""
+        return {name: getattr(self, name) for name in OPEN_OPTIONS if getattr(self, name) is not None}
 
     def table_path(self, rank: int, size: int) -> str:
         """This rank's table file, which must exist."""

@@ -115,7 +115,7 @@ class PreparedTableEmbedding(Qwen4ExpPLEEmbedding):
         method = next((name for kind, name in _METHOD_NAMES if isinstance(embedding_method, kind)), None)
         if method is None:
             raise BadInput(f"ple-prep cannot serve a PLE table of method {type(embedding_method).__name__}")
-        table = open_table(settings.table_path(self.tp_rank, self.tp_size), read_path=settings.read_path)
+        table = open_table(settings.table_path(self.tp_rank, self.tp_size), **settings.open_options())
         try:
             owned = (self.shard_indices.org_vocab_start_index, self.shard_indices.org_vocab_end_index)
             check_layer(table, method=method, total_rows=self.org_vocab_size, values_per_row=embedding_dim,
