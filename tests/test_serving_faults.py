@@ -346,6 +346,6 @@ def test_the_device_source_raises_a_failing_read_at_finish_and_serves_the_next_r
             expected = torch.from_numpy(table.values(ids)).to(torch.bfloat16)
             return message, bool(torch.equal(values, expected))
 
-    message, recovered = in_child(case)
+    message, recovered = in_child(case, timeout=120)
     assert message is not None and str(path) in message, message
     assert recovered

@@ -185,7 +185,11 @@ class DirectReader:
         self._row_type = np.dtype((np.void, header.row_bytes))
         self._new_buffer()
         self.page_check = None if page_sums is None else PageCheck(page_sums, header, self._block, self.name)
-        self.synchronous = self._completes_inside_submit()
+        try:
+            self.synchronous = self._completes_inside_submit()
+        except OSError as exc:  # a file system that opens with O_DIRECT but cannot read with it
+            self.close()
+            raise DirectUnavailable(exc.errno or errno.EIO, f"O_DIRECT read refused: {exc.strerror}") from None
         self.timeout = timeout
 
     def _completes_inside_submit(self) -> bool:
@@ -223,9 +227,16 @@ class DirectReader:
         self._blocks = np.frombuffer(self._buffer, dtype=np.uint8).reshape(self.queue_depth, self._block)
 
     def close(self) -> None:
-        if self._descriptor >= 0:
-            os.close(self._descriptor)
-            self._descriptor = -1
+        # After the request in flight (if any, at most a read timeout): its reads name the descriptor,
+        # which another open could otherwise take over.
+        held = self._context.lock.acquire(timeout=self.timeout)
+        try:
+            if self._descriptor >= 0:
+                os.close(self._descriptor)
+                self._descriptor = -1
+        finally:
+            if held:
+                self._context.lock.release()
         self._units = None
         if self._buffer is not None:
             try:

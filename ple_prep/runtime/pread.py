@@ -52,9 +52,16 @@ class PreadReader:
         self._lock = threading.Lock()
 
     def close(self) -> None:
-        if self._descriptor >= 0:
-            os.close(self._descriptor)
-            self._descriptor = -1
+        # After the request in flight (if any, at most a read timeout): its threads read the
+        # descriptor, which another open could otherwise take over.
+        held = self._lock.acquire(timeout=self.timeout)
+        try:
+            if self._descriptor >= 0:
+                os.close(self._descriptor)
+                self._descriptor = -1
+        finally:
+            if held:
+                self._lock.release()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
@@ -96,9 +103,11 @@ class PreadReader:
         offsets = block_offsets.tolist()
         shares = min(self.queue_depth, len(offsets))
         pool = self._threads()
-        futures = [pool.submit(self._read_share, buffer, offsets, share, shares) for share in range(shares)]
+        stop = threading.Event()
+        futures = [pool.submit(self._read_share, buffer, offsets, share, shares, stop) for share in range(shares)]
         done, waiting = concurrent.futures.wait(futures, timeout=self.timeout)
         if waiting:
+            stop.set()
             # The stuck threads keep `buffer` alive through their arguments until their reads return.
             pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
@@ -111,8 +120,11 @@ class PreadReader:
             self.page_check.check(buffer, block_offsets)
         return buffer
 
-    def _read_share(self, buffer: np.ndarray, offsets: list[int], share: int, shares: int) -> None:
+    def _read_share(self, buffer: np.ndarray, offsets: list[int], share: int, shares: int,
+                    stop: threading.Event) -> None:
         for index in range(share, len(offsets), shares):
+            if stop.is_set():  # the request timed out: read nothing more for it
+                return
             offset = offsets[index]
             try:
                 got = os.preadv(self._descriptor, [buffer[index]], offset)
