@@ -9,8 +9,11 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -317,35 +320,50 @@ def test_verify_reads_needs_the_page_sums_and_a_disk_tier_read_path(fp8_table, t
         open_table(fp8_table, read_path="mapped", verify_reads=True)
 
 
+# The device source's case, in a fresh interpreter: torch's thread pools do not survive a fork.
+DEVICE_SOURCE_CASE = """
+import sys, numpy as np, torch
+from ple_prep.runtime import open_table
+from ple_prep.runtime.device import EmbeddingSource
+path, read_path, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+with open_table(path, read_path=read_path, host_cache_bytes=0) as table:
+    source = EmbeddingSource(table, device="cpu", resident_bytes=0, max_ids=count)
+    ids = np.random.default_rng(1).integers(0, table.num_rows, count)
+    try:
+        source.start(ids)
+        source.finish()
+        print("served", flush=True)
+    except OSError as exc:
+        print("refused", exc, flush=True)
+    sys.stdin.readline()  # the disk recovers
+    source.start(ids)
+    values = source.finish()
+    print("recovered", bool(torch.equal(values, torch.from_numpy(table.values(ids)).to(torch.bfloat16))), flush=True)
+"""
+
+
 @pytest.mark.parametrize("read_path", READ_PATHS)
-def test_the_device_source_raises_a_failing_read_at_finish_and_serves_the_next_request(faults, source_rows,
-                                                                                      read_path):
+def test_the_device_source_raises_a_failing_read_at_finish_and_serves_the_next_request(faults, read_path):
     """EmbeddingSource.finish, on the CPU device: the call SERVING.md names for I/O errors."""
-    torch = pytest.importorskip("torch")
-    from ple_prep.runtime.device import EmbeddingSource
-
+    pytest.importorskip("torch")
     path = faults.path("t.bin")
-
-    def case():
-        with open_table(path, read_path=read_path, host_cache_bytes=0) as table:
-            source = EmbeddingSource(table, device="cpu", resident_bytes=0, max_ids=3000)
-            ids = cold_request(table)
-            start, end = data_range(table, table.slot_of(ids[1500:1600]))
-            evict(path)
-            faults.fail("t.bin", start, end, "eio")
-            try:
-                source.start(ids)
-                source.finish()
-                message = None
-            except OSError as exc:
-                message = str(exc)
-            faults.clear()
-            evict(path)
-            source.start(ids)
-            values = source.finish()
-            expected = torch.from_numpy(table.values(ids)).to(torch.bfloat16)
-            return message, bool(torch.equal(values, expected))
-
-    message, recovered = in_child(case, timeout=120)
-    assert message is not None and str(path) in message, message
-    assert recovered
+    with open_table(path) as table:
+        ids = cold_request(table)
+        start, end = data_range(table, table.slot_of(ids[1500:1600]))
+    evict(path)
+    faults.fail("t.bin", start, end, "eio")
+    child = subprocess.Popen([sys.executable, "-c", DEVICE_SOURCE_CASE, str(path), read_path, str(len(ids))],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parent.parent)
+    try:
+        first = child.stdout.readline()
+        faults.clear()
+        evict(path)
+        second, errors = child.communicate("\n", timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 0, errors
+    assert first.startswith("refused") and str(path) in first, first + errors
+    assert second.strip() == "recovered True", second + errors
