@@ -193,10 +193,9 @@ class DirectReader:
         self.timeout = timeout
 
     def _completes_inside_submit(self) -> bool:
-        """Whether this file system does O_DIRECT reads inside io_submit (FUSE without async direct
-        I/O, some network file systems): its reads then run one at a time and a hung one hangs the
-        submitting thread, out of reach of the timeout. Two reads of the first block, each found
-        complete the moment io_submit returns, say so; a disk's read takes tens of microseconds."""
+        """Whether O_DIRECT reads complete inside io_submit here (FUSE, some network file systems: one
+        at a time, a hung one out of the timeout's reach): two reads of the first block each found
+        complete the moment io_submit returns (a disk's read takes tens of microseconds)."""
         with self._locked_context():
             context = self._context
             self._iocbs["offset"][0] = 0
