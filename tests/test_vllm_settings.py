@@ -150,3 +150,18 @@ def test_read_timeout_and_verification_reach_open_table():
 def test_read_timeout_and_verification_are_parsed_strictly(variable, text, cause):
     with pytest.raises(BadInput, match=f"^{variable}=.*: .*{cause}"):
         read_settings({}, {"PLE_PREP_TABLE": "/a.bin", variable: text})
+
+
+@pytest.mark.parametrize("value, seconds", [("30", 30.0), ("0", 0.0), ("2.5", 2.5), (15, 15.0)])
+def test_stats_seconds_are_read_from_the_environment_or_the_config(value, seconds):
+    where = {"PLE_PREP_TABLE": "/nvme/ple.bin"}
+    if isinstance(value, str):
+        assert read_settings({}, where | {"PLE_PREP_STATS_SECONDS": value}).stats_seconds == seconds
+    assert read_settings({"ple_prep": {"stats_seconds": value}}, where).stats_seconds == seconds
+    assert read_settings({}, where).stats_seconds == 60.0
+
+
+@pytest.mark.parametrize("value", ["-1", "1e9", "ten", "100000", "９"])
+def test_stats_seconds_refused_naming_the_variable(value):
+    with pytest.raises(BadInput, match=rf"^PLE_PREP_STATS_SECONDS={value}: seconds between stats lines, 0 \(none\)"):
+        read_settings({}, {"PLE_PREP_TABLE": "/nvme/ple.bin", "PLE_PREP_STATS_SECONDS": value})

@@ -1,11 +1,11 @@
 """The reader a serving stack imports: `open_table` and `Table` need numpy alone (no click, tqdm,
-gguf or torch); `EmbeddingSource` (runtime/device/, needs torch) is imported at its first use, so
-importing this package never imports torch."""
+gguf or torch); `EmbeddingSource` and `StepLookup` (runtime/device/, need torch) are imported at
+their first use, so importing this package never imports torch."""
 from .compiled import CompiledHelperMissing, compiled_helper_missing
 from .recording import TrafficRecorder
 from .table import READ_PATHS, Table, open_table
 
-__all__ = ["READ_PATHS", "CompiledHelperMissing", "EmbeddingSource", "Table", "TrafficRecorder",
+__all__ = ["READ_PATHS", "CompiledHelperMissing", "EmbeddingSource", "StepLookup", "Table", "TrafficRecorder",
            "compiled_helper_missing", "open_table"]
 
 
@@ -14,4 +14,8 @@ def __getattr__(name: str):
         from .device import EmbeddingSource
 
         return EmbeddingSource
+    if name == "StepLookup":
+        from .device import StepLookup
+
+        return StepLookup
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 pytest.importorskip("vllm.models.qwen4_exp")
 
 import torch
-from vllm.config import set_current_vllm_config
+from vllm.config import CUDAGraphMode, set_current_vllm_config
 from vllm_layer import (
     build_layer,
     checkpoint_weights,
@@ -201,24 +202,86 @@ def test_refuses_a_rank_file_that_is_not_this_ranks(fp8_rank_tables):
         build_layer(vllm_config(str(fp8_rank_tables / "ple.tp1of2.bin")), text_config("fp8"), None)
 
 
-@pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"])
-def test_refuses_full_cudagraphs_naming_the_setting(tables, mode):
-    config = vllm_config(tables["fp8"], cudagraph_mode=mode)
-    with pytest.raises(ValueError, match=r"FULL CUDA graph would not rerun.*PIECEWISE.*--enforce-eager"):
-        build_layer(config, text_config("fp8"), None)
-
-
-def test_refuses_piecewise_graphs_without_breakable_capture(tables, monkeypatch):
-    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "0")
-    config = vllm_config(tables["fp8"], cudagraph_mode="PIECEWISE")
-    with pytest.raises(ValueError, match=r"only breakable CUDA graphs provide.*VLLM_USE_BREAKABLE_CUDAGRAPH"):
-        build_layer(config, text_config("fp8"), None)
-
-
-def test_serves_under_breakable_piecewise_graphs(tables, monkeypatch):
+@pytest.mark.parametrize("mode", [mode.name for mode in CUDAGraphMode])
+def test_serves_bit_for_bit_under_every_cudagraph_mode_with_breakable_graphs(checkpoints, tables, monkeypatch, mode):
+    """vLLM 0.33.0's default for Qwen4Exp is FULL_AND_PIECEWISE with breakable CUDA graphs: the lookup only
+    queues device work, so every mode builds and serves through the same calls (run eagerly on the CPU)."""
     monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    text = text_config("fp8")
+    reference = build_layer(vllm_config(), text, checkpoint_weights(checkpoints["fp8"]))
+    served = build_layer(vllm_config(tables["fp8"], cudagraph_mode=mode, resident_bytes="1MiB"), text,
+                         checkpoint_weights(checkpoints["fp8"]))
+    assert type(served.ngram_embedding).__name__ == "PreparedTableEmbedding"
+    assert served.ngram_embedding.rows.graph_safe
+    for step in schedule():
+        expected = ple_input(reference, *step)
+        assert torch.equal(ple_input(served, *step).view(torch.int16), expected.view(torch.int16))
+    stats = served.ngram_embedding.rows.stats()
+    assert stats["starts"] == len(list(schedule())) and stats["failed"] == 0
+
+
+@pytest.mark.parametrize("mode", ["PIECEWISE", "FULL_AND_PIECEWISE", "FULL"])
+def test_refuses_graph_modes_without_breakable_capture_naming_the_setting(tables, monkeypatch, mode):
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "0")
+    config = vllm_config(tables["fp8"], cudagraph_mode=mode)
+    with pytest.raises(ValueError, match=r"VLLM_USE_BREAKABLE_CUDAGRAPH=0: unset VLLM_USE_BREAKABLE_CUDAGRAPH"):
+        build_layer(config, text_config("fp8"), None)
+
+
+def test_without_the_compiled_helper_full_graphs_are_refused_and_piecewise_serves(tables, monkeypatch):
+    from ple_prep.runtime import Table
+
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    monkeypatch.setattr(Table, "compiled", property(lambda self: False))
+    with pytest.raises(ValueError, match=r"compiled helper, which is not built.*PIECEWISE.*--enforce-eager"):
+        build_layer(vllm_config(tables["fp8"], cudagraph_mode="FULL_AND_PIECEWISE"), text_config("fp8"), None)
     layer = build_layer(vllm_config(tables["fp8"], cudagraph_mode="PIECEWISE"), text_config("fp8"), None)
-    assert type(layer.ngram_embedding).__name__ == "PreparedTableEmbedding"
+    assert not layer.ngram_embedding.rows.graph_safe
+
+
+def test_a_failed_step_is_logged_at_once_and_raised_by_the_next_call(tables, caplog):
+    """An id outside the table (a table of another model slipping past the checks): the step's error
+    names the id in vLLM's log from the lookup's thread, and the call raises it."""
+    layer = build_layer(vllm_config(tables["fp8"]), text_config("fp8"), None)
+    rows = layer.ngram_embedding.rows
+    rows.start(torch.full((2, 16), 10**9, dtype=torch.int64))
+    with pytest.raises(IndexError, match="row id 1000000000 is outside"):
+        rows.finish()
+    assert rows.stats()["failed"] == 1
+
+
+def test_the_stats_line_and_prometheus_count_each_tier(tables, checkpoints, tmp_path, monkeypatch, caplog):
+    """The periodic line in vLLM's log, and with PROMETHEUS_MULTIPROC_DIR the counters vLLM's /metrics
+    gathers from the workers: every row served counted once, by its tier."""
+    from prometheus_client import CollectorRegistry, multiprocess, values
+
+    from ple_prep.integrations.vllm import observe
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    # A worker imports prometheus_client with the variable already set (vLLM sets it before it starts
+    # them); here it was imported first, so its choice of value store is made again.
+    monkeypatch.setattr(values, "ValueClass", values.get_value_class())
+    monkeypatch.setattr(observe, "_prometheus", None)
+    layer = build_layer(vllm_config(tables["fp8"], resident_bytes="1MiB", stats_seconds=0), text_config("fp8"),
+                        checkpoint_weights(checkpoints["fp8"]))
+    storage_ = layer.ngram_embedding
+    for step in schedule():
+        ple_input(layer, *step)
+    with caplog.at_level("INFO"):
+        window = storage_.stats_log.flush()
+    assert window["starts"] == 5 and window["rows_resident"] + window["rows_page_cache"] + window["rows_disk"] == \
+        window["ids"] == sum(len(tokens) for tokens, _, _ in schedule()) * 16
+    assert re.search(r"PLE .*: 5 steps in 0 s, \d+ rows: [\d.]+% GPU, [\d.]+% page cache, [\d.]+% disk \(\d+ pages "
+                     r"read\); \d+ steps late at the PLE layer \(GPU wait <= [\d.]+ ms\); 0 failed; host [\d.]+ us a "
+                     r"step, [\d.]+ MiB to the GPU", caplog.text), caplog.text
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    assert registry.get_sample_value("ple_prep_steps_total") == 5
+    by_tier = {tier: registry.get_sample_value("ple_prep_rows_total", {"tier": tier}) or 0
+               for tier in ("gpu", "page_cache", "disk")}
+    assert by_tier == {"gpu": window["rows_resident"], "page_cache": window["rows_page_cache"],
+                       "disk": window["rows_disk"]}
+    assert storage_.stats_log.flush()["starts"] == 0  # a window holds what came after the last
 
 
 class _Stored:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from ...core.errors import BadInput
-from ...runtime import EmbeddingSource, Table
+from ...runtime import EmbeddingSource, StepLookup, Table
 
 # The table encodings that serve each of vLLM's PLE embedding methods, by the method's name.
 METHOD_ENCODINGS = {"fp8": "fp8_e4m3", "nvfp4": "nvfp4_packed", "unquantized": "bf16"}
@@ -80,19 +80,24 @@ def default_resident_bytes(table: Table) -> int:
 class PrefetchedRows:
     """bf16 PLE values for (tokens, heads) row ids: `start(ids)` early, `finish()` where they are used.
 
-    vLLM computes the ids on the device: `start` hands them to the runtime's split call
-    (`EmbeddingSource.start` with device ids: their copy to pinned memory is queued behind the
-    kernel that computes them, and a large request's lookup runs on a helper thread as soon as
-    they land, while vLLM launches decoder layer 0) and returns at once. `finish` completes it
-    (a decode step's lookup runs there, inline) and returns the values.
+    vLLM computes the ids on the device. With the compiled helper both calls only queue work on the
+    current stream (`StepLookup`: the device starts the lookup, a helper thread does the host work
+    while decoder layer 0 runs, the device waits for its rows at the PLE layer), so they run the
+    same way eagerly, in breakable piecewise graphs and in FULL graphs, and vLLM's host thread
+    never waits for the device here. An error of a step (an id outside the table, an I/O error)
+    makes that step's values NaN and is raised by the next `start` (or `finish` on the CPU);
+    `pending_error` tells it before. Without the helper, `EmbeddingSource`'s split call serves eagerly.
     """
 
     def __init__(self, table: Table, *, device: str | torch.device, resident_bytes: int, max_tokens: int,
                  heads: int):
         self.table = table
         self.heads = heads
-        self.source = EmbeddingSource(table, device=device, resident_bytes=resident_bytes,
-                                      max_ids=max_tokens * heads)
+        if table.compiled:
+            self.source = StepLookup(table, device=device, resident_bytes=resident_bytes, max_ids=max_tokens * heads)
+        else:
+            self.source = EmbeddingSource(table, device=device, resident_bytes=resident_bytes,
+                                          max_ids=max_tokens * heads)
         self.device = self.source.device
         first, stop = table.row_range
         # A rank's file holds its block only; other ids read a stand-in row that is then zeroed.
@@ -102,6 +107,22 @@ class PrefetchedRows:
         # The last finish's values shaped (tokens, heads * values): a view made again only when the
         # count changes (every decode step of a batch has the same; a view costs microseconds).
         self._shaped: torch.Tensor | None = None
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether the calls only queue device work (the compiled helper's StepLookup): CUDA graphs can hold them."""
+        return isinstance(self.source, StepLookup)
+
+    def stats(self) -> dict[str, int]:
+        """The lookup's counters since the start (StepLookup.stats); empty without the helper."""
+        return self.source.stats() if self.graph_safe else {}
+
+    def pending_error(self) -> BaseException | None:
+        """The error of a failed step not raised yet (StepLookup.pending_error)."""
+        return self.source.pending_error() if self.graph_safe else None
+
+    def close(self) -> None:
+        self.source.close()
 
     @property
     def resident_bytes(self) -> int:

@@ -34,6 +34,10 @@ VERIFY_READS_VARIABLE = "PLE_PREP_VERIFY_READS"
 # The longest read timeout a setting may ask for: an hour, past any disk's own retry time.
 MAX_READ_TIMEOUT_SECONDS = 3600
 _SECONDS = re.compile(r"([0-9]{1,4})(?:\.([0-9]{1,6}))? ?s?", re.ASCII)
+STATS_VARIABLE = "PLE_PREP_STATS_SECONDS"
+# The lookup's counters go to vLLM's log this often by default; at most once a day.
+DEFAULT_STATS_SECONDS = 60.0
+MAX_STATS_SECONDS = 86400.0
 # Byte units, by their lowercase spelling: GB, MB, KB, TB are powers of 1000 (4GB = 4 * 10**9), GiB,
 # MiB, KiB, TiB and the bare letters G, M, K, T powers of 1024 (4GiB = 4G = 4 * 2**30).
 UNITS = {"": 1, "b": 1,
@@ -129,6 +133,16 @@ def parse_switch(value: Any, where: str) -> bool:
     raise refuse(where, value, "on or off: write 1 or 0 (true/false, yes/no, on/off)")
 
 
+def parse_stats_seconds(value: Any, where: str) -> float:
+    """Seconds between the log's stats lines: 0 (none) to MAX_STATS_SECONDS, ASCII digits."""
+    seconds = value
+    if isinstance(value, str) and re.fullmatch(r"[0-9]{1,6}(\.[0-9]{1,3})?", value.strip(), re.ASCII):
+        seconds = float(value)
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= MAX_STATS_SECONDS:
+        raise refuse(where, value, f"seconds between stats lines, 0 (none) to {MAX_STATS_SECONDS:g}")
+    return float(seconds)
+
+
 @dataclasses.dataclass(frozen=True)
 class Key:
     """One setting: its field of `Settings` (also its key in the additional config), its
@@ -144,6 +158,7 @@ KEYS = (
     Key("read_path", READ_PATH_VARIABLE, parse_read_path),
     Key("read_timeout", READ_TIMEOUT_VARIABLE, parse_seconds),
     Key("verify_reads", VERIFY_READS_VARIABLE, parse_switch),
+    Key("stats_seconds", STATS_VARIABLE, parse_stats_seconds),
 )
 # The settings passed on to open_table as they are, by name.
 OPEN_OPTIONS = ("read_path", "read_timeout", "verify_reads")
@@ -156,6 +171,7 @@ class Settings:
     read_path: str | None = None  # the disk tier's read path (open_table's read_path); None: its default
     read_timeout: float | None = None  # open_table's read_timeout; None: its default
     verify_reads: bool | None = None  # open_table's verify_reads; None: its default (off)
+    stats_seconds: float = DEFAULT_STATS_SECONDS  # between the lookup's lines in vLLM's log; 0: none
     # Where each set field came from (`PLE_PREP_TABLE` or `additional_config['ple_prep']['table']`).
     origins: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 

@@ -41,6 +41,7 @@ from .backend import (
     check_scale,
     default_resident_bytes,
 )
+from .observe import StatsLog
 from .settings import Settings, read_settings
 
 logger = init_logger(__name__)
@@ -58,22 +59,24 @@ def configured_settings() -> Settings | None:
     return read_settings(get_current_vllm_config().additional_config, os.environ)
 
 
-def check_cudagraph_mode() -> None:
-    """Refuse graph modes that would replay captured lookups: FULL graphs never rerun host code."""
+def check_cudagraph_mode(graph_safe: bool) -> None:
+    """Refuse only the graph modes the lookup cannot serve. With the compiled helper it queues device
+    work only (backend.PrefetchedRows), so eager, breakable piecewise and FULL graphs all hold it."""
     config = get_current_vllm_config()
     if config.model_config is not None and config.model_config.enforce_eager:
         return
     mode = config.compilation_config.cudagraph_mode
     if mode is None or mode == CUDAGraphMode.NONE:
         return
-    if mode.has_full_cudagraphs():
-        raise BadInput(f"ple-prep serves the PLE table from host code that a FULL CUDA graph would not rerun "
-                       f"(cudagraph_mode={mode.name}): start vLLM with "
-                       "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' or --enforce-eager")
     if not is_breakable_cudagraph_enabled():
-        raise BadInput("ple-prep's PLE lookup runs between graph segments, which only breakable CUDA graphs "
-                       f"provide (cudagraph_mode={mode.name}, VLLM_USE_BREAKABLE_CUDAGRAPH=0): unset "
+        raise BadInput("ple-prep's PLE lookup is not written for torch.compile's graphs, which vLLM uses for "
+                       f"cudagraph_mode={mode.name} when VLLM_USE_BREAKABLE_CUDAGRAPH=0: unset "
                        "VLLM_USE_BREAKABLE_CUDAGRAPH or set it to 1, or start vLLM with --enforce-eager")
+    if not graph_safe and mode.has_full_cudagraphs():
+        raise BadInput(f"ple-prep serves FULL CUDA graphs (cudagraph_mode={mode.name}) through its compiled helper, "
+                       "which is not built in this environment (no C compiler when ple-prep was installed): "
+                       "reinstall ple-prep where a C compiler is present, or start vLLM with "
+                       "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' or --enforce-eager")
 
 
 class _CheckedAfterLoading(QuantizeMethodBase):
@@ -104,7 +107,6 @@ class PreparedTableEmbedding(Qwen4ExpPLEEmbedding):
                  padding_size: int, prefix: str, embedding_method: Qwen4ExpPLEEmbeddingMethod,
                  num_ngram_heads: int = 1, max_total_tokens: int = 0, data_parallel_rank: int = 0,
                  reduce_results: bool = True, settings: Settings):
-        check_cudagraph_mode()
         if params_dtype != torch.bfloat16:
             raise BadInput(f"ple-prep serves bf16 PLE values; the model runs in {params_dtype}: "
                            "start vLLM with --dtype bfloat16")
@@ -125,6 +127,11 @@ class PreparedTableEmbedding(Qwen4ExpPLEEmbedding):
                 budget = default_resident_bytes(table)
             # vLLM builds the model under its target device, the device of a new tensor.
             device = torch.empty(0).device
+            if not table.compiled:
+                logger.warning("ple-prep's compiled helper is not built: the PLE lookup runs in Python, about 15x "
+                               "slower, and FULL CUDA graphs are refused; reinstall ple-prep where a C compiler "
+                               "is present")
+            check_cudagraph_mode(graph_safe=table.compiled)
             self.rows = PrefetchedRows(table, device=device, resident_bytes=budget,
                                        max_tokens=max_total_tokens * self.etp_data_parallel_size,
                                        heads=num_ngram_heads)
@@ -137,6 +144,7 @@ class PreparedTableEmbedding(Qwen4ExpPLEEmbedding):
         self._shard_rows_dropped = 0
         self._owner: weakref.ref[nn.Module] | None = None
         self._watch_registration()
+        self.stats_log = StatsLog(prefix, self.rows, settings.stats_seconds if self.rows.graph_safe else 0)
         logger.info("PLE rows of %s from %s (ETP rank %d of %d): %.2f GiB resident on %s, the rest from the file",
                     prefix, table.path, self.tp_rank, self.tp_size, self.rows.resident_bytes / 2**30, device)
         if compiled_helper_missing() is not None:
@@ -190,13 +198,17 @@ class PreparedTableEmbedding(Qwen4ExpPLEEmbedding):
         # The table's values are already what the layer's method would decode.
         return embeddings.to(output_dtype)
 
-    @eager_break_during_capture
     def start_prefetch(self, ngram_ids: torch.Tensor) -> None:
         """Begin the lookup of this step's ids (all DP ranks' under ETP spanning DP)."""
+        if self.rows.graph_safe:
+            self._start_prefetch(ngram_ids)
+        else:
+            self._start_prefetch_eagerly(ngram_ids)
+
+    def _start_prefetch(self, ngram_ids: torch.Tensor) -> None:
         slot_size, _ = self._get_dp_gather_slot(ngram_ids.shape[0])
         self.rows.start(self._gather_dp_ids(ngram_ids, slot_size))
 
-    @eager_break_during_capture
     def _finalize_prefetch(self, output: torch.Tensor) -> None:
         """Finish the lookup, combine the ETP ranks' rows and keep this DP rank's, into `output`."""
         values = self.rows.finish()
@@ -211,10 +223,18 @@ class PreparedTableEmbedding(Qwen4ExpPLEEmbedding):
             assert self.etp_data_parallel_size == 1
         output.copy_(self._select_embeddings(values, output.shape[0], slot_offset))
 
+    # Without the compiled helper the lookup runs host code each step: in breakable piecewise graphs
+    # it runs as an eager break, every replay (FULL graphs are refused at construction).
+    _start_prefetch_eagerly = eager_break_during_capture(_start_prefetch)
+    _finalize_prefetch_eagerly = eager_break_during_capture(_finalize_prefetch)
+
     def finalize_prefetch(self, total_tokens: int) -> torch.Tensor:
         """bf16 (total_tokens, heads * 160): the PLE layer's input for this DP rank's tokens."""
         output = torch.empty((total_tokens, self._output_dim), dtype=torch.bfloat16, device=self.rows.device)
-        self._finalize_prefetch(output)
+        if self.rows.graph_safe:
+            self._finalize_prefetch(output)
+        else:
+            self._finalize_prefetch_eagerly(output)
         return output
 
     def forward(self, ngram_ids: torch.Tensor) -> torch.Tensor:

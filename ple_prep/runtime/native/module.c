@@ -52,6 +52,7 @@
 #include "pool.h"
 #include "stage.h"
 #include "view.h"
+#include "steps.h"
 
 static PyObject *stage(PyObject *self, PyObject *args)
 {
@@ -221,6 +222,7 @@ static PyMethodDef methods[] = {
      "stage after CUDA events, then a CUDA graph's launch: ((disk, staged), launched)."},
     {"cached", cached, METH_VARARGS, "Whether a few rows spread over a request are in the page cache."},
     HOSTCACHE_METHODS
+    STEPS_METHODS
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,0 +1,448 @@
+"""A proxy decode step held by ONE CUDA graph, the PLE lookup inside it (StepLookup), against the same graph
+gathering from a fully GPU-resident table; cold steps against today's eager path; no host wait; faults.
+
+    python bench/synthetic.py /tmp/ple.bin --base 2500000 --profile-tokens 1000000
+    python bench/synthetic.py /tmp/small.bin --base 100000
+    python bench/vllm_full_graph.py /tmp/ple.bin --faults-table /tmp/small.bin      # on a GPU
+
+Each step's graph holds what vLLM's decode graph holds around the PLE layer: the ids "kernel" (the
+next step's real-text row ids picked on the device from a pool by a device counter, so every replay
+has new ids and no host work), `StepLookup.start`, at least `--layer-ms` of bf16 matrix products
+standing for decoder layer 0, `StepLookup.finish`, and a consumer (a product of the values and a
+copy of them into a history row, checked bit for bit against `Table.values` after the loop). The
+reference graph is the same with the lookup replaced by the same decode kernel over a table held
+whole on the GPU (its index: each id's file slot). Steps are timed by CUDA events around each
+replay, the two graphs alternating in blocks; p50 and p90 of each and their ratios.
+
+- warm: every page of the file in the page cache (`read_path="mapped"`): decode steps (1 token, 16
+  rows, tokens spread over the text) and 4,096-token chunks (65,536 rows) with at least
+  `--chunk-layer-ms` of other work;
+- cold: `read_path="direct"` without the host cache (O_DIRECT: every disk-tier row read from the
+  drive, every time; StepLookup's thread reads them itself, runtime/native/disk_reads.c), one
+  step at a time (the host clock around a replay and a synchronize), alternating with today's eager
+  path (`EmbeddingSource`: start with the device ids, the same other work, finish) on the same ids;
+- exact: warm, cold and mixed (half the pages cached) steps with every buffer poisoned before each;
+- host: how long `start` and `finish` hold the host while the GPU has >= 50 ms of queued work, and
+  a replay's launch;
+- faults (`--faults-table`, a small table): an id outside the table, and an I/O error (a truncated
+  copy read with O_DIRECT), each during FULL replay: the step's time, its values, the raised cause,
+  and the next step.
+Prints JSON (also written to --out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gpu_bench import CHUNK_TOKENS, OtherWork, bf16_bits  # noqa: E402  (bench/, beside this file)
+
+from ple_prep.format.manifest import manifest_path  # noqa: E402
+from ple_prep.integrations.vllm.backend import PrefetchedRows  # noqa: E402
+from ple_prep.ngram import NgramSpec  # noqa: E402
+from ple_prep.runtime import open_table  # noqa: E402
+from ple_prep.runtime.device import EmbeddingSource, StepLookup  # noqa: E402
+from ple_prep.tools.benchmark import evict  # noqa: E402
+from ple_prep.tools.realtext import real_text_row_ids  # noqa: E402
+
+
+def percentiles(ms: list[float]) -> dict:
+    values = np.array(ms)
+    return {"n": len(values), "p50_ms": round(float(np.percentile(values, 50)), 4),
+            "p90_ms": round(float(np.percentile(values, 90)), 4), "max_ms": round(float(values.max()), 4)}
+
+
+class ProxyStep:
+    """One step as one CUDA graph: ids from a device pool, `lookup`, other work, a consumer."""
+
+    def __init__(self, pool: torch.Tensor, other: OtherWork, lookup_start, lookup_finish, values_shape):
+        self.pool = pool
+        self.counter = torch.zeros(1, dtype=torch.int64, device="cuda")
+        self.ids = torch.empty(pool.shape[1:], dtype=pool.dtype, device="cuda")
+        self.weight = torch.full(values_shape, 0.5, dtype=torch.bfloat16, device="cuda")
+        self.product = torch.empty(values_shape, dtype=torch.bfloat16, device="cuda")
+        self.history = torch.empty((len(pool), values_shape[0] * values_shape[1]), dtype=torch.bfloat16,
+                                   device="cuda")
+        self.other, self.lookup_start, self.lookup_finish = other, lookup_start, lookup_finish
+        self.body()  # eager once: compiles the kernels, serves a first step
+        torch.cuda.synchronize()
+        self.counter.zero_()
+        self.graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.cuda.graph(self.graph):
+            self.body()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+
+    def body(self) -> None:
+        torch.index_select(self.pool, 0, self.counter, out=self.ids.unsqueeze(0))
+        self.lookup_start(self.ids)
+        self.other()
+        values = self.lookup_finish()
+        torch.mul(values, self.weight, out=self.product)
+        self.history.index_copy_(0, self.counter, values.reshape(1, -1))
+        self.counter.add_(1)
+        self.counter.remainder_(len(self.pool))
+
+    def replay_timed(self, count: int) -> list[float]:
+        """`count` replays queued back to back, each between two events: GPU ms per step."""
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(count + 1)]
+        marks[0].record()
+        for k in range(count):
+            self.graph.replay()
+            marks[k + 1].record()
+        torch.cuda.synchronize()
+        return [marks[k].elapsed_time(marks[k + 1]) for k in range(count)]
+
+
+def exact_history(table, proxy: ProxyStep, host_ids: list[np.ndarray], upto: int) -> bool:
+    got = proxy.history[:upto].cpu().view(torch.int16).numpy().view(np.uint16)
+    want = np.stack([bf16_bits(table, ids).reshape(-1) for ids in host_ids[:upto]])
+    return bool(np.array_equal(got, want))
+
+
+def lookup_graph(lookup: StepLookup, pool: torch.Tensor, other: OtherWork) -> ProxyStep:
+    size = pool.shape[1]
+    return ProxyStep(pool, other, lookup.start, lambda: lookup.finish(size),
+                     (size, lookup.table.values_per_row))
+
+
+def resident_graph(full: EmbeddingSource, slot_pool: torch.Tensor, other: OtherWork) -> ProxyStep:
+    size = slot_pool.shape[1]
+    out = torch.empty((size, full.table.values_per_row), dtype=torch.bfloat16, device="cuda")
+    index = torch.empty(size, dtype=torch.int32, device="cuda")
+
+    def start(slots):
+        index.copy_(slots)
+
+    def finish():
+        full._fused(full._tiers, index, out)
+        return out
+
+    return ProxyStep(slot_pool, other, start, finish, (size, full.table.values_per_row))
+
+
+def alternate(first: ProxyStep, second: ProxyStep, steps: int, block: int) -> tuple[list[float], list[float]]:
+    times: tuple[list[float], list[float]] = ([], [])
+    done, turn = 0, 0
+    while done < steps:
+        count = min(block, steps - done)
+        order = (0, 1) if turn % 2 == 0 else (1, 0)
+        for side in order:
+            times[side].extend((first, second)[side].replay_timed(count))
+        done += count
+        turn += 1
+    return times
+
+
+def poison(lookup: StepLookup) -> None:
+    source = lookup.source
+    lookup.output.fill_(float("nan"))
+    source._tiers[lookup.num_resident + 1:].fill_(0xFF)
+    source._host_rows[1:].fill(0xFF)
+    lookup._ids_array.fill(-1)
+
+
+def exact_replays(table, lookup: StepLookup, proxy: ProxyStep, host_ids: list[np.ndarray]) -> bool:
+    """Replays one at a time with every buffer poisoned before each; each step's values checked."""
+    proxy.counter.zero_()
+    ok = True
+    for ids in host_ids:
+        poison(lookup)
+        proxy.graph.replay()
+        torch.cuda.synchronize()
+        got = lookup.output[:ids.size].cpu().view(torch.int16).numpy().view(np.uint16).reshape(-1)
+        ok &= bool(np.array_equal(got, bf16_bits(table, ids).reshape(-1)))
+    lookup.check()
+    return ok
+
+
+def pool_of(host_ids: list[np.ndarray]) -> torch.Tensor:
+    return torch.from_numpy(np.stack([ids.reshape(-1) for ids in host_ids])).cuda()
+
+
+def slot_pool_of(table, host_ids: list[np.ndarray]) -> torch.Tensor:
+    return torch.from_numpy(np.stack([table.slot_of(ids.reshape(-1)) for ids in host_ids]).astype(np.int32)).cuda()
+
+
+def cold_section(path: Path, resident: int, decode: list[np.ndarray], chunks: list[np.ndarray], other: OtherWork,
+                 steps: int) -> dict:
+    """Cold (O_DIRECT) FULL-graph steps against today's eager path on the same ids, one at a time."""
+    table = open_table(path, read_path="direct", host_cache_bytes=0)  # each side reads every disk row
+    evict(path)
+    lookup = StepLookup(table, device="cuda", resident_bytes=resident, max_ids=CHUNK_TOKENS * 16)
+    eager = EmbeddingSource(table, device="cuda", resident_bytes=resident, max_ids=CHUNK_TOKENS * 16)
+    report = {}
+    for name, requests in (("decode", decode[:steps]), ("chunk", chunks[:6])):
+        before = lookup.stats()
+        proxy = lookup_graph(lookup, pool_of(requests), other)
+        ids_device = [torch.from_numpy(ids.reshape(-1).copy()).cuda() for ids in requests]
+        graph_s, eager_s = [], []
+        for k, ids in enumerate(ids_device):
+            for side in ((0, 1) if k % 2 == 0 else (1, 0)):
+                torch.cuda.synchronize()
+                began = time.perf_counter()
+                if side == 0:
+                    proxy.graph.replay()
+                else:
+                    eager.start(ids)
+                    other()
+                    eager.finish()
+                torch.cuda.synchronize()
+                (graph_s if side == 0 else eager_s).append((time.perf_counter() - began) * 1e3)
+        lookup.check()
+        stats = {key: value - before[key] for key, value in lookup.stats().items()}
+        report[name] = {"full_graph": percentiles(graph_s), "eager": percentiles(eager_s),
+                        "p50_ratio": round(float(np.median(graph_s) / np.median(eager_s)), 4),
+                        "bit_exact": exact_history(table, proxy, requests, len(requests)),
+                        "pages_read": stats["pages_read"],
+                        "disk_positions_fraction": round(stats["rows_disk"] / stats["ids"], 3)}
+    report["exact_poisoned"] = exact_replays(table, lookup, lookup_graph(lookup, pool_of(decode[:100]), other),
+                                             decode[:100])
+    # Cold steps queued back to back while a Python thread holds the GIL: the service thread reads
+    # without it, so the device never waits for a thread that waits for the GIL.
+    requests = decode[steps:2 * steps]
+    proxy = lookup_graph(lookup, pool_of(requests), other)
+    before = lookup.stats()
+    with PythonBusy():
+        began = time.perf_counter()
+        queued = proxy.replay_timed(len(requests))
+        seconds = time.perf_counter() - began
+    report["decode_queued_busy_gil"] = {"steps": percentiles(queued), "seconds": round(seconds, 2),
+                                        "late_steps": lookup.stats()["late"] - before["late"],
+                                        "bit_exact": exact_history(table, proxy, requests, len(requests))}
+    lookup.close()
+    eager.close()
+    table.close()
+    return report
+
+
+def warm_section(path: Path, resident: int, decode: list[np.ndarray], chunks: list[np.ndarray],
+                 other: OtherWork, chunk_other: OtherWork, args) -> dict:
+    subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)  # every page cached
+    table = open_table(path, read_path="mapped", host_cache_bytes=0)
+    lookup = StepLookup(table, device="cuda", resident_bytes=resident, max_ids=CHUNK_TOKENS * 16)
+    began = time.perf_counter()
+    full = EmbeddingSource(table, device="cuda", resident_bytes=table.num_rows * table.row_bytes, max_ids=16)
+    report = {"resident_table_load_s": round(time.perf_counter() - began, 1),
+              "fused_kernel": full._fused is not None}
+    for name, requests, work, steps, block in (
+            ("decode", decode, other, args.decode_steps, 100),
+            ("chunk", chunks, chunk_other, args.chunk_steps, 16)):
+        ours = lookup_graph(lookup, pool_of(requests), work)
+        reference = resident_graph(full, slot_pool_of(table, requests), work)
+        before = lookup.stats()
+        mine, theirs = alternate(ours, reference, steps, block)
+        lookup.check()
+        after = lookup.stats()
+        checked = min(len(requests), steps, 8 if name == "chunk" else steps)
+        report[name] = {
+            "steps": steps, "distinct_id_sets": len(requests), "other_work_ms": round(work.ms, 3),
+            "full_graph_lookup": percentiles(mine), "resident_table": percentiles(theirs),
+            "p50_ratio": round(float(np.percentile(mine, 50) / np.percentile(theirs, 50)), 4),
+            "p90_ratio": round(float(np.percentile(mine, 90) / np.percentile(theirs, 90)), 4),
+            "bit_exact": exact_history(table, ours, requests, checked)
+            and exact_history(table, reference, requests, checked),
+            "late_steps": after["late"] - before["late"],
+            "disk_positions_fraction": round((after["rows_page_cache"] - before["rows_page_cache"])
+                                             / max(1, after["ids"] - before["ids"]), 3),
+            "failed_steps": after["failed"] - before["failed"],
+            "host_us_per_step": round((after["host_ns"] - before["host_ns"]) / 1e3 / max(1, after["starts"]
+                                                                                       - before["starts"]), 1)}
+    ours = lookup_graph(lookup, pool_of(decode[:300]), other)
+    reference = resident_graph(full, slot_pool_of(table, decode[:300]), other)
+    before = lookup.stats()
+    with PythonBusy():
+        mine, theirs = alternate(ours, reference, 300, 100)
+    report["decode_busy_gil"] = {"full_graph_lookup": percentiles(mine), "resident_table": percentiles(theirs),
+                                 "p50_ratio": round(float(np.percentile(mine, 50) / np.percentile(theirs, 50)), 4),
+                                 "p90_ratio": round(float(np.percentile(mine, 90) / np.percentile(theirs, 90)), 4),
+                                 "late_steps": lookup.stats()["late"] - before["late"]}
+    report["exact_poisoned_warm"] = exact_replays(table, lookup, lookup_graph(lookup, pool_of(decode[:200]), other),
+                                                  decode[:200])
+    chunk_proxy = lookup_graph(lookup, pool_of(chunks[:4]), chunk_other)
+    report["exact_poisoned_warm_chunk"] = exact_replays(table, lookup, chunk_proxy, chunks[:4])
+    report["host"] = host_section(lookup, decode, chunks, chunk_proxy)
+    rows = PrefetchedRows(table, device="cuda", resident_bytes=resident, max_tokens=CHUNK_TOKENS, heads=16)
+    report["host"]["plugin"] = host_section(rows, decode, chunks, None, reshape=True)
+    rows.close()
+    lookup.close()
+    del full
+    table.close()
+    # Mixed: half the steps' pages cached (their rows read once through the mapping), half not.
+    evict(path)
+    table = open_table(path, read_path="mapped", host_cache_bytes=0)
+    lookup = StepLookup(table, device="cuda", resident_bytes=resident, max_ids=CHUNK_TOKENS * 16)
+    mixed = decode[200:400]
+    for ids in mixed[::2]:
+        table.gather(ids.reshape(-1))
+    report["exact_poisoned_mixed"] = exact_replays(table, lookup, lookup_graph(lookup, pool_of(mixed), other), mixed)
+    report["mixed_stats"] = lookup.stats()
+    lookup.close()
+    table.close()
+    return report
+
+
+class PythonBusy:
+    """A thread running Python bytecode without pause, as vLLM's scheduler does between steps: it holds
+    the GIL but for the interpreter's switch interval."""
+
+    def __init__(self):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._spin, daemon=True)
+
+    def _spin(self) -> None:
+        total = 0
+        while not self._stop.is_set():
+            for k in range(1000):
+                total += k * k
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def host_section(lookup, decode: list[np.ndarray], chunks: list[np.ndarray], proxy: ProxyStep | None,
+                 reshape: bool = False) -> dict:
+    """Host seconds of start, finish and a replay's launch while the GPU has >= 50 ms of queued work
+    (`lookup`: a StepLookup, or the plugin's PrefetchedRows with (tokens, 16) ids)."""
+    report = {}
+    for name, requests in (("decode", decode[:50]), ("chunk", chunks[:4])):
+        starts, finishes, busy = [], [], True
+        for ids in requests[:1] + requests:  # the first of each size once more: its eager graph captured
+            device_ids = torch.from_numpy(ids.copy() if reshape else ids.reshape(-1).copy()).cuda()
+            torch.cuda.synchronize()
+            torch.cuda._sleep(100_000_000)  # about 50 ms at the H200's clock
+            began = time.perf_counter()
+            lookup.start(device_ids)
+            middle = time.perf_counter()
+            lookup.finish()
+            ended = time.perf_counter()
+            busy &= not torch.cuda.current_stream().query()
+            starts.append((middle - began) * 1e3)
+            finishes.append((ended - middle) * 1e3)
+            torch.cuda.synchronize()
+        report[name] = {"start": percentiles(starts[1:]), "finish": percentiles(finishes[1:]),
+                        "gpu_still_busy": busy}
+    if proxy is None:
+        return report
+    launches = []
+    for _ in range(4):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)
+        began = time.perf_counter()
+        proxy.graph.replay()
+        launches.append((time.perf_counter() - began) * 1e3)
+        torch.cuda.synchronize()
+    report["full_graph_replay_launch"] = percentiles(launches)
+    return report
+
+
+def faults_section(path: Path, spec: NgramSpec, other: OtherWork, work: Path) -> dict:
+    """An id outside the table and an I/O error during FULL replay, on a small table."""
+    report = {}
+    copy = work / "faulty.bin"
+    shutil.copy(path, copy)
+    shutil.copy(manifest_path(path), manifest_path(copy))
+    evict(copy)
+    table = open_table(copy, read_path="direct", host_cache_bytes=0)
+    lookup = StepLookup(table, device="cuda", resident_bytes=0, max_ids=16 * 16)
+    slots = table.slot_of(np.arange(table.num_rows))
+    tail = np.flatnonzero(slots >= table.num_rows - 2000)
+    head = np.flatnonzero(slots < table.num_rows // 4)
+    rng = np.random.default_rng(5)
+    good = [rng.choice(head, 16) for _ in range(6)]
+    outside = good[0].copy()
+    outside[3] = table.num_rows + 11
+    truncated = rng.choice(tail, 16)
+    requests = [good[1], outside, good[2], truncated, good[3]]
+    proxy = lookup_graph(lookup, pool_of(requests), other)
+    proxy.counter.zero_()
+    with open(copy, "r+b") as file:  # the last half of the file's pages gone from under the open table
+        file.truncate(table.header.data_offset + (table.num_rows // 2) // table.header.rows_per_page
+                      * table.header.page_size)
+    for k, (name, ids) in enumerate(zip(("good", "outside", "good_after", "io_error", "good_after_io"), requests)):
+        began = time.perf_counter()
+        proxy.graph.replay()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - began
+        values = proxy.history[k].float()
+        told = lookup.pending_error()
+        raised = None
+        try:
+            lookup.check()
+        except Exception as error:  # the cause, as the caller sees it
+            raised = f"{type(error).__name__}: {error}"
+        exact = bool(np.array_equal(proxy.history[k].cpu().view(torch.int16).numpy().view(np.uint16),
+                                    bf16_bits(table, ids).reshape(-1))) if name.startswith("good") else None
+        report[name] = {"step_s": round(seconds, 4), "all_nan": bool(torch.isnan(values).all()),
+                        "pending_error": None if told is None else type(told).__name__,
+                        "raised": raised, "bit_exact": exact}
+    lookup.close()
+    table.close()
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("table", type=Path)
+    parser.add_argument("--faults-table", type=Path)
+    parser.add_argument("--resident-fraction", type=float, default=0.05)
+    parser.add_argument("--decode-steps", type=int, default=10000)
+    parser.add_argument("--chunk-steps", type=int, default=256)
+    parser.add_argument("--chunks", type=int, default=32)
+    parser.add_argument("--cold-steps", type=int, default=200)
+    parser.add_argument("--layer-ms", type=float, default=1.0)
+    parser.add_argument("--chunk-layer-ms", type=float, default=2.0)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/ple-full-graph"))
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    torch.cuda.init()
+    table = open_table(args.table)
+    spec = NgramSpec.from_json(table.manifest["ngram"])
+    began = time.perf_counter()
+    row_ids = real_text_row_ids(spec, args.chunks * CHUNK_TOKENS, part=0, parts=2)
+    chunks = [row_ids[i * CHUNK_TOKENS:(i + 1) * CHUNK_TOKENS] for i in range(args.chunks)]
+    # Decode tokens spread over the whole text (consecutive ones would sit in one or two files,
+    # some of which, such as the codec tables, are all hot rows).
+    picks = np.linspace(0, len(row_ids) - 1, args.decode_steps).astype(np.int64)
+    decode = [row_ids[k:k + 1] for k in picks]
+    resident = int(args.resident_fraction * table.num_rows * table.row_bytes)
+    report = {"table": str(args.table), "rows": table.num_rows, "encoding": table.encoding,
+              "resident_bytes": resident, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "compiled_helper": table.compiled, "real_text_seconds": round(time.perf_counter() - began, 1)}
+    table.close()
+    other = OtherWork(args.layer_ms)
+    chunk_other = OtherWork(args.chunk_layer_ms)
+    print("cold", flush=True, file=sys.stderr)
+    report["cold"] = cold_section(args.table, resident, decode, chunks, other, args.cold_steps)
+    print(json.dumps(report["cold"]), flush=True, file=sys.stderr)
+    print("warm", flush=True, file=sys.stderr)
+    report["warm"] = warm_section(args.table, resident, decode, chunks, other, chunk_other, args)
+    print(json.dumps(report["warm"]), flush=True, file=sys.stderr)
+    if args.faults_table is not None:
+        report["faults"] = faults_section(args.faults_table, spec, other, args.work)
+    text = json.dumps(report, indent=1)
+    if args.out is not None:
+        args.out.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""What the PLE lookup did, where an operator looks: a periodic line in vLLM's log, and Prometheus counters.
+
+Each worker's `PreparedTableEmbedding` keeps a `StatsLog`: every `stats_seconds`
+(`PLE_PREP_STATS_SECONDS`, default 60; 0: none) it logs the lookup's counts since its last line,
+when there were steps. Where vLLM's metrics gather the workers' (`PROMETHEUS_MULTIPROC_DIR` set, as
+vLLM sets it with more than one API server, or as the operator sets it), the same counts go to
+Prometheus counters on vLLM's `/metrics`: `ple_prep_steps_total`, `ple_prep_rows_total{tier=
+"gpu"|"page_cache"|"disk"}`, `ple_prep_pages_read_total`, `ple_prep_late_steps_total`,
+`ple_prep_late_seconds_total` (at most the time the GPU waited at the PLE layer),
+`ple_prep_failed_steps_total` and `ple_prep_copied_bytes_total`. A single API server without
+that variable exports none: vLLM's `/metrics` then shows that process's metrics alone.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+# The Prometheus counters: name -> (help, the counts' keys it sums, scale); rows also by tier.
+_COUNTERS = {
+    "ple_prep_steps": ("PLE lookup steps", ("starts",), 1),
+    "ple_prep_pages_read": ("PLE table pages read from the disk", ("pages_read",), 1),
+    "ple_prep_late_steps": ("PLE steps whose rows were not ready when the GPU reached the PLE layer", ("late",), 1),
+    "ple_prep_late_seconds": ("Host seconds of the late PLE steps: at most the GPU's wait", ("late_host_ns",), 1e-9),
+    "ple_prep_failed_steps": ("PLE steps that failed (NaN values, the error raised)", ("failed",), 1),
+    "ple_prep_copied_bytes": ("Bytes the PLE lookup copied to the GPU", ("copied_bytes",), 1),
+}
+_TIERS = {"gpu": "rows_resident", "page_cache": "rows_page_cache", "disk": "rows_disk"}
+# How often a failed step is looked for, to log its cause.
+ERROR_POLL_SECONDS = 0.5
+
+
+def format_stats(prefix: str, counts: Mapping[str, int], seconds: float) -> str:
+    """One log line of a lookup's counts over `seconds`."""
+    ids = max(1, counts["ids"])
+    return (f"PLE {prefix}: {counts['starts']} steps in {seconds:g} s, {counts['ids']} rows: "
+            f"{100 * counts['rows_resident'] / ids:.1f}% GPU, {100 * counts['rows_page_cache'] / ids:.1f}% page cache, "
+            f"{100 * counts['rows_disk'] / ids:.1f}% disk ({counts['pages_read']} pages read); "
+            f"{counts['late']} steps late at the PLE layer (GPU wait <= {counts['late_host_ns'] / 1e6:.2f} ms); "
+            f"{counts['failed']} failed; host {counts['host_ns'] / max(1, counts['starts']) / 1e3:.1f} us a step, "
+            f"{counts['copied_bytes'] / 2**20:.1f} MiB to the GPU")
+
+
+class PrometheusCounters:
+    """The counters above, in prometheus_client's multiprocess mode (None where it cannot export)."""
+
+    def __init__(self):
+        from prometheus_client import Counter
+
+        self.counters = {name: Counter(name, text) for name, (text, _, _) in _COUNTERS.items()}
+        self.rows = Counter("ple_prep_rows", "PLE rows served, by tier", ["tier"])
+
+    @classmethod
+    def where_exported(cls) -> "PrometheusCounters | None":
+        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            return None
+        try:
+            return cls()
+        except (ImportError, ValueError) as error:  # no prometheus_client, or registered twice
+            logger.warning("ple-prep: no Prometheus counters (%s)", error)
+            return None
+
+    def add(self, counts: Mapping[str, int]) -> None:
+        for name, (_, keys, scale) in _COUNTERS.items():
+            value = sum(counts[key] for key in keys) * scale
+            if value:
+                self.counters[name].inc(value)
+        for tier, key in _TIERS.items():
+            if counts[key]:
+                self.rows.labels(tier=tier).inc(counts[key])
+
+
+_prometheus: PrometheusCounters | None = None
+_prometheus_lock = threading.Lock()
+
+
+def prometheus() -> PrometheusCounters | None:
+    """The process's counters, made once (every lookup of the process adds to them)."""
+    global _prometheus
+    with _prometheus_lock:
+        if _prometheus is None:
+            _prometheus = PrometheusCounters.where_exported()
+        return _prometheus
+
+
+class StatsLog:
+    """Every `seconds`, the lookup's counts since the last time: a log line (when there were steps)
+    and the Prometheus counters; `flush` does it now. A failed step is logged within
+    ERROR_POLL_SECONDS, naming its cause, whether or not the caller has been told yet (in a FULL
+    CUDA graph no call of the plugin runs until the next step that is not one)."""
+
+    def __init__(self, prefix: str, rows, seconds: float):
+        self.prefix, self.rows, self.seconds = prefix, rows, seconds
+        self._last = dict(rows.stats())
+        self._failed = self._last.get("failed", 0)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._exporter = prometheus()
+        if seconds > 0:
+            threading.Thread(target=self._run, name="ple-prep-stats", daemon=True).start()
+
+    def _run(self) -> None:
+        due = self.seconds
+        while not self._stop.wait(min(ERROR_POLL_SECONDS, self.seconds)):
+            self.log_failures()
+            due -= min(ERROR_POLL_SECONDS, self.seconds)
+            if due <= 0:
+                self.flush()
+                due = self.seconds
+
+    def log_failures(self) -> None:
+        failed = self.rows.stats().get("failed", 0)
+        if failed > self._failed:
+            error = self.rows.pending_error()
+            cause = "raised already" if error is None else f"{type(error).__name__}: {error}"
+            logger.error("PLE lookup of %s: %d step(s) failed, their values are NaN: %s", self.prefix,
+                         failed - self._failed, cause)
+            self._failed = failed
+
+    def flush(self) -> dict[str, int]:
+        with self._lock:
+            now = dict(self.rows.stats())
+            window = {key: now[key] - self._last.get(key, 0) for key in now}
+            self._last = now
+        if window.get("starts"):
+            logger.info(format_stats(self.prefix, window, self.seconds))
+            if self._exporter is not None:
+                self._exporter.add(window)
+        return window
+
+    def close(self) -> None:
+        self._stop.set()

@@ -1,0 +1,303 @@
+"""A model step's PLE lookup that the device starts and waits for itself: one CUDA graph can hold it.
+
+    from ple_prep.runtime.device.steps import StepLookup
+
+    lookup = StepLookup(table, device="cuda", resident_bytes=2 << 30, max_ids=4096 * 16)
+    lookup.start(ids)            # int64 ids on the device: queues stream work only, returns at once
+    ...                          # decoder layer 0 on the device
+    values = lookup.finish()     # queues stream work only: bf16 (len(ids), values_per_row)
+    lookup.check()               # raises the error of a step that failed (an id outside the table, I/O)
+
+`start` queues, on the current stream, the copy of the ids into pinned memory and a stream memory
+operation writing their count into a pinned flag (on the same stream: a piecewise graph may end
+between start and finish, and a capture may not end with a side stream unjoined). A thread of the
+compiled runtime (runtime/native/steps.c) waits for that flag, finds each id's slot, stages the
+disk-tier rows (copied from the page cache where they are there, else read from the file with
+O_DIRECT, runtime/native/disk_reads.c), without ever taking the GIL, and queues the rows' and the
+index's copy to the device, then a flag write, on its own stream.
+`finish` queues a wait for that flag, its reset, and the index and decode into `output`. Nothing
+in either call waits on the host, and neither depends on the host's state of the step, so the same
+calls run eagerly, inside breakable piecewise graphs and inside one FULL graph replayed with new
+ids every step: the device does the same work each time, the thread does the host work each time
+it is asked. If the thread is late the device waits at `finish` only. A failed step's positions
+read a poison row, which decodes to NaN everywhere, never a stale or a wrong row; the error is kept
+for `check` (called by the next `start`; `pending_error` reads it without taking it). On the CPU
+the host does the device's part (the flags are stored and waited for by the caller), through the
+same thread. The thread reads the file itself: the table's host cache and read-ahead are not used.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import time
+import weakref
+
+import numpy as np
+import torch
+
+from ..dequant import decode
+from ..table import Table
+from .source import LOOKUP_PART_IDS, LOOKUP_THREADS, EmbeddingSource
+
+try:
+    from .. import _native
+except ImportError:  # built only where a C compiler was there at install (setup.py)
+    _native = None
+
+# The flags' words (runtime/native/steps.c), a cache line apart.
+REQUEST, ARRIVED, READY, FLAG_WORDS = 0, 16, 32, 48
+# On the CPU `finish` waits for the thread at most this long before it gives up on the step.
+HOST_WAIT_SECONDS = 120.0
+# Cold reads the service thread keeps in flight (O_DIRECT, native AIO): fio's reference depth.
+READ_DEPTH = 64
+# Byte patterns tried for the poison row, the first whose every value decodes to NaN is kept:
+# FP8's 0x7F code, and the 16-bit NaN of BF16 rows and of the f16/fp8 block scales of the others.
+_POISON_PATTERNS = (b"\x7f", b"\xc0\x7f", b"\x00\x7e", b"\xff")
+
+
+def poison_row(table: Table) -> np.ndarray:
+    """A row of the table's encoding whose values all decode to NaN (refused if none is found)."""
+    for pattern in _POISON_PATTERNS:
+        row = np.frombuffer(pattern * table.row_bytes, dtype=np.uint8)[:table.row_bytes].copy()
+        values = decode(table.header.encoding, row.reshape(1, -1), table.values_per_row, table.scale)
+        if np.isnan(values).all():
+            return row
+    raise ValueError(f"no poison row found for {table.encoding} rows")
+
+
+class StepLookup:
+    """bf16 PLE values for row ids on a device, looked up without any host wait in the caller's calls."""
+
+    def __init__(self, table: Table, *, device: str | torch.device = "cuda", resident_bytes: int = 0,
+                 max_ids: int = 4096 * 16):
+        if _native is None:
+            raise RuntimeError("StepLookup needs the compiled runtime helper (runtime/native/): reinstall "
+                               "ple-prep where a C compiler is present")
+        if max_ids < 1:
+            raise ValueError("max_ids must be >= 1")
+        self.capacity = int(max_ids)
+        # One staging row more than ids: the first is never staged into, and holds the poison row.
+        self.source = source = EmbeddingSource(table, device=device, resident_bytes=resident_bytes,
+                                               max_ids=self.capacity + 1)
+        self.table, self.device, self.num_resident = table, source.device, source.num_resident
+        self.output = source.output
+        self._cuda = self.device.type == "cuda"
+        self._poison = source.num_resident
+        poison = torch.from_numpy(poison_row(table))
+        source._tiers[self._poison].copy_(poison)
+        self._host_index = source._host_index
+        self._host_index[:] = self._poison  # what the device reads before the first step, in range
+        if not self._cuda:
+            source._host_rows[0] = poison.numpy()
+        pin = self._cuda
+        self._ids = torch.zeros(self.capacity + 1, dtype=torch.int64, pin_memory=pin)
+        self._ids_array = self._ids.numpy()
+        self._slots = np.zeros(self.capacity + 1, dtype=np.int64)
+        self._flags = torch.zeros(FLAG_WORDS, dtype=torch.int32, pin_memory=pin)
+        self._flags_array = self._flags.numpy()
+        self._started: int | None = None
+        # An eager finish's device half, as CUDA graph execs by size (the graphs kept alive beside).
+        self._graphs: list[torch.cuda.CUDAGraph] = []
+        self._graph_execs: dict[int, int] = {}
+        device_completion = None
+        if self._cuda:
+            from .driver import device_context
+
+            self._service_stream = torch.cuda.Stream(self.device)
+            self._flag_address = self._flags.data_ptr()
+            self._ids_address = self._ids.data_ptr()
+            source._index[:] = self._poison
+            device_completion = (device_context(self.device.index), self._service_stream.cuda_stream,
+                                 source._span.data_ptr())
+        header = table.header
+        self._descriptor = _disk_descriptor(table.descriptor)
+        disk = (self._descriptor, header.data_offset, header.data_offset + header.num_pages * header.page_size,
+                header.page_size, READ_DEPTH)
+        arguments = table._gatherer._stage_arguments(self._ids_array, table.order, table.first_row, self.num_resident,
+                                                     self._slots, self._host_index, source._host_rows,
+                                                     LOOKUP_THREADS)
+        try:
+            self._service = _native.step_service(self._flags_array, disk, self._poison,
+                                                 (LOOKUP_THREADS, LOOKUP_PART_IDS), device_completion, *arguments)
+        except BaseException:
+            os.close(self._descriptor)
+            raise
+        # The thread stops when the lookup is closed or collected (or at exit), whichever comes first.
+        self._stop = weakref.finalize(self, _stop_service, self._service, self._descriptor)
+
+    # --- the caller's calls: queued work only -------------------------------------------------
+
+    def start(self, ids: torch.Tensor) -> None:
+        """Queue this step's lookup of `ids` (int64, any shape, on this lookup's device)."""
+        self.check()
+        if ids.device != self.device:
+            raise ValueError(f"ids on {ids.device}, this lookup serves {self.device}")
+        if ids.dtype != torch.int64:
+            raise TypeError(f"row ids must be int64, not {ids.dtype}")
+        if self._started is not None:
+            raise RuntimeError("start() called again before finish() or drop() of the previous start()")
+        count = ids.numel()
+        if not 0 < count <= self.capacity:
+            raise ValueError(f"{count} row ids: this lookup takes 1 to max_ids = {self.capacity}")
+        self._started = count
+        flat = ids.reshape(-1)
+        if not self._cuda:
+            self._ids_array[:count] = flat.numpy()
+            self._flags_array[REQUEST] = count
+            return
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        _native.queue_step_start(torch.cuda.current_stream(self.device).cuda_stream, self._ids_address,
+                                 flat.data_ptr(), 8 * count, self._flag_address + 4 * REQUEST, count)
+
+    def finish(self, count: int | None = None) -> torch.Tensor:
+        """Queue the wait for the last start's rows and their index and decode: bf16 (count,
+        values_per_row), a view of `output` valid until the next finish. `count` defaults to the
+        started ids. Outside a capture this launches one CUDA graph of the device half, captured
+        once for the count rounded up to a power of two (each torch launch costs the host microseconds,
+        a Triton launch from Python tens of them)."""
+        if self._started is None:
+            raise RuntimeError("finish() without a start()")
+        count = self._started if count is None else count
+        self._started = None
+        if not self._cuda:
+            self._wait_on_host()
+            self.check()
+            return self.source._index_and_decode(count)
+        stream = torch.cuda.current_stream(self.device)
+        if torch.cuda.is_current_stream_capturing():
+            return self._device_half(count, stream.cuda_stream)
+        size = self.source._graph_size(count)
+        graph = self._graph_execs.get(size)
+        if graph is None:
+            graph = self._capture(size, stream)
+        _native.launch_graph(graph, stream.cuda_stream)
+        return self.source._output_view(count)
+
+    def _device_half(self, count: int, stream: int) -> torch.Tensor:
+        """The wait for this step's rows (marking the device's arrival first), the flag's reset, the
+        index and decode: queued on `stream`, the current one."""
+        _native.stream_write_value(stream, self._flag_address + 4 * ARRIVED, 1)
+        _native.stream_wait_value(stream, self._flag_address + 4 * READY, 1)
+        _native.stream_write_value(stream, self._flag_address + 4 * READY, 0)
+        return self.source._index_and_decode(count)
+
+    def _capture(self, size: int, stream) -> int:
+        graph = torch.cuda.CUDAGraph()
+        capture = torch.cuda.Stream(self.device)
+        capture.wait_stream(stream)
+        with torch.cuda.stream(capture):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self._device_half(size, capture.cuda_stream)
+            finally:
+                graph.capture_end()
+        stream.wait_stream(capture)
+        self._graphs.append(graph)
+        self._graph_execs[size] = graph.raw_cuda_graph_exec()
+        return self._graph_execs[size]
+
+    def drop(self) -> None:
+        """Abandon the last start if it was not finished (its forward pass failed before the PLE
+        layer): its rows' wait and reset are queued, so the next step waits for its own rows. On the
+        CPU its error, if any, is dropped with it (on a GPU it is not known yet)."""
+        if self._started is None:
+            return
+        self._started = None
+        if not self._cuda:
+            self._wait_on_host()
+            _native.step_service_error(self._service, True)
+            return
+        raw = torch.cuda.current_stream(self.device).cuda_stream
+        _native.stream_wait_value(raw, self._flag_address + 4 * READY, 1)
+        _native.stream_write_value(raw, self._flag_address + 4 * READY, 0)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        self.start(ids)
+        return self.finish()
+
+    def check(self) -> None:
+        """Raise the error of the first step that failed since the last check (the lookup serves
+        the next steps afresh): IndexError for an id outside the table, OSError for a failed read."""
+        failure = _native.step_service_error(self._service, True)
+        if failure is not None:
+            raise self._error_of(*failure)
+
+    def pending_error(self) -> BaseException | None:
+        """That error, without taking it (for a log line while the caller has not been told)."""
+        failure = _native.step_service_error(self._service, False)
+        return None if failure is None else self._error_of(*failure)
+
+    def _error_of(self, kind: str, value: int, offset: int) -> BaseException:
+        name = self.table.path.name
+        if kind == "id":
+            try:
+                self.table.slot_of(np.array([value], dtype=np.int64))
+            except IndexError as error:
+                return error
+            return IndexError(f"row id {value} is outside the table")
+        if kind == "read" and value == -1:
+            return OSError(errno.EIO, f"{name}: short O_DIRECT read at byte {offset}: the file shrank")
+        if kind == "read":
+            return OSError(value, f"{name}: O_DIRECT read at byte {offset}: {os.strerror(value)}")
+        if kind == "count":
+            return ValueError(f"{value} row ids exceed this lookup's max_ids = {self.capacity}")
+        if kind == "copy":
+            return RuntimeError(f"the PLE step service's copy to the device failed (CUDA error {value})")
+        if kind == "context":
+            return RuntimeError("the PLE step service cannot make the device's CUDA context current")
+        return RuntimeError(f"the PLE step service failed a step ({kind})")
+
+    def _wait_on_host(self) -> None:
+        """The CPU's stand-in for the device's wait: READY, then its reset."""
+        self._flags_array[ARRIVED] = 1
+        deadline = time.monotonic() + HOST_WAIT_SECONDS
+        while self._flags_array[READY] == 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the PLE step service did not serve a step within {HOST_WAIT_SECONDS:.0f} s")
+            time.sleep(20e-6)
+        self._flags_array[READY] = 0
+
+    # --- state -----------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """Counts since the lookup was made (a later minus an earlier gives a window's): `starts`
+        (steps) and their `ids`; positions served by each tier: `rows_resident` (on the device),
+        `rows_page_cache` (disk-tier rows copied from the page cache), `rows_disk` (the others,
+        read from the file), and `pages_read` (the blocks read for them, each once a step);
+        `failed` steps; `late` steps (the device reached finish before the rows were
+        ready: it waited at most `late_host_ns`, the thread's time on them); the thread's
+        `host_ns` and the `copied_bytes` it queued to the device."""
+        counters = _native.step_service_stats(self._service)
+        return {"starts": counters["steps"], "ids": counters["ids"],
+                "rows_resident": counters["ids"] - counters["disk_positions"],
+                "rows_page_cache": counters["cached_positions"],
+                "rows_disk": counters["disk_positions"] - counters["cached_positions"],
+                "pages_read": counters["blocks_read"], "failed": counters["failed_steps"],
+                "late": counters["late_steps"],
+                "late_host_ns": counters["late_host_ns"], "host_ns": counters["host_ns"],
+                "copied_bytes": counters["copied_bytes"]}
+
+    def close(self) -> None:
+        """Stop the service thread (after the device's queued steps, which it still serves)."""
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        self._stop()
+
+
+def _disk_descriptor(descriptor: int) -> int:
+    """A descriptor of the table's own file (whatever its path names now) for the service's reads:
+    O_DIRECT where the file system allows it, else buffered."""
+    path = f"/proc/self/fd/{descriptor}"
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0) | os.O_CLOEXEC)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+
+def _stop_service(service, descriptor: int) -> None:
+    _native.step_service_stop(service)
+    os.close(descriptor)
+

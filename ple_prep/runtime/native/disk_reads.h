@@ -1,0 +1,36 @@
+/* A step's cold disk-tier rows read by the step service's own thread (disk_reads.c): no GIL, so
+ * that no Python thread (one holding the GIL while it waits for the device) can stall a step. */
+#ifndef PLE_PREP_DISK_READS_H
+#define PLE_PREP_DISK_READS_H
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "stage.h"
+
+typedef struct {
+    int fd;                  /* the table file, O_DIRECT where the file system allows it */
+    off_t data_offset, file_end;
+    Py_ssize_t block;        /* bytes a read: max(page_size, 4096), aligned to it */
+    int depth;               /* reads kept in flight */
+    unsigned long context;   /* the thread's own Linux AIO context; 0: reads one at a time (pread) */
+    char *buffer;            /* depth blocks, aligned to a block */
+    uint64_t *keys;          /* (block, position) pairs of a step, sorted: capacity of them */
+    int64_t *positions;      /* the step's disk positions */
+    uint64_t blocks_read;    /* since the reader was opened */
+} disk_reader;
+
+/* disk_reader_stage's result for a read that ended before its block did, inside the table. */
+#define SHORT_READ (-1)
+
+/* 0, or -1 with errno (the reader then holds nothing); `capacity` positions a step at most. */
+int disk_reader_open(disk_reader *reader, int fd, off_t data_offset, off_t file_end, Py_ssize_t page_size,
+                     Py_ssize_t capacity, int depth);
+void disk_reader_close(disk_reader *reader);
+
+/* The rows of the request's disk positions (slots >= num_resident, already found by stage) read
+ * from the file into the last `disk` rows of `out`, in position order, their index entries set,
+ * each block read once; returns 0, or an errno (SHORT_READ: the file shrank) with *failed_at the
+ * file offset that failed. */
+int disk_reader_stage(disk_reader *reader, stage_call *call, Py_ssize_t disk, off_t *failed_at);
+
+#endif

@@ -1,0 +1,512 @@
+/* The step service: one thread per lookup that serves steps a device starts and waits for itself,
+ * so that everything the device does for a step can be captured in one CUDA graph and replayed
+ * (runtime/device/steps.py holds the device side and the protocol's description).
+ *
+ * Three int32 words in pinned memory, a cache line apart, carry a step:
+ *   flags[REQUEST]  the device writes the step's id count after copying its ids into the pinned
+ *                   ids buffer (a stream memory operation); the thread takes it and writes 0;
+ *   flags[ARRIVED]  the device writes 1 when it reaches the PLE layer, just before it waits: the
+ *                   thread, finding it set when the rows are ready, counts the step as late;
+ *   flags[READY]    the thread's copy stream writes 1 after the staged rows' copy to the device
+ *                   (on the CPU, the thread stores it); the device waits for 1, then writes 0.
+ * The device writes the request of step n + 1 after its reset of READY for step n, so a step's
+ * flags never mix with the next one's.
+ *
+ * Per step: `stage` (stage.c) with the step's count; where the disk rows are not in the page
+ * cache, disk_reads.c reads them (O_DIRECT). The thread never takes the GIL: a Python thread that
+ * holds it while it waits for the device would wait for a step that waits for it. A failed step
+ * (an id outside the table, a read that failed) has its index name the poison row (a tier row
+ * whose every value decodes to NaN) at every position, so the device gets no stale or wrong rows;
+ * the first error is kept for step_service_error, which the Python side raises. Then the copy of
+ * the staged rows and the index (one span of the pinned buffer) and the write of READY, queued on
+ * the service's stream. The thread polls REQUEST spinning for SPIN_NS after a step, then sleeping
+ * SLEEP_NS apart, and IDLE_SLEEP_NS apart once idle for IDLE_NS. */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <dlfcn.h>
+
+#include "../../core/native/rows.h"
+#include "cuda.h"
+#include "disk_reads.h"
+#include "pool.h"
+#include "stage.h"
+#include "steps.h"
+
+#define REQUEST 0
+#define ARRIVED 16
+#define READY 32
+#define FLAG_WORDS 48
+#define SPIN_NS 200000
+#define SLEEP_NS 20000
+#define IDLE_NS 100000000
+#define IDLE_SLEEP_NS 1000000
+#define SERVICE_CAPSULE "ple_prep.step_service"
+
+/* Stream memory operations: cuStreamWriteValue32 and cuStreamWaitValue32, beside cuda.c's table. */
+static cuda_result (*write_value32)(void *, unsigned long long, uint32_t, unsigned);
+static cuda_result (*wait_value32)(void *, unsigned long long, uint32_t, unsigned);
+static pthread_once_t memops_once = PTHREAD_ONCE_INIT;
+
+static void load_memops(void)
+{
+    void *library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!library)
+        return;
+    write_value32 = (cuda_result(*)(void *, unsigned long long, uint32_t, unsigned))dlsym(library,
+                                                                                          "cuStreamWriteValue32_v2");
+    wait_value32 = (cuda_result(*)(void *, unsigned long long, uint32_t, unsigned))dlsym(library,
+                                                                                         "cuStreamWaitValue32_v2");
+}
+
+static int memops_ready(void)
+{
+    if (cuda_ready() != 0)
+        return -1;
+    pthread_once(&memops_once, load_memops);
+    if (write_value32 && wait_value32)
+        return 0;
+    PyErr_SetString(PyExc_OSError, "the CUDA driver has no stream memory operations (cuStreamWriteValue32_v2)");
+    return -1;
+}
+
+typedef struct {
+    uint64_t steps, ids, disk_positions, cached_positions, cold_steps, failed_steps, late_steps, host_ns,
+        late_host_ns, copied_bytes, blocks_read;
+} step_stats;
+
+/* What failed a step (the first failure since step_service_error took the last). */
+enum { FAILED_NONE, FAILED_ID, FAILED_READ, FAILED_COUNT, FAILED_CONTEXT, FAILED_COPY, FAILED_NO_READER };
+
+typedef struct {
+    stage_call *call;
+    Py_ssize_t capacity, part_ids;
+    int threads;
+    int32_t poison_row;
+    Py_buffer flags_view;
+    int32_t *flags;
+    disk_reader reader;
+    int has_reader;
+    int failure;                /* FAILED_*, under stats_lock */
+    long long failure_value;    /* the id, errno (SHORT_READ), count or CUDA error */
+    long long failure_offset;   /* the file offset of a failed read */
+    void *context, *stream;
+    unsigned long long device_span; /* 0: no device, the thread stores READY itself */
+    int broken;                      /* the thread cannot use the device's context (step_service checked it) */
+    _Atomic int stopping;
+    int running;
+    pthread_t thread;
+    pthread_mutex_t stats_lock;
+    step_stats stats;
+} service;
+
+static int32_t load_flag(const service *server, int word)
+{
+    return __atomic_load_n(&server->flags[word], __ATOMIC_ACQUIRE);
+}
+
+static void store_flag(service *server, int word, int32_t value)
+{
+    __atomic_store_n(&server->flags[word], value, __ATOMIC_RELEASE);
+}
+
+/* The next request's count, or 0 once stopping. */
+static int32_t next_request(service *server)
+{
+    uint64_t idle_since = monotonic_ns();
+    unsigned spins = 0;
+    for (;;) {
+        int32_t count = load_flag(server, REQUEST);
+        if (count != 0)
+            return count;
+        if (atomic_load_explicit(&server->stopping, memory_order_relaxed))
+            return 0;
+        if (++spins % 64 != 0) {
+            cpu_relax();
+            continue;
+        }
+        uint64_t idle = monotonic_ns() - idle_since;
+        if (idle < SPIN_NS)
+            continue;
+        struct timespec pause = {0, idle < IDLE_NS ? SLEEP_NS : IDLE_SLEEP_NS};
+        nanosleep(&pause, NULL);
+    }
+}
+
+/* Keep the step's failure if it is the first since the last was taken. */
+static void record_failure(service *server, int kind, long long value, long long offset)
+{
+    pthread_mutex_lock(&server->stats_lock);
+    if (server->failure == FAILED_NONE) {
+        server->failure = kind;
+        server->failure_value = value;
+        server->failure_offset = offset;
+    }
+    pthread_mutex_unlock(&server->stats_lock);
+}
+
+/* Queue the span's copy [low, high) and READY = 1 on the service's stream; 0 or a CUDA error. */
+static cuda_result complete_on_device(service *server, size_t low, size_t high)
+{
+    const char *span = server->call->request.out;
+    cuda_result result = 0;
+    if (high > low)
+        result = cuda.copy_to_device(server->device_span + low, span + low, high - low, server->stream);
+    if (result == 0)
+        result = write_value32(server->stream, (unsigned long long)(uintptr_t)&server->flags[READY], 1, 0);
+    return result;
+}
+
+/* One step of `count` ids: staged (or failed: the poison row everywhere), copied, READY. */
+static void serve(service *server, Py_ssize_t count)
+{
+    uint64_t began = monotonic_ns();
+    stage_call *call = server->call;
+    stage_request *request = &call->request;
+    Py_ssize_t first, disk = 0;
+    int cached = 0;
+    if (server->broken) {
+        record_failure(server, FAILED_CONTEXT, 0, 0);
+        first = -1;
+        count = count < server->capacity ? count : server->capacity;
+    } else if (count <= server->capacity) {
+        Py_ssize_t parts = server->threads;
+        if (parts > count / server->part_ids)
+            parts = count / server->part_ids > 0 ? count / server->part_ids : 1;
+        request->count = count;
+        request->parts = (int)parts;
+        run_stage(call);
+        disk = call->bad < 0 ? call->disk : 0;
+        cached = call->bad < 0 && call->staged;
+        first = call->out_rows - disk;
+        off_t failed_at = 0;
+        int error;
+        if (call->bad >= 0) {
+            record_failure(server, FAILED_ID, (long long)request->id[call->bad], 0);
+            first = -1;
+        } else if (!cached && !server->has_reader) {
+            record_failure(server, FAILED_NO_READER, 0, 0);
+            first = -1;
+        } else if (!cached && (error = disk_reader_stage(&server->reader, call, disk, &failed_at)) != 0) {
+            record_failure(server, FAILED_READ, error, (long long)failed_at);
+            first = -1;
+        }
+    } else {
+        record_failure(server, FAILED_COUNT, count, 0);
+        first = -1;
+        count = server->capacity;
+    }
+    int failed = first < 0 || first > call->out_rows;
+    if (failed) {
+        first = call->out_rows;
+        for (Py_ssize_t i = 0; i < count; i++)
+            request->index[i] = server->poison_row;
+    }
+    int late = load_flag(server, ARRIVED) != 0;
+    size_t low = (size_t)first * (size_t)request->row_bytes;
+    size_t high = (size_t)((const char *)(request->index + count) - request->out);
+    uint64_t took = monotonic_ns() - began;
+    pthread_mutex_lock(&server->stats_lock);
+    step_stats *stats = &server->stats;
+    stats->steps++;
+    stats->ids += (uint64_t)count;
+    stats->disk_positions += (uint64_t)disk;
+    stats->cached_positions += cached ? (uint64_t)disk : 0;
+    stats->cold_steps += !cached && !failed;
+    stats->failed_steps += failed;
+    stats->late_steps += late;
+    stats->host_ns += took;
+    stats->late_host_ns += late ? took : 0;
+    stats->copied_bytes += server->device_span ? high - low : 0;
+    stats->blocks_read = server->reader.blocks_read;
+    pthread_mutex_unlock(&server->stats_lock);
+    if (!server->device_span || server->broken) {
+        store_flag(server, READY, 1);
+        return;
+    }
+    cuda_result result = complete_on_device(server, low, high);
+    if (result != 0) {
+        /* Nothing else can release the device: READY from the host (its rows are the last step's). */
+        record_failure(server, FAILED_COPY, result, 0);
+        store_flag(server, READY, 1);
+    }
+}
+
+static void *service_main(void *argument)
+{
+    service *server = argument;
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); /* its polls sleep SLEEP_NS, not the default 50 us more */
+    if (server->device_span) {
+        /* Relaxed capture mode: another thread's graph capture neither refuses nor is broken by its calls. */
+        int mode = 2;
+        server->broken = cuda.set_context(server->context) != 0 || cuda.exchange_capture_mode(&mode) != 0;
+    }
+    for (;;) {
+        int32_t count = next_request(server);
+        if (count == 0)
+            break;
+        store_flag(server, REQUEST, 0);
+        store_flag(server, ARRIVED, 0);
+        serve(server, count);
+    }
+    return NULL;
+}
+
+static void stop(service *server)
+{
+    if (!server->running)
+        return;
+    atomic_store_explicit(&server->stopping, 1, memory_order_relaxed);
+    Py_BEGIN_ALLOW_THREADS
+    pthread_join(server->thread, NULL);
+    Py_END_ALLOW_THREADS
+    server->running = 0;
+}
+
+static void service_destroy(PyObject *capsule)
+{
+    service *server = PyCapsule_GetPointer(capsule, SERVICE_CAPSULE);
+    if (!server)
+        return;
+    stop(server);
+    release(&server->call->held);
+    PyMem_RawFree(server->call);
+    PyBuffer_Release(&server->flags_view);
+    if (server->has_reader)
+        disk_reader_close(&server->reader);
+    pthread_mutex_destroy(&server->stats_lock);
+    PyMem_RawFree(server);
+}
+
+/* step_service(flags, disk, poison_row, (threads, part_ids), device, *the arguments of stage) -> service
+ * A step's stage is split over up to `threads` threads, parts of at least part_ids ids. `disk`:
+ * None (rows not in the page cache fail their step) or (fd, data_offset, file_end, page_size,
+ * depth) for disk_reads.c, the descriptor held open by the caller until the service is stopped.
+ * `device`: None (the thread stores READY) or (context, stream, span_address): the device address
+ * of `out`'s first byte, the staged rows and index following it as in the pinned buffer. */
+PyObject *step_service(PyObject *self, PyObject *args)
+{
+    if (PyTuple_GET_SIZE(args) < 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "step_service(flags, disk, poison_row, (threads, part_ids), device, *stage arguments)");
+        return NULL;
+    }
+    PyObject *disk = PyTuple_GET_ITEM(args, 1), *device = PyTuple_GET_ITEM(args, 4);
+    long poison_row = PyLong_AsLong(PyTuple_GET_ITEM(args, 2));
+    Py_ssize_t threads, part_ids;
+    if (PyErr_Occurred() || !PyArg_ParseTuple(PyTuple_GET_ITEM(args, 3), "nn;threads must be (threads, part_ids)",
+                                              &threads, &part_ids))
+        return NULL;
+    int fd = -1, depth = 0;
+    long long data_offset = 0, file_end = 0;
+    Py_ssize_t page_size = 0;
+    if (disk != Py_None && !PyArg_ParseTuple(disk, "iLLni;disk must be (fd, data_offset, file_end, page_size, depth)",
+                                             &fd, &data_offset, &file_end, &page_size, &depth))
+        return NULL;
+    void *context = NULL, *stream = NULL;
+    unsigned long long span = 0;
+    if (device != Py_None
+        && (!PyArg_ParseTuple(device, "O&O&K;device must be (context, stream, span_address)", parse_pointer,
+                              &context, parse_pointer, &stream, &span)
+            || memops_ready() != 0))
+        return NULL;
+    if (device != Py_None) {
+        void *previous = NULL;
+        cuda_result result = enter_context(context, &previous);
+        if (result != 0)
+            return PyErr_Format(PyExc_RuntimeError, "step_service: the CUDA context cannot be made current (CUDA "
+                                "error %d)", result);
+        leave_context(context, previous);
+    }
+    service *server = PyMem_RawCalloc(1, sizeof(service));
+    if (!server)
+        return PyErr_NoMemory();
+    if (get_buffer(PyTuple_GET_ITEM(args, 0), &server->flags_view, 1, sizeof(int32_t), "flags") != 0) {
+        PyMem_RawFree(server);
+        return NULL;
+    }
+    PyObject *stage_args = PyTuple_GetSlice(args, 5, PyTuple_GET_SIZE(args));
+    stage_call *call = stage_args ? new_stage_call(stage_args) : NULL;
+    Py_XDECREF(stage_args);
+    const char *refused = !call ? NULL
+        : server->flags_view.len < FLAG_WORDS * (Py_ssize_t)sizeof(int32_t) ? "step_service: flags must be 48 int32"
+        : (const char *)call->request.index < call->request.out + call->out_rows * call->request.row_bytes
+            ? "step_service: index must follow out in one buffer"
+        : poison_row < 0 || poison_row >= call->request.num_resident + call->out_rows
+            ? "step_service: the poison row is not a tier row" : NULL;
+    if (!call || refused) {
+        if (refused)
+            PyErr_SetString(PyExc_ValueError, refused);
+        if (call) {
+            release(&call->held);
+            PyMem_RawFree(call);
+        }
+        PyBuffer_Release(&server->flags_view);
+        PyMem_RawFree(server);
+        return NULL;
+    }
+    server->call = call;
+    server->capacity = call->request.count;
+    server->threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : (int)threads;
+    server->part_ids = part_ids > PREFETCH_AHEAD ? part_ids : PREFETCH_AHEAD;
+    server->poison_row = (int32_t)poison_row;
+    server->flags = server->flags_view.buf;
+    if (fd >= 0) {
+        if (disk_reader_open(&server->reader, fd, (off_t)data_offset, (off_t)file_end, page_size, server->capacity,
+                             depth) != 0) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            release(&call->held);
+            PyMem_RawFree(call);
+            PyBuffer_Release(&server->flags_view);
+            PyMem_RawFree(server);
+            return NULL;
+        }
+        server->has_reader = 1;
+    }
+    server->context = context;
+    server->stream = stream;
+    server->device_span = span;
+    pthread_mutex_init(&server->stats_lock, NULL);
+    PyObject *capsule = PyCapsule_New(server, SERVICE_CAPSULE, service_destroy);
+    if (!capsule) {
+        release(&call->held);
+        PyMem_RawFree(call);
+        PyBuffer_Release(&server->flags_view);
+        if (server->has_reader)
+            disk_reader_close(&server->reader);
+        pthread_mutex_destroy(&server->stats_lock);
+        PyMem_RawFree(server);
+        return NULL;
+    }
+    if (pthread_create(&server->thread, NULL, service_main, server) != 0) {
+        Py_DECREF(capsule);
+        PyErr_SetString(PyExc_OSError, "step_service: cannot start a thread");
+        return NULL;
+    }
+    server->running = 1;
+    return capsule;
+}
+
+static service *service_of(PyObject *args)
+{
+    PyObject *capsule;
+    if (!PyArg_ParseTuple(args, "O", &capsule))
+        return NULL;
+    return PyCapsule_GetPointer(capsule, SERVICE_CAPSULE);
+}
+
+/* step_service_stop(service): the thread stops once it is between steps, and is joined. */
+PyObject *step_service_stop(PyObject *self, PyObject *args)
+{
+    service *server = service_of(args);
+    if (!server)
+        return NULL;
+    stop(server);
+    Py_RETURN_NONE;
+}
+
+/* step_service_stats(service) -> dict of the counters since the start. */
+PyObject *step_service_stats(PyObject *self, PyObject *args)
+{
+    service *server = service_of(args);
+    if (!server)
+        return NULL;
+    pthread_mutex_lock(&server->stats_lock);
+    step_stats stats = server->stats;
+    pthread_mutex_unlock(&server->stats_lock);
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsK}", "steps", stats.steps, "ids", stats.ids, "disk_positions",
+                         stats.disk_positions, "cached_positions", stats.cached_positions, "cold_steps",
+                         stats.cold_steps, "failed_steps", stats.failed_steps, "late_steps", stats.late_steps,
+                         "host_ns", stats.host_ns, "late_host_ns", stats.late_host_ns, "copied_bytes",
+                         stats.copied_bytes, "blocks_read", stats.blocks_read);
+}
+
+/* step_service_error(service, take) -> None or (kind, value, offset): the first failure since the
+ * last taken (kinds: "id" the id, "read" errno or -1 for a short read and the offset, "count",
+ * "context", "copy" the CUDA error, "no_reader"); with `take`, cleared. */
+PyObject *step_service_error(PyObject *self, PyObject *args)
+{
+    PyObject *capsule;
+    int take;
+    if (!PyArg_ParseTuple(args, "Op", &capsule, &take))
+        return NULL;
+    service *server = PyCapsule_GetPointer(capsule, SERVICE_CAPSULE);
+    if (!server)
+        return NULL;
+    static const char *kinds[] = {"none", "id", "read", "count", "context", "copy", "no_reader"};
+    pthread_mutex_lock(&server->stats_lock);
+    int kind = server->failure;
+    long long value = server->failure_value, offset = server->failure_offset;
+    if (take)
+        server->failure = FAILED_NONE;
+    pthread_mutex_unlock(&server->stats_lock);
+    if (kind == FAILED_NONE)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(sLL)", kinds[kind], value, offset);
+}
+
+/* stream_write_value(stream, address, value) and stream_wait_value(stream, address, value): a
+ * stream memory operation on the current context's `stream` (captured where it captures): write
+ * the int32 `value` at device-visible `address`, or wait until it holds `value`. */
+static PyObject *memop(PyObject *args, int wait)
+{
+    void *stream;
+    unsigned long long address;
+    unsigned int value;
+    if (!PyArg_ParseTuple(args, "O&KI", parse_pointer, &stream, &address, &value) || memops_ready() != 0)
+        return NULL;
+    cuda_result result = wait ? wait_value32(stream, address, value, 0 /* CU_STREAM_WAIT_VALUE_GEQ */)
+                              : write_value32(stream, address, value, 0);
+    if (result != 0)
+        return PyErr_Format(PyExc_RuntimeError, "cuStream%sValue32 failed (CUDA error %d)", wait ? "Wait" : "Write",
+                            result);
+    Py_RETURN_NONE;
+}
+
+PyObject *stream_write_value(PyObject *self, PyObject *args)
+{
+    return memop(args, 0);
+}
+
+/* queue_step_start(stream, target, source, bytes, flag, count): on `stream` (captured where it
+ * captures), the copy of `bytes` from device address `source` into pinned `target`, then the write
+ * of `count` into pinned int32 `flag`: a step's start in two driver calls, a fraction of a torch
+ * copy's cost on the H200's host (BENCHMARKS.md). */
+PyObject *queue_step_start(PyObject *self, PyObject *args)
+{
+    void *stream, *target;
+    unsigned long long source, flag;
+    Py_ssize_t bytes;
+    unsigned int count;
+    if (!PyArg_ParseTuple(args, "O&O&KnKI", parse_pointer, &stream, parse_pointer, &target, &source, &bytes, &flag,
+                          &count) || memops_ready() != 0)
+        return NULL;
+    if (bytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "queue_step_start: bytes < 0");
+        return NULL;
+    }
+    cuda_result result = cuda.copy_to_host(target, source, (size_t)bytes, stream);
+    if (result == 0)
+        result = write_value32(stream, flag, count, 0);
+    if (result != 0)
+        return PyErr_Format(PyExc_RuntimeError, "queueing a step's start failed (CUDA error %d)", result);
+    Py_RETURN_NONE;
+}
+
+/* launch_graph(graph_exec, stream): cuGraphLaunch, for an eager step's finish captured once per size. */
+PyObject *launch_graph(PyObject *self, PyObject *args)
+{
+    void *graph, *stream;
+    if (!PyArg_ParseTuple(args, "O&O&", parse_pointer, &graph, parse_pointer, &stream) || cuda_ready() != 0)
+        return NULL;
+    cuda_result result = cuda.graph_launch(graph, stream);
+    if (result != 0)
+        return PyErr_Format(PyExc_RuntimeError, "a CUDA graph's launch failed (CUDA error %d)", result);
+    Py_RETURN_NONE;
+}
+
+PyObject *stream_wait_value(PyObject *self, PyObject *args)
+{
+    return memop(args, 1);
+}

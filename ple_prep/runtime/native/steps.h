@@ -1,0 +1,28 @@
+/* The step service (steps.c): a thread that serves a device's lookups which the device itself
+ * starts and waits for through flags in pinned memory, so that a CUDA graph can hold every step. */
+#ifndef PLE_PREP_STEPS_H
+#define PLE_PREP_STEPS_H
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+PyObject *step_service(PyObject *self, PyObject *args);
+PyObject *step_service_stop(PyObject *self, PyObject *args);
+PyObject *step_service_stats(PyObject *self, PyObject *args);
+PyObject *step_service_error(PyObject *self, PyObject *args);
+PyObject *stream_write_value(PyObject *self, PyObject *args);
+PyObject *stream_wait_value(PyObject *self, PyObject *args);
+PyObject *queue_step_start(PyObject *self, PyObject *args);
+PyObject *launch_graph(PyObject *self, PyObject *args);
+
+/* The module's method table entries (module.c). */
+#define STEPS_METHODS \
+    {"step_service", step_service, METH_VARARGS, "A thread serving the steps a device starts and waits for."}, \
+    {"step_service_stop", step_service_stop, METH_VARARGS, "Stop and join a step service's thread."}, \
+    {"step_service_stats", step_service_stats, METH_VARARGS, "A step service's counters since its start."}, \
+    {"step_service_error", step_service_error, METH_VARARGS, "A step service's first failure since the last."}, \
+    {"stream_write_value", stream_write_value, METH_VARARGS, "cuStreamWriteValue32 on a stream (captured too)."}, \
+    {"stream_wait_value", stream_wait_value, METH_VARARGS, "cuStreamWaitValue32 (>=) on a stream (captured too)."}, \
+    {"queue_step_start", queue_step_start, METH_VARARGS, "A step's ids copy to pinned memory and its request."}, \
+    {"launch_graph", launch_graph, METH_VARARGS, "cuGraphLaunch of a CUDA graph exec on a stream."},
+
+#endif

@@ -1,0 +1,221 @@
+"""StepLookup: a step's lookup the device starts and waits for itself (runtime/device/steps.py), equal to
+`Table.values` bit for bit across poisoned buffers, cached and cold; failed steps never deliver rows and
+raise their cause; on a GPU, one CUDA graph replayed with new ids."""
+from __future__ import annotations
+
+import shutil
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from support.bf16_bits import bits, expected_bits  # noqa: E402
+
+from ple_prep.format.manifest import manifest_path  # noqa: E402
+from ple_prep.ngram import row_ids  # noqa: E402
+from ple_prep.runtime import open_table  # noqa: E402
+from ple_prep.runtime.device import steps  # noqa: E402
+from ple_prep.runtime.device.dequant import decoder_for  # noqa: E402
+from ple_prep.tools.benchmark import cached_fraction, evict  # noqa: E402
+
+pytestmark = pytest.mark.skipif(steps._native is None, reason="needs the compiled helper")
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module", params=["fp8_checkpoint", "bf16_checkpoint", "nvfp4_checkpoint"])
+def table(request, tmp_path_factory, converted_table):
+    checkpoint = request.getfixturevalue(request.param)
+    made = converted_table(checkpoint, tmp_path_factory.mktemp("steps") / "t.bin", placed=lambda _, spec: np.unique(
+        row_ids(np.random.default_rng(9).integers(0, 5000, 400), spec))[::-1])
+    with open_table(made.path) as opened:
+        opened.spec = made.spec
+        yield opened
+
+
+@pytest.fixture(params=["cached", "cold"])
+def page_cache(request, table, tmp_path):
+    if request.param == "cached":
+        table.path.read_bytes()
+        with open_table(table.path, read_path="mapped") as opened:
+            opened.spec = table.spec
+            yield opened
+        return
+    copy = tmp_path / table.path.name
+    shutil.copy(table.path, copy)
+    shutil.copy(manifest_path(table.path), manifest_path(copy))
+    evict(copy)
+    if (cached_fraction(copy) or 0) > 0.5:
+        pytest.skip("the page cache does not let this file's pages go (tmpfs?)")
+    with open_table(copy, read_path="direct") as opened:
+        opened.spec = table.spec
+        yield opened
+
+
+def token_ids(table, tokens: int, seed: int) -> np.ndarray:
+    return row_ids(np.random.default_rng(seed).integers(0, 5000, tokens), table.spec)
+
+
+def poison(lookup) -> None:
+    """Every buffer a step rewrites: the output, the staged rows on both sides, the ids' pinned copy."""
+    source = lookup.source
+    lookup.output.fill_(float("nan"))
+    source._host_rows[1:].fill(0xFF)
+    source._tiers[lookup.num_resident + 1:].fill_(0xFF)
+    lookup._ids_array.fill(-1)
+
+
+def serve(lookup, ids: np.ndarray) -> torch.Tensor:
+    lookup.start(torch.from_numpy(ids.reshape(-1).copy()).to(lookup.device))
+    values = lookup.finish()
+    if lookup.device.type == "cuda":
+        torch.cuda.synchronize()
+    return values
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_steps_give_the_tables_values_across_poisoned_buffers(page_cache, device):
+    table = page_cache
+    lookup = steps.StepLookup(table, device=device, resident_bytes=3000 * table.row_bytes, max_ids=300 * 16)
+    try:
+        for tokens, seed in ((300, 1), (1, 2), (120, 3), (300, 4), (1, 5)):
+            ids = token_ids(table, tokens, seed)
+            poison(lookup)
+            values = serve(lookup, ids)
+            assert values.shape == (tokens * 16, table.values_per_row) and values.dtype == torch.bfloat16
+            assert np.array_equal(bits(values), expected_bits(table, ids))
+            lookup.check()
+        stats = lookup.stats()
+        assert stats["starts"] == 5 and stats["ids"] == 722 * 16 and stats["failed"] == 0
+        assert stats["rows_resident"] + stats["rows_page_cache"] + stats["rows_disk"] == stats["ids"]
+        assert 0 < stats["rows_resident"] < stats["ids"]
+        cold = table.read_path == "direct"
+        assert (stats["rows_disk"] > 0) == cold and (stats["rows_page_cache"] > 0) == (not cold)
+        # Each block read once a step: fewer pages than rows (a page holds 25 FP8 rows).
+        assert 0 < stats["pages_read"] < stats["rows_disk"] if cold else stats["pages_read"] == 0
+    finally:
+        lookup.close()
+
+
+def test_the_poison_row_decodes_to_nan_everywhere(table):
+    row = torch.from_numpy(steps.poison_row(table)).reshape(1, -1)
+    values = decoder_for(table.encoding, table.values_per_row, table.scale, "cpu")(row)
+    assert torch.isnan(values.float()).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_id_outside_the_table_fails_its_step_naming_the_id_and_the_next_step_is_served(table, device):
+    lookup = steps.StepLookup(table, device=device, resident_bytes=1000 * table.row_bytes, max_ids=64 * 16)
+    try:
+        ids = token_ids(table, 4, 1).reshape(-1).copy()
+        ids[5] = table.num_rows + 7
+        lookup.start(torch.from_numpy(ids).to(lookup.device))
+        if device == "cpu":
+            with pytest.raises(IndexError, match=f"row id {table.num_rows + 7} is outside"):
+                lookup.finish()
+        else:
+            values = lookup.finish()
+            torch.cuda.synchronize()
+            assert torch.isnan(values.float()).all()  # no row of the failed step is delivered
+            assert isinstance(lookup.pending_error(), IndexError)  # told, not taken
+            with pytest.raises(IndexError, match=f"row id {table.num_rows + 7} is outside"):
+                lookup.check()
+        assert lookup.pending_error() is None
+        good = token_ids(table, 6, 2)
+        assert np.array_equal(bits(serve(lookup, good)), expected_bits(table, good))
+        assert lookup.stats()["failed"] == 1
+    finally:
+        lookup.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_io_error_fails_its_step_and_the_next_step_is_served(table, device, tmp_path):
+    """A truncated copy: the direct read of a row past its end fails; rows before it still serve."""
+    copy = tmp_path / table.path.name
+    shutil.copy(table.path, copy)
+    shutil.copy(manifest_path(table.path), manifest_path(copy))
+    with open_table(copy, read_path="direct") as opened:
+        lookup = steps.StepLookup(opened, device=device, resident_bytes=0, max_ids=64 * 16)
+        try:
+            slots = opened.slot_of(np.arange(opened.num_rows))
+            late = np.flatnonzero(slots >= opened.num_rows - 50)[:16]
+            early = np.flatnonzero(slots < 100)[:16]
+            with open(copy, "r+b") as file:
+                file.truncate(opened.header.data_offset + (opened.num_rows // 2) // opened.header.rows_per_page
+                              * opened.header.page_size)
+            lookup.start(torch.from_numpy(late.astype(np.int64)).to(lookup.device))
+            if device == "cpu":
+                with pytest.raises(OSError):
+                    lookup.finish()
+            else:
+                values = lookup.finish()
+                torch.cuda.synchronize()
+                assert torch.isnan(values.float()).all()
+                with pytest.raises(OSError):
+                    lookup.check()
+            values = serve(lookup, early.astype(np.int64))
+            assert np.array_equal(bits(values), expected_bits(table, early))
+        finally:
+            lookup.close()
+
+
+def test_bad_calls_are_refused(table):
+    lookup = steps.StepLookup(table, device="cpu", max_ids=32)
+    try:
+        with pytest.raises(RuntimeError, match="finish.. without a start"):
+            lookup.finish()
+        with pytest.raises(ValueError, match="33 row ids: this lookup takes 1 to max_ids = 32"):
+            lookup.start(torch.zeros(33, dtype=torch.int64))
+        with pytest.raises(TypeError, match="int64"):
+            lookup.start(torch.zeros(3, dtype=torch.int32))
+    finally:
+        lookup.close()
+
+
+@needs_cuda
+def test_one_cuda_graph_replayed_with_new_ids_serves_each_steps_rows(table):
+    lookup = steps.StepLookup(table, device="cuda", resident_bytes=2000 * table.row_bytes, max_ids=64 * 16)
+    ids_buffer = torch.zeros(8 * 16, dtype=torch.int64, device="cuda")
+    consumer = torch.empty(8 * 16, table.values_per_row, dtype=torch.bfloat16, device="cuda")
+    try:
+        first = token_ids(table, 8, 0).reshape(-1)
+        ids_buffer.copy_(torch.from_numpy(first))
+        serve(lookup, first)  # warm-up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.cuda.graph(graph):
+            lookup.start(ids_buffer)
+            consumer.copy_(lookup.finish())
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        for seed in range(1, 30):
+            ids = token_ids(table, 8, seed).reshape(-1)
+            ids_buffer.copy_(torch.from_numpy(ids))
+            poison(lookup)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert np.array_equal(bits(consumer), expected_bits(table, ids)), seed
+        lookup.check()
+    finally:
+        lookup.close()
+
+
+@needs_cuda
+def test_start_and_finish_return_while_the_device_has_queued_work(table):
+    lookup = steps.StepLookup(table, device="cuda", resident_bytes=0, max_ids=64 * 16)
+    try:
+        ids = torch.from_numpy(token_ids(table, 4, 3).reshape(-1).copy()).cuda()
+        torch.cuda._sleep(100_000_000)  # tens of ms of queued device work
+        began = time.perf_counter()
+        lookup.start(ids)
+        started = time.perf_counter()
+        lookup.finish()
+        finished = time.perf_counter()
+        assert torch.cuda.current_stream().query() is False
+        assert started - began < 0.01 and finished - started < 0.01
+        torch.cuda.synchronize()
+    finally:
+        lookup.close()
