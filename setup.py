@@ -15,10 +15,10 @@ setup(ext_modules=[
               optional=True, depends=[CORE + "buffers.h", CORE + "guard.h", CORE + "pagesums.h", CORE + "rows.h"]),
     Extension("ple_prep.runtime._native",
               [RUNTIME + name for name in ("module.c", "view.c", "stage.c", "pool.c", "jobs.c", "cuda.c", "hostcache.c",
-                                           "steps.c", "disk_reads.c")]
+                                           "steps.c", "memops.c", "disk_reads.c")]
               + SHARED,
               extra_compile_args=FLAGS, optional=True,
               depends=[CORE + "buffers.h", CORE + "guard.h", CORE + "rows.h"]
               + [RUNTIME + name for name in ("cuda.h", "hostcache.h", "jobs.h", "pool.h", "stage.h", "view.h", "steps.h",
-                                             "disk_reads.h")]),
+                                             "memops.h", "disk_reads.h")]),
 ])

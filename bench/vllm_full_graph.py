@@ -147,10 +147,10 @@ def alternate(first: ProxyStep, second: ProxyStep, steps: int, block: int) -> tu
 
 
 def poison(lookup: StepLookup) -> None:
-    source = lookup.source
+    buffers = lookup.buffers
     lookup.output.fill_(float("nan"))
-    source._tiers[lookup.num_resident + 1:].fill_(0xFF)
-    source._host_rows[1:].fill(0xFF)
+    buffers.tiers[lookup.num_resident + 1:].fill_(0xFF)
+    buffers.host_rows[1:].fill(0xFF)
     lookup._ids_array.fill(-1)
 
 

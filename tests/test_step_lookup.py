@@ -60,10 +60,10 @@ def token_ids(table, tokens: int, seed: int) -> np.ndarray:
 
 def poison(lookup) -> None:
     """Every buffer a step rewrites: the output, the staged rows on both sides, the ids' pinned copy."""
-    source = lookup.source
+    buffers = lookup.buffers
     lookup.output.fill_(float("nan"))
-    source._host_rows[1:].fill(0xFF)
-    source._tiers[lookup.num_resident + 1:].fill_(0xFF)
+    buffers.host_rows[1:].fill(0xFF)
+    buffers.tiers[lookup.num_resident + 1:].fill_(0xFF)
     lookup._ids_array.fill(-1)
 
 

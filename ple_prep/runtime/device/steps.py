@@ -37,7 +37,12 @@ import torch
 
 from ..dequant import decode
 from ..table import Table
-from .source import LOOKUP_PART_IDS, LOOKUP_THREADS, EmbeddingSource
+from .buffers import DeviceBuffers
+from .dequant import decoder_for
+from .driver import graph_exec
+from .graphs import GraphCache
+from .staging import LOOKUP_PART_IDS, LOOKUP_THREADS
+from .triton_gather import fp8_gather_for
 
 try:
     from .. import _native
@@ -76,19 +81,26 @@ class StepLookup:
         if max_ids < 1:
             raise ValueError("max_ids must be >= 1")
         self.capacity = int(max_ids)
+        self.table = table
+        # Resolved ('cuda' -> 'cuda:0') so it compares equal to the devices of tensors.
+        self.device = torch.empty(0, device=device).device
+        self.num_resident = int(min(table.num_rows, max(0, resident_bytes) // table.row_bytes))
         # One staging row more than ids: the first is never staged into, and holds the poison row.
-        self.source = source = EmbeddingSource(table, device=device, resident_bytes=resident_bytes,
-                                               max_ids=self.capacity + 1)
-        self.table, self.device, self.num_resident = table, source.device, source.num_resident
-        self.output = source.output
-        self._cuda = self.device.type == "cuda"
-        self._poison = source.num_resident
+        self.buffers = buffers = DeviceBuffers(table, self.device, self.num_resident, self.capacity + 1)
+        self.output = buffers.output
+        self._cuda = buffers.cuda
+        self._decoder = decoder_for(table.encoding, table.values_per_row, table.scale, self.device)
+        # FP8 on a GPU with Triton: the index and decode in one kernel, compiled before any capture.
+        self._fused = fp8_gather_for(self._decoder, table.row_bytes, self.device)
+        if self._fused is not None:
+            self._fused(buffers.tiers, buffers.index[:1], buffers.output[:1])
+        self._poison = self.num_resident
         poison = torch.from_numpy(poison_row(table))
-        source._tiers[self._poison].copy_(poison)
-        self._host_index = source._host_index
+        buffers.tiers[self._poison].copy_(poison)
+        self._host_index = buffers.host_index
         self._host_index[:] = self._poison  # what the device reads before the first step, in range
         if not self._cuda:
-            source._host_rows[0] = poison.numpy()
+            buffers.host_rows[0] = poison.numpy()
         pin = self._cuda
         self._ids = torch.zeros(self.capacity + 1, dtype=torch.int64, pin_memory=pin)
         self._ids_array = self._ids.numpy()
@@ -96,8 +108,9 @@ class StepLookup:
         self._flags = torch.zeros(FLAG_WORDS, dtype=torch.int32, pin_memory=pin)
         self._flags_array = self._flags.numpy()
         self._started: int | None = None
-        # An eager finish's device half, as CUDA graph execs by size (the graphs kept alive beside).
-        self._graphs: list[torch.cuda.CUDAGraph] = []
+        # An eager finish's device half, as CUDA graphs by size (GraphCache keeps them), launched
+        # through their exec handles.
+        self._graphs = GraphCache(buffers, self.device, self._device_half_here, False)
         self._graph_execs: dict[int, int] = {}
         device_completion = None
         if self._cuda:
@@ -106,15 +119,15 @@ class StepLookup:
             self._service_stream = torch.cuda.Stream(self.device)
             self._flag_address = self._flags.data_ptr()
             self._ids_address = self._ids.data_ptr()
-            source._index[:] = self._poison
+            buffers.index[:] = self._poison
             device_completion = (device_context(self.device.index), self._service_stream.cuda_stream,
-                                 source._span.data_ptr())
+                                 buffers.span.data_ptr())
         header = table.header
         self._descriptor = _disk_descriptor(table.descriptor)
         disk = (self._descriptor, header.data_offset, header.data_offset + header.num_pages * header.page_size,
                 header.page_size, READ_DEPTH)
         arguments = table._gatherer._stage_arguments(self._ids_array, table.order, table.first_row, self.num_resident,
-                                                     self._slots, self._host_index, source._host_rows,
+                                                     self._slots, self._host_index, buffers.host_rows,
                                                      LOOKUP_THREADS)
         try:
             self._service = _native.step_service(self._flags_array, disk, self._poison,
@@ -163,16 +176,20 @@ class StepLookup:
         if not self._cuda:
             self._wait_on_host()
             self.check()
-            return self.source._index_and_decode(count)
+            return self._index_and_decode(count)
         stream = torch.cuda.current_stream(self.device)
         if torch.cuda.is_current_stream_capturing():
             return self._device_half(count, stream.cuda_stream)
-        size = self.source._graph_size(count)
-        graph = self._graph_execs.get(size)
-        if graph is None:
-            graph = self._capture(size, stream)
-        _native.launch_graph(graph, stream.cuda_stream)
-        return self.source._output_view(count)
+        size = self._graphs.size_for(count)
+        launch = self._graph_execs.get(size)
+        if launch is None:
+            graph = self._graphs.capture(size, False, stream)
+            launch = self._graph_execs[size] = graph_exec(graph) or 0
+        if launch:
+            _native.launch_graph(launch, stream.cuda_stream)
+        else:  # a torch without graph exec handles
+            self._graphs.graphs[(size, False)].replay()
+        return self._graphs.output_view(count)
 
     def _device_half(self, count: int, stream: int) -> torch.Tensor:
         """The wait for this step's rows (marking the device's arrival first), the flag's reset, the
@@ -180,22 +197,21 @@ class StepLookup:
         _native.stream_write_value(stream, self._flag_address + 4 * ARRIVED, 1)
         _native.stream_wait_value(stream, self._flag_address + 4 * READY, 1)
         _native.stream_write_value(stream, self._flag_address + 4 * READY, 0)
-        return self.source._index_and_decode(count)
+        return self._index_and_decode(count)
 
-    def _capture(self, size: int, stream) -> int:
-        graph = torch.cuda.CUDAGraph()
-        capture = torch.cuda.Stream(self.device)
-        capture.wait_stream(stream)
-        with torch.cuda.stream(capture):
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                self._device_half(size, capture.cuda_stream)
-            finally:
-                graph.capture_end()
-        stream.wait_stream(capture)
-        self._graphs.append(graph)
-        self._graph_execs[size] = graph.raw_cuda_graph_exec()
-        return self._graph_execs[size]
+    def _device_half_here(self, count: int) -> torch.Tensor:
+        return self._device_half(count, torch.cuda.current_stream(self.device).cuda_stream)
+
+    def _index_and_decode(self, count: int) -> torch.Tensor:
+        """Each position's row picked from its tier and decoded into `output`."""
+        buffers = self.buffers
+        values = buffers.output[:count]
+        if self._fused is not None:
+            self._fused(buffers.tiers, buffers.index[:count], values)
+            return values
+        rows = torch.index_select(buffers.tiers, 0, buffers.index[:count], out=buffers.rows[:count])
+        self._decoder(rows, out=values)
+        return values
 
     def drop(self) -> None:
         """Abandon the last start if it was not finished (its forward pass failed before the PLE

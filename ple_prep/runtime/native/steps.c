@@ -30,6 +30,7 @@
 #include "../../core/native/rows.h"
 #include "cuda.h"
 #include "disk_reads.h"
+#include "memops.h"
 #include "pool.h"
 #include "stage.h"
 #include "steps.h"
@@ -43,33 +44,6 @@
 #define IDLE_NS 100000000
 #define IDLE_SLEEP_NS 1000000
 #define SERVICE_CAPSULE "ple_prep.step_service"
-
-/* Stream memory operations: cuStreamWriteValue32 and cuStreamWaitValue32, beside cuda.c's table. */
-static cuda_result (*write_value32)(void *, unsigned long long, uint32_t, unsigned);
-static cuda_result (*wait_value32)(void *, unsigned long long, uint32_t, unsigned);
-static pthread_once_t memops_once = PTHREAD_ONCE_INIT;
-
-static void load_memops(void)
-{
-    void *library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (!library)
-        return;
-    write_value32 = (cuda_result(*)(void *, unsigned long long, uint32_t, unsigned))dlsym(library,
-                                                                                          "cuStreamWriteValue32_v2");
-    wait_value32 = (cuda_result(*)(void *, unsigned long long, uint32_t, unsigned))dlsym(library,
-                                                                                         "cuStreamWaitValue32_v2");
-}
-
-static int memops_ready(void)
-{
-    if (cuda_ready() != 0)
-        return -1;
-    pthread_once(&memops_once, load_memops);
-    if (write_value32 && wait_value32)
-        return 0;
-    PyErr_SetString(PyExc_OSError, "the CUDA driver has no stream memory operations (cuStreamWriteValue32_v2)");
-    return -1;
-}
 
 typedef struct {
     uint64_t steps, ids, disk_positions, cached_positions, cold_steps, failed_steps, late_steps, host_ns,
@@ -182,8 +156,15 @@ static void serve(service *server, Py_ssize_t count)
         first = call->out_rows - disk;
         off_t failed_at = 0;
         int error;
+        int part = 0;
+        while (cached && part < request->parts && !request->faulted[part])
+            part++;
         if (call->bad >= 0) {
             record_failure(server, FAILED_ID, (long long)request->id[call->bad], 0);
+            first = -1;
+        } else if (cached && part < request->parts) {
+            /* A page of the mapping the kernel could not read (the stage copies without a signal). */
+            record_failure(server, FAILED_READ, EIO, (long long)(request->fault[part] - request->mapping));
             first = -1;
         } else if (!cached && !server->has_reader) {
             record_failure(server, FAILED_NO_READER, 0, 0);
@@ -270,8 +251,7 @@ static void service_destroy(PyObject *capsule)
     if (!server)
         return;
     stop(server);
-    release(&server->call->held);
-    PyMem_RawFree(server->call);
+    free_stage_call(server->call);
     PyBuffer_Release(&server->flags_view);
     if (server->has_reader)
         disk_reader_close(&server->reader);
@@ -339,8 +319,7 @@ PyObject *step_service(PyObject *self, PyObject *args)
         if (refused)
             PyErr_SetString(PyExc_ValueError, refused);
         if (call) {
-            release(&call->held);
-            PyMem_RawFree(call);
+            free_stage_call(call);
         }
         PyBuffer_Release(&server->flags_view);
         PyMem_RawFree(server);
@@ -356,8 +335,7 @@ PyObject *step_service(PyObject *self, PyObject *args)
         if (disk_reader_open(&server->reader, fd, (off_t)data_offset, (off_t)file_end, page_size, server->capacity,
                              depth) != 0) {
             PyErr_SetFromErrno(PyExc_OSError);
-            release(&call->held);
-            PyMem_RawFree(call);
+            free_stage_call(call);
             PyBuffer_Release(&server->flags_view);
             PyMem_RawFree(server);
             return NULL;
@@ -370,8 +348,7 @@ PyObject *step_service(PyObject *self, PyObject *args)
     pthread_mutex_init(&server->stats_lock, NULL);
     PyObject *capsule = PyCapsule_New(server, SERVICE_CAPSULE, service_destroy);
     if (!capsule) {
-        release(&call->held);
-        PyMem_RawFree(call);
+        free_stage_call(call);
         PyBuffer_Release(&server->flags_view);
         if (server->has_reader)
             disk_reader_close(&server->reader);
@@ -444,69 +421,4 @@ PyObject *step_service_error(PyObject *self, PyObject *args)
     if (kind == FAILED_NONE)
         Py_RETURN_NONE;
     return Py_BuildValue("(sLL)", kinds[kind], value, offset);
-}
-
-/* stream_write_value(stream, address, value) and stream_wait_value(stream, address, value): a
- * stream memory operation on the current context's `stream` (captured where it captures): write
- * the int32 `value` at device-visible `address`, or wait until it holds `value`. */
-static PyObject *memop(PyObject *args, int wait)
-{
-    void *stream;
-    unsigned long long address;
-    unsigned int value;
-    if (!PyArg_ParseTuple(args, "O&KI", parse_pointer, &stream, &address, &value) || memops_ready() != 0)
-        return NULL;
-    cuda_result result = wait ? wait_value32(stream, address, value, 0 /* CU_STREAM_WAIT_VALUE_GEQ */)
-                              : write_value32(stream, address, value, 0);
-    if (result != 0)
-        return PyErr_Format(PyExc_RuntimeError, "cuStream%sValue32 failed (CUDA error %d)", wait ? "Wait" : "Write",
-                            result);
-    Py_RETURN_NONE;
-}
-
-PyObject *stream_write_value(PyObject *self, PyObject *args)
-{
-    return memop(args, 0);
-}
-
-/* queue_step_start(stream, target, source, bytes, flag, count): on `stream` (captured where it
- * captures), the copy of `bytes` from device address `source` into pinned `target`, then the write
- * of `count` into pinned int32 `flag`: a step's start in two driver calls, a fraction of a torch
- * copy's cost on the H200's host (BENCHMARKS.md). */
-PyObject *queue_step_start(PyObject *self, PyObject *args)
-{
-    void *stream, *target;
-    unsigned long long source, flag;
-    Py_ssize_t bytes;
-    unsigned int count;
-    if (!PyArg_ParseTuple(args, "O&O&KnKI", parse_pointer, &stream, parse_pointer, &target, &source, &bytes, &flag,
-                          &count) || memops_ready() != 0)
-        return NULL;
-    if (bytes < 0) {
-        PyErr_SetString(PyExc_ValueError, "queue_step_start: bytes < 0");
-        return NULL;
-    }
-    cuda_result result = cuda.copy_to_host(target, source, (size_t)bytes, stream);
-    if (result == 0)
-        result = write_value32(stream, flag, count, 0);
-    if (result != 0)
-        return PyErr_Format(PyExc_RuntimeError, "queueing a step's start failed (CUDA error %d)", result);
-    Py_RETURN_NONE;
-}
-
-/* launch_graph(graph_exec, stream): cuGraphLaunch, for an eager step's finish captured once per size. */
-PyObject *launch_graph(PyObject *self, PyObject *args)
-{
-    void *graph, *stream;
-    if (!PyArg_ParseTuple(args, "O&O&", parse_pointer, &graph, parse_pointer, &stream) || cuda_ready() != 0)
-        return NULL;
-    cuda_result result = cuda.graph_launch(graph, stream);
-    if (result != 0)
-        return PyErr_Format(PyExc_RuntimeError, "a CUDA graph's launch failed (CUDA error %d)", result);
-    Py_RETURN_NONE;
-}
-
-PyObject *stream_wait_value(PyObject *self, PyObject *args)
-{
-    return memop(args, 1);
 }
