@@ -99,6 +99,36 @@ def test_steps_give_the_tables_values_across_poisoned_buffers(page_cache, device
         lookup.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_steps_some_rows_cached_some_read_are_exact(table, device, tmp_path):
+    """A copy whose pages are partly in the page cache: steps whose rows are all cached (copied
+    through the mapping), steps with half of them cached (the probe of a few rows picks either
+    path: the mapping, which reads what is missing, or the service thread's O_DIRECT reads), buffers
+    poisoned."""
+    copy = tmp_path / table.path.name
+    shutil.copy(table.path, copy)
+    shutil.copy(manifest_path(table.path), manifest_path(copy))
+    evict(copy)
+    if (cached_fraction(copy) or 0) > 0.5:
+        pytest.skip("the page cache does not let this file's pages go (tmpfs?)")
+    with open_table(copy, read_path="mapped") as opened:
+        requests = [token_ids(table, tokens, seed) for seed, tokens in enumerate((40, 1, 200, 7, 120))]
+        for ids in requests[::2]:
+            opened.gather(ids.reshape(-1)[::2].copy())  # half of these steps' rows cached
+        for ids in requests[1::2]:
+            opened.gather(ids.reshape(-1))  # all of these
+        lookup = steps.StepLookup(opened, device=device, resident_bytes=500 * table.row_bytes, max_ids=300 * 16)
+        try:
+            for ids in requests:
+                poison(lookup)
+                assert np.array_equal(bits(serve(lookup, ids)), expected_bits(table, ids))
+            lookup.check()
+            stats = lookup.stats()
+            assert stats["rows_disk"] > 0 and stats["rows_page_cache"] > 0
+        finally:
+            lookup.close()
+
+
 def test_the_poison_row_decodes_to_nan_everywhere(table):
     row = torch.from_numpy(steps.poison_row(table)).reshape(1, -1)
     values = decoder_for(table.encoding, table.values_per_row, table.scale, "cpu")(row)
