@@ -5,7 +5,8 @@
     python bench/vllm_backend_gpu.py /tmp/small.bin --device cpu --chunks 2 --decode-tokens 50
 
 `ple_prep.integrations.vllm.backend.PrefetchedRows` is what the plugin's storage class calls from
-vLLM's `start_prefetch` and `finalize_prefetch`. As in vLLM, the row ids of real text (a part of
+vLLM's `start_prefetch` and `finalize_prefetch` (with the compiled helper, `StepLookup`: both calls
+queue device work only; bench/vllm_full_graph.py holds the lookup in one FULL CUDA graph). As in vLLM, the row ids of real text (a part of
 the text the table's profile never saw) arrive as an int64 tensor on the device, written by a kernel
 just before `start` (here a device-to-device copy into a fixed ids buffer, as vLLM's id kernel
 writes its `_prefetch_ids`). With `--read-path mapped` (the default here) all measurements are
