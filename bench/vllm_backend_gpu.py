@@ -6,11 +6,12 @@
 
 `ple_prep.integrations.vllm.backend.PrefetchedRows` is what the plugin's storage class calls from
 vLLM's `start_prefetch` and `finalize_prefetch` (with the compiled helper, `StepLookup`: both calls
-queue device work only; bench/vllm_full_graph.py holds the lookup in one FULL CUDA graph). As in vLLM, the row ids of real text (a part of
-the text the table's profile never saw) arrive as an int64 tensor on the device, written by a kernel
-just before `start` (here a device-to-device copy into a fixed ids buffer, as vLLM's id kernel
-writes its `_prefetch_ids`). With `--read-path mapped` (the default here) all measurements are
-warm: every disk-tier page is in the page cache, which only the mapped read path fills; with
+queue device work only; bench/vllm_full_graph.py holds the lookup in one FULL CUDA graph). As in
+vLLM, the row ids of real text (a part of the text the table's profile never saw) arrive as an
+int64 tensor on the device, written by a kernel just before `start` (here a device-to-device copy
+into a fixed ids buffer, as vLLM's id kernel writes its `_prefetch_ids`). With `--read-path
+mapped` (the default here) all measurements are warm: every disk-tier page is in the page cache,
+which only the mapped read path fills; with
 `--read-path direct` every disk-tier row is read from the drive with O_DIRECT, every time.
 
 - `pair`: `start(ids)` then `finish()` back to back, from the ids kernel to the values ready on the
