@@ -264,8 +264,8 @@ class DirectReader:
         with self._locked_context():
             self._read(blocks[starts] * self._block, starts, block_rows, within,
                        rows.view(self._row_type).reshape(-1))
-        # Into `out` directly: a fancy index would first build a request-sized temporary.
-        np.take(rows, inverse.reshape(-1), axis=0, out=out)
+        # Straight into `out`: a fancy index, or take's default mode, fills a request-sized temporary.
+        np.take(rows, inverse.reshape(-1), axis=0, out=out, mode="clip")
         return out
 
     @contextlib.contextmanager
