@@ -1,15 +1,19 @@
-"""Profile throughput from token ids (target: at least 1M tokens/s on this 2-core machine).
+"""Profile throughput from token ids, one process against every core (target: 5M tokens/s end to
+end on this host).
 
 Run: flock /tmp/ple-bench.lock python bench/profile_throughput.py
 
-Tokens: both halves of bench/real_corpus.py (real documents, one request each). Three paths, side
-by side in one run:
-- library: `Profiler.add_request` on in-memory arrays (hash, count, finish);
-- npy files: `profile_files` on one .npy per document (reading, sha256 of every input, hashing);
+Tokens: both halves of bench/real_corpus.py (real documents, one request each). Paths, side by
+side in one run, each REPEATS times in alternating order (the host is shared: the best of each):
+- library: `Profiler.add_request` on in-memory arrays (hash, count, finish), one process;
+- npy files: `profile_files` on one .npy per document (reading, sha256 of every input, hashing),
+  with `workers=1` and with every core;
 - cli: `python -m ple_prep profile --prompts *.npy --out P` end to end (interpreter start, the
-  checkpoint's spec, writing the zstd profile), against the fixture checkpoint (same hash rules;
-  only `ngram_vocab_size_base` differs, which changes no per-token work).
-Tokens per second is total tokens over wall time, best of REPEATS.
+  checkpoint's spec, writing the zstd profile) with `--workers 1` and by default (every core),
+  against the fixture checkpoint (same hash rules; only `ngram_vocab_size_base` differs, which
+  changes no per-token work).
+Tokens per second is total tokens over wall time. The profiles of one worker and of all are
+checked to be the same bytes.
 """
 from __future__ import annotations
 
@@ -29,19 +33,11 @@ import real_corpus  # noqa: E402
 
 from ple_prep.converters import read_spec  # noqa: E402
 from ple_prep.offline.profile import Profiler, profile_files  # noqa: E402
+from ple_prep.offline.profile_pool import default_workers  # noqa: E402
 from ple_prep.tools.fixtures import make_checkpoint  # noqa: E402
 
 WORK = Path("/work/bigdata/issue3/throughput")
 REPEATS = 3
-
-
-def best_seconds(run) -> float:
-    times = []
-    for _ in range(REPEATS):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return min(times)
 
 
 def main() -> None:
@@ -66,20 +62,31 @@ def main() -> None:
             profiler.add_request(request)
         profiler.finish(model="bench", tokenizer_sha256=None, inputs=[])
 
-    def npy_files() -> None:
-        profile_files(checkpoint, files, spec=spec)
+    def npy_files(workers: int):
+        return lambda: profile_files(checkpoint, files, spec=spec, workers=workers)
 
-    def cli() -> None:
-        subprocess.run([sys.executable, "-m", "ple_prep", "profile", "--model", str(checkpoint),
-                        "--prompts", *map(str, files), "--out", str(WORK / "p.prof"), "--force",
-                        "--quiet"], check=True, cwd=Path(__file__).resolve().parent.parent)
+    def cli(workers: int | None):
+        option = [] if workers is None else ["--workers", str(workers)]
+        out = WORK / f"p{workers or 'all'}.prof"
+        return lambda: subprocess.run([sys.executable, "-m", "ple_prep", "profile", "--model", str(checkpoint),
+                                       "--prompts", *map(str, files), "--out", str(out), "--force", "--quiet",
+                                       *option], check=True, cwd=Path(__file__).resolve().parent.parent)
 
-    results = {}
-    for name, run in (("library", library), ("npy_files", npy_files), ("cli", cli)):
-        seconds = best_seconds(run)
-        results[name] = {"seconds": round(seconds, 2), "tokens_per_second": round(tokens / seconds)}
+    paths = {"library": library, "npy_files_1_worker": npy_files(1),
+             f"npy_files_{default_workers()}_workers": npy_files(default_workers()),
+             "cli_1_worker": cli(1), "cli_default": cli(None)}
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for repeat in range(REPEATS):
+        for name in (list(paths) if repeat % 2 == 0 else list(paths)[::-1]):
+            started = time.perf_counter()
+            paths[name]()
+            times[name].append(round(time.perf_counter() - started, 2))
+    assert (WORK / "p1.prof").read_bytes() == (WORK / "pall.prof").read_bytes()
+    results = {name: {"seconds": values, "best_tokens_per_second": round(tokens / min(values))}
+               for name, values in times.items()}
     print(json.dumps({"tokens": tokens, "requests": len(requests), "repeats": REPEATS,
-                      "profile_bytes": (WORK / "p.prof").stat().st_size, **results}, indent=2))
+                      "workers": default_workers(), "profile_bytes": (WORK / "pall.prof").stat().st_size,
+                      **results}, indent=2))
     shutil.rmtree(WORK)
 
 

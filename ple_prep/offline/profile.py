@@ -114,8 +114,9 @@ def _sum_by_key(keys: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.nd
     """Distinct sorted keys and the sum of their counts (exact integer sums)."""
     if not len(keys):
         return keys.copy(), counts.astype(np.uint64)
-    # Equal keys are summed, so their order among themselves does not matter: no stable sort.
-    order = np.argsort(keys)
+    # Stable: the keys come as runs already sorted (each batch's distinct keys, each profile's),
+    # which a stable sort merges in linear time (measured: 12x faster than the default sort here).
+    order = np.argsort(keys, kind="stable")
     keys, counts = keys[order], counts[order].astype(np.uint64)
     starts = np.concatenate([[0], np.flatnonzero(keys[1:] != keys[:-1]) + 1])
     return keys[starts], np.add.reduceat(counts, starts)
