@@ -102,12 +102,10 @@ def test_plan_real_geometry_puts_each_seen_ngram_on_one_page():
         counts.append(group_counts)
         every_row.append(rows.reshape(-1))
     one_page, counts = np.concatenate(one_page), np.concatenate(counts)
-    # No group is cut: rows no n-gram of the profile reads fill the page ends 8-row groups leave;
-    # a group apart from its page shares a row with a hotter group (a collision, rare here).
-    assert plan.groups_split == 0 and np.all(one_page[counts >= 2]) and np.mean(one_page) > 0.99
-    seen = np.unique(np.concatenate(every_row))
-    placed = plan.order.slot_rows.astype(np.int64)
-    assert np.all(np.isin(seen, placed)) and len(placed) - len(seen) < 25 * len(placed) // (3 * 25)
+    # Only the coldest groups (seen once) are cut to fill the page ends 8-row groups leave.
+    assert np.all(one_page[counts >= 2])
+    assert np.mean(one_page) > 0.95
+    assert plan.order.num_placed == len(np.unique(np.concatenate(every_row)))
 
 
 def test_plan_respects_the_map_cap(source_and_profile):

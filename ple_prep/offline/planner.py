@@ -101,10 +101,10 @@ def _group_rows(keys: np.ndarray, orders: np.ndarray, spec, first_row: int, num_
 
 
 def _new_rows(keys: np.ndarray, orders: np.ndarray, spec, first_row: int,
-              num_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              num_rows: int) -> tuple[np.ndarray, np.ndarray]:
     """Each group's rows not read by a hotter group, in head order, the groups' runs back to back
-    (uint32), how many each group has (uint8), and the bitmap of the rows some group reads (a
-    bitmap of the rows taken so far replaces a sort of all of them)."""
+    (uint32), and how many each group has (uint8). A bitmap of the rows taken so far replaces a
+    sort of all of them."""
     taken = np.zeros(-(-num_rows // 64), dtype=np.uint64)
     new_rows = np.empty(min(num_rows, spec.heads_per_ngram * len(keys)), dtype=ORDER_DTYPE)
     new_per_group = np.zeros(len(keys), dtype=np.uint8)
@@ -126,20 +126,7 @@ def _new_rows(keys: np.ndarray, orders: np.ndarray, spec, first_row: int,
         new_rows[filled:filled + len(fresh)] = fresh
         filled += len(fresh)
         new_per_group[start:start + len(rows)] = is_new.reshape(rows.shape).sum(axis=1)
-    return new_rows[:filled], new_per_group, taken
-
-
-def _untaken_rows(taken: np.ndarray, num_rows: int, count: int) -> np.ndarray:
-    """The first `count` rows (uint32, ascending) whose bit in `taken` is clear."""
-    found, total, step = [], 0, 1 << 16
-    for start in range(0, len(taken), step):
-        if total >= count:
-            break
-        free = np.flatnonzero(np.unpackbits((~taken[start:start + step]).view(np.uint8), bitorder="little"))
-        free = free[free < num_rows - 64 * start] + 64 * start
-        found.append(free[:count - total].astype(ORDER_DTYPE))
-        total += len(found[-1])
-    return np.concatenate(found) if found else np.zeros(0, dtype=ORDER_DTYPE)
+    return new_rows[:filled], new_per_group
 
 
 def _pack(sizes: np.ndarray, capacity: int, spare: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -217,21 +204,13 @@ def plan_order(profile: Profile, num_rows: int, rows_per_page: int, *, max_place
     """The access order for rows [first_row, first_row + num_rows) of a table with this geometry."""
     keys, orders = _hot_groups(profile)
     groups_seen = len(keys)
-    new_rows, new_per_group, taken = _new_rows(keys, orders, profile.spec, first_row, num_rows)
+    new_rows, new_per_group = _new_rows(keys, orders, profile.spec, first_row, num_rows)
     del keys, orders
-    # With room under the cap, rows no profiled n-gram reads fill page ends instead of a cut of a
-    # group (they would cost a page read each wherever they lie); a page end takes fewer than a
-    # page's rows, so a third of the seen rows bounds what the packing can use.
-    room = min(max_placed - len(new_rows), len(new_rows) // 3)
-    if room > 0:
-        new_rows = np.concatenate([new_rows, _untaken_rows(taken, num_rows, room)])
-    del taken
     ends = np.cumsum(new_per_group, dtype=np.int64)
     group_start = ends - new_per_group
     # Spare rows filling page ends count against the cap too: pack once, then again with the
     # groups' share shrunk by the spare rows the first packing used. Groups within the cap are a
-    # prefix (the ends ascend); the rows of the groups beyond it, then the unread fillers, follow
-    # them as the spare pool.
+    # prefix (the ends ascend); the rows of the groups beyond it follow them as the spare pool.
     limit = max_placed
     for _ in range(2):
         within = int(np.searchsorted(ends, limit, side="right"))
