@@ -13,7 +13,8 @@ Steps, in order (seconds and peak RSS of each child, from os.wait4):
    on the same disk (cold, fsynced), alternating which goes first, `--rounds` pairs; ratio = copy
    seconds / convert seconds of a round. The last convert's table is kept for the next steps.
 4. verify: `ple-prep verify --sample N` against the checkpoint.
-5. bench: `ple-prep bench` of the table (real-text gathers, cold and warm; fio when installed).
+5. first gather: bench/first_gather.py (the first gather after open against a later one).
+6. bench: `ple-prep bench` of the table (real-text gathers, cold and warm; fio when installed).
 The table and the copies are deleted at the end (the checkpoint too unless --keep).
 """
 from __future__ import annotations
@@ -147,6 +148,12 @@ def main() -> None:
              results, stdout=handle)
     results["verify"]["report"] = {key: value for key, value in json.loads(report.read_text()).items()
                                    if key in ("ok", "rows_compared", "mismatched_rows", "checksum_blocks")}
+    first = args.dir / "first_gather.json"
+    with open(first, "wb") as handle:
+        step("first_gather", [sys.executable, str(REPO / "bench" / "first_gather.py"), str(table)], results,
+             stdout=handle)
+    results["first_gather"]["report"] = json.loads(first.read_text())
+    first.unlink()
     bench = args.dir / "bench.json"
     with open(bench, "wb") as handle:
         step("bench", CLI + ["bench", str(table), "--json", "--fio-seconds", str(args.fio_seconds)], results,

@@ -219,8 +219,9 @@ def convert(model: Path, out: Path, page_size: int, profile_path: Path | None, m
         rows = source.num_rows if tp_size is None or tp_rank is None else source.num_rows // tp_size
         with progress_bar(rows * source.row_bytes, "convert", quiet) as advance:
             if tp_size is None:
-                written = [(out, write_table(source, out, options, layout=layout_for(0, source.num_rows),
-                                             progress=advance))]
+                layout = layout_for(0, source.num_rows)
+                profile = None  # planned: its counts need not stay in memory while rows are written
+                written = [(out, write_table(source, out, options, layout=layout, progress=advance))]
             else:
                 written = convert_ranks(source, out, tp_size, None if tp_rank is None else [tp_rank], options,
                                         progress=advance, layout_for=layout_for)

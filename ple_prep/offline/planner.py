@@ -146,9 +146,9 @@ def _pack(sizes: np.ndarray, capacity: int, spare: int = 0) -> tuple[np.ndarray,
     pool_left, pool_taken = spare, 0
     largest = int(sizes.max(initial=0))
     # Per size, group indices ascending: the coldest of a size is popped from the end.
-    queues = [array.array("l", np.flatnonzero(sizes == size).tolist() if size <= capacity else [])
+    queues = [array.array("q", np.flatnonzero(sizes == size).tolist() if size <= capacity else [])
               for size in range(largest + 1)]
-    piece_group, piece_first, piece_count = array.array("l"), array.array("l"), array.array("l")
+    piece_group, piece_first, piece_count = array.array("q"), array.array("q"), array.array("q")
     front, back, fill = 0, len(sizes) - 1, 0
 
     def place(group: int, count: int) -> None:
@@ -169,9 +169,9 @@ def _pack(sizes: np.ndarray, capacity: int, spare: int = 0) -> tuple[np.ndarray,
         while front < pool and remaining[front] == 0:
             front += 1
         if front == pool:
-            return (np.frombuffer(piece_group, dtype=np.int64).copy() if piece_group else np.zeros(0, np.int64),
-                    np.frombuffer(piece_first, dtype=np.int64).copy() if piece_first else np.zeros(0, np.int64),
-                    np.frombuffer(piece_count, dtype=np.int64).copy() if piece_count else np.zeros(0, np.int64))
+            # Views of the arrays (no copy): int64, as array("q") holds them.
+            return tuple(np.frombuffer(a, dtype=np.int64) if len(a) else np.zeros(0, np.int64)
+                         for a in (piece_group, piece_first, piece_count))
         free = capacity - fill
         if remaining[front] <= free or remaining[front] > capacity:
             place(front, remaining[front])

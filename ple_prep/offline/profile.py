@@ -43,6 +43,7 @@ from .profile_pool import MIN_PARALLEL_BYTES, Piece, default_workers, file_sha25
 from .prompts import PromptReader
 
 MAGIC = b"PLEPROF\x00"
+PER_ROW_ARRAYS = (".rows", ".row_counts")
 PROFILE_FORMAT = "ple-prep-profile"
 PROFILE_VERSION = 1
 HELDOUT_EVERY = 10
@@ -415,8 +416,9 @@ class _BoundedReader:
             raise BadInput(f"{self.path}: corrupt profile (it ends inside {what})")
         return data
 
-    def read_array(self, name: str) -> np.ndarray:
-        """One .npy record, its declared size checked before anything is allocated."""
+    def read_array(self, name: str, keep: bool = True) -> np.ndarray | None:
+        """One .npy record, its declared size checked before anything is allocated; with `keep`
+        False its data is read through a small buffer and dropped (None)."""
         prefix = self.read(8, f"array {name}")
         major = prefix[6]
         if prefix[:6] != b"\x93NUMPY" or major not in (1, 2, 3):
@@ -437,7 +439,15 @@ class _BoundedReader:
             raise BadInput(f"{self.path}: corrupt profile (array {name} is {dtype} {shape}, "
                            f"not a 1-D 64-bit integer array)")
         self.take(shape[0] * 8, f"array {name}")
-        array = np.empty(shape[0], dtype)
+        array = np.empty(shape[0] if keep else min(shape[0], 1 << 21), dtype)
+        if not keep:
+            left = shape[0] * 8
+            while left:
+                count = self.stream.readinto(memoryview(array).cast("B")[:min(left, array.nbytes)])
+                if not count:
+                    raise BadInput(f"{self.path}: corrupt profile (it ends inside array {name})")
+                left -= count
+            return None
         view = memoryview(array).cast("B")
         while len(view):
             count = self.stream.readinto(view[:1 << 24])
@@ -469,7 +479,9 @@ def load_profile(path: str | Path) -> Profile:
             names = header.get("arrays") if isinstance(header, dict) else None
             if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
                 raise BadInput(f"{path}: corrupt profile (no list of arrays)")
-            arrays = {name: reader.read_array(name) for name in names}
+            # The per-row arrays are for other readers: the counts follow from the groups (and
+            # would take 16 bytes a row seen: 460 MB for a real-text profile of the model).
+            arrays = {name: reader.read_array(name, keep=not name.endswith(PER_ROW_ARRAYS)) for name in names}
     except zstandard.ZstdError as exc:
         raise BadInput(f"{path} is not a ple-prep profile (zstandard: {exc})") from None
     except BadInput:

@@ -1,0 +1,93 @@
+"""The first gather after `open_table` against a later one of the same size (target: within 2x).
+
+Run: python bench/first_gather.py TABLE [--rounds 5]
+
+Ids: two disjoint sets of 18,000 distinct real-text rows (ple_prep.tools.realtext, the table's own
+hash). A warm-up child gathers both, so their pages are in the page cache. Then each round is a
+fresh child process: `open_table` (timed: it builds the order map's lookup index), a gather of one
+set (the first request) and of the other (a later one), alternating which set goes first. The
+table is opened with the mapped read path, which serves cached pages from the page cache (the
+direct path would read every row from the drive, timing the drive): what the ratio shows is what
+a first request pays in the lookup beyond a later one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from ple_prep.ngram import NgramSpec  # noqa: E402
+from ple_prep.runtime import open_table  # noqa: E402
+from ple_prep.tools.realtext import real_text_row_ids  # noqa: E402
+
+ROWS = 18_000
+
+
+def child(table: Path, ids_path: Path, swap: bool) -> dict:
+    sets = np.load(ids_path)
+    first, later = (sets[1], sets[0]) if swap else (sets[0], sets[1])
+    started = time.perf_counter()
+    opened = open_table(table, read_path="mapped")
+    open_s = time.perf_counter() - started
+    timings = []
+    for ids in (first, later):
+        started = time.perf_counter()
+        opened.gather(ids)
+        timings.append(time.perf_counter() - started)
+    opened.close()
+    return {"open_ms": round(1000 * open_s, 1), "first_ms": round(1000 * timings[0], 3),
+            "later_ms": round(1000 * timings[1], 3)}
+
+
+def distinct_sets(table: Path) -> np.ndarray:
+    with open_table(table) as opened:
+        spec = NgramSpec.from_json(opened.manifest["ngram"])
+        low, high = opened.row_range
+    rows = real_text_row_ids(spec, 60_000, part=1, parts=2).reshape(-1)
+    rows = rows[(rows >= low) & (rows < high)]
+    _, first_seen = np.unique(rows, return_index=True)
+    distinct = rows[np.sort(first_seen)]
+    count = min(ROWS, len(distinct) // 2)  # a table smaller than the model's has fewer
+    return np.stack([distinct[:count], distinct[count:2 * count]])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("table", type=Path)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--swap", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.table, args.child, args.swap)))
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        ids_path = Path(folder) / "ids.npy"
+        sets = distinct_sets(args.table)
+        np.save(ids_path, sets)
+
+        def run(swap: bool) -> dict:
+            command = [sys.executable, __file__, str(args.table), "--child", str(ids_path), *(["--swap"] * swap)]
+            return json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+
+        run(False)  # warm-up: both sets' pages into the page cache
+        rounds = [run(index % 2 == 1) for index in range(args.rounds)]
+    ratios = [r["first_ms"] / r["later_ms"] for r in rounds]
+    print(json.dumps({"rows": sets.shape[1], "rounds": rounds,
+                      "first_over_later_median": round(statistics.median(ratios), 3),
+                      "first_over_later_max": round(max(ratios), 3),
+                      "open_ms_median": statistics.median(r["open_ms"] for r in rounds)}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
