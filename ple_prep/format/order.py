@@ -80,7 +80,7 @@ class RowOrder:
         placed = np.asarray(placed_rows).reshape(-1)
         if len(placed) and (placed.min() < 0 or placed.max() >= num_rows):
             raise BadInput(f"placed row outside the table of {num_rows} rows")
-        order = cls(num_rows, placed.astype(ORDER_DTYPE))
+        order = cls(num_rows, placed.astype(ORDER_DTYPE, copy=False))
         order.rank_words  # noqa: B018 (the property checks that no row is placed twice)
         return order
 

@@ -35,7 +35,7 @@ BUDGETS_PERCENT = (1, 2, 5, 10, 20)
 # Groups hashed into rows per step (bounds the temporaries: 8 int64 rows a group).
 GROUP_CHUNK = 1 << 18
 # Pieces turned into slot positions per step.
-PIECE_CHUNK = 1 << 20
+PIECE_CHUNK = 1 << 18
 
 
 @dataclasses.dataclass
@@ -139,14 +139,15 @@ def _pack(sizes: np.ndarray, capacity: int, spare: int = 0) -> tuple[np.ndarray,
     a page are placed as they come. State is kept in byte arrays (sizes are at most a group's
     rows), so millions of groups cost a few bytes each.
     """
-    sizes = np.asarray(sizes, dtype=np.int64)
+    sizes = np.asarray(sizes, dtype=np.uint8)
     pool = len(sizes)
-    remaining = bytearray(sizes.astype(np.uint8).tobytes()) if len(sizes) else bytearray()
+    remaining = bytearray(sizes.tobytes())
     taken = bytearray(len(sizes))
     pool_left, pool_taken = spare, 0
     largest = int(sizes.max(initial=0))
-    # Per size, group indices ascending: the coldest of a size is popped from the end.
-    queues = [array.array("q", np.flatnonzero(sizes == size).tolist() if size <= capacity else [])
+    # Per size, group indices ascending: the coldest of a size is popped from the end. Built from
+    # bytes, not lists: millions of Python ints would stay in the heap after they are freed.
+    queues = [array.array("q", np.flatnonzero(sizes == size).astype(np.int64).tobytes() if size <= capacity else b"")
               for size in range(largest + 1)]
     piece_group, piece_first, piece_count = array.array("q"), array.array("q"), array.array("q")
     front, back, fill = 0, len(sizes) - 1, 0
@@ -238,12 +239,15 @@ def plan_order(profile: Profile, num_rows: int, rows_per_page: int, *, max_place
         first_slot, last_slot = int(offsets[0]), min(num_placed, int(piece_ends[stop - 1]))
         if first_slot < last_slot:
             placed[first_slot:last_slot] = new_rows[positions[:last_slot - first_slot]]
+    del new_rows, group_start, ends
     whole = piece_ends <= max_placed
     is_group = groups != len(kept)
     pieces_per_group = np.bincount(groups[is_group], minlength=len(kept))
     cut_off = np.bincount(groups[is_group & ~whole], minlength=len(kept)) > 0
-    return Plan(RowOrder.from_placed(placed, num_rows), int(np.count_nonzero(~cut_off)),
-                int(np.count_nonzero((pieces_per_group > 1) & ~cut_off)), groups_seen)
+    placed_whole = int(np.count_nonzero(~cut_off))
+    split = int(np.count_nonzero((pieces_per_group > 1) & ~cut_off))
+    del groups, firsts, counts, piece_ends, whole, is_group, pieces_per_group, cut_off
+    return Plan(RowOrder.from_placed(placed, num_rows), placed_whole, split, groups_seen)
 
 
 def budget_rows(budget_bytes: int, *, num_rows: int, rows_per_page: int, page_size: int) -> int:

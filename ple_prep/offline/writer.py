@@ -26,6 +26,7 @@ from ..core.constants import (
     HEADER_SIZE,
     HEADER_STRUCT,
     MAGIC,
+    ORDER_DTYPE,
 )
 from ..core.errors import BadInput
 from ..core.fileio import (
@@ -221,12 +222,18 @@ def _convert_locked(source: TableSource, out: Path, manifest_out: Path, options:
     fingerprint = source.fingerprint()
     digest = spec_digest(source.scale.to_json() if source.scale is not None else None, source.spec.to_json())
 
-    def start(file_id: bytes) -> tuple[Header, bytes, dict[str, Any]]:
+    def start(file_id: bytes) -> tuple[Header, np.ndarray, dict[str, Any]]:
         header = Header.for_table(page_size=options.page_size, row_bytes=source.row_bytes,
                                   encoding=source.encoding, values_per_row=source.values_per_row,
                                   num_rows=num_rows, first_row=rows.first_row,
                                   num_placed=layout.order.num_placed, file_id=file_id, spec_digest=digest)
-        prefix = (header.pack() + layout.order.to_bytes()).ljust(header.data_offset, b"\0")
+        # Header and map in one page-aligned buffer (O_DIRECT writes it), filled in place: the map
+        # may be hundreds of MB, so no bytes object copies it.
+        prefix = aligned_zeros(header.data_offset)
+        packed = header.pack()
+        prefix[:len(packed)] = np.frombuffer(packed, dtype=np.uint8)
+        map_bytes = np.ascontiguousarray(layout.order.slot_rows, dtype=ORDER_DTYPE).view(np.uint8)
+        prefix[header.order_offset:header.order_offset + len(map_bytes)] = map_bytes
         return header, prefix, run_identity(header, prefix, fingerprint, CHECKSUM_BLOCK_BYTES)
 
     if resumable is not None:
@@ -249,6 +256,7 @@ def _convert_locked(source: TableSource, out: Path, manifest_out: Path, options:
             os.rename(resumable.data, temporary_data)
             os.rename(resumable.journal, temporary_journal)
         output = _Output(temporary_data, temporary_journal, header, prefix, run, resumable)
+        del prefix  # the output holds it until the head is written
         checksums, table_sha256 = _write_data(source, layout.order, output, progress)
         manifest = _manifest(source, header, checksums, table_sha256, out.name, layout, fingerprint)
         if rows.tp_size is not None:
@@ -286,7 +294,7 @@ class _Output:
     path: Path
     journal_path: Path
     header: Header
-    prefix: bytes
+    prefix: np.ndarray | None  # header and map (uint8, page-aligned); dropped once written
     run: dict[str, Any]
     resumable: Resumable | None
 
@@ -406,6 +414,7 @@ def _write_access_ordered(source: TableSource, order: RowOrder, output: _Output,
     descriptor, journal = _open_output(output)
     try:
         _write_head(descriptor, output, 0)
+        output.prefix = None
         os.ftruncate(descriptor, header.file_size)
         crcs, table_digest = write_access_ordered(source, order, header, descriptor, output.path,
                                                   pages_per_chunk, CHECKSUM_BLOCK_BYTES, progress)
@@ -441,12 +450,10 @@ def _write_head(descriptor: int, output: _Output, kept_blocks: int) -> None:
     """Header and row order (rewritten whatever their state), then the position after the kept
     blocks; O_DIRECT from here on where the page size allows it."""
     header = output.header
-    head = aligned_zeros(header.data_offset)
-    head[:] = np.frombuffer(output.prefix, dtype=np.uint8)
     os.ftruncate(descriptor, header.data_offset + kept_blocks * CHECKSUM_BLOCK_BYTES)
     if header.page_size % DIRECT_IO_ALIGNMENT == 0:
         set_direct(descriptor, True)
-    write_all(descriptor, head)
+    write_all(descriptor, output.prefix)
     os.lseek(descriptor, header.data_offset + kept_blocks * CHECKSUM_BLOCK_BYTES, os.SEEK_SET)
 
 
