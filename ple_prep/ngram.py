@@ -237,9 +237,14 @@ def mixed_values(tokens: Sequence[int] | np.ndarray, spec: NgramSpec,
 def rows_of_mixed(mixed: np.ndarray, order: int, spec: NgramSpec) -> np.ndarray:
     """Global row ids, int64 `(len(mixed), heads_per_ngram)`, of n-grams of `order` by mixed hash."""
     mixed = np.asarray(mixed, dtype=np.uint64).reshape(-1)
-    first = (order - 2) * spec.heads_per_ngram
     rows = np.empty((len(mixed), spec.heads_per_ngram), dtype=np.int64)
     for k in range(spec.heads_per_ngram):
-        head = first + k
-        rows[:, k] = (mixed % np.uint64(spec.head_sizes[head])).astype(np.int64) + spec.head_offsets[head]
+        rows[:, k] = row_of_head(mixed, order, k, spec)
     return rows
+
+
+def row_of_head(mixed: np.ndarray, order: int, k: int, spec: NgramSpec) -> np.ndarray:
+    """Global row ids (int64) that head k of the n-grams of `order` reads, by mixed hash."""
+    head = (order - 2) * spec.heads_per_ngram + k
+    return (np.asarray(mixed, dtype=np.uint64) % np.uint64(spec.head_sizes[head])).astype(np.int64) \
+        + spec.head_offsets[head]

@@ -257,23 +257,11 @@ class RowOrder:
         """The slot of each placed row, rows ascending (uint32)."""
         return self.rank_index.sorted_slots
 
-    def slots_by_scan(self, rows: np.ndarray) -> np.ndarray:
-        """Slots of distinct local `rows` (int64) without building `sorted_slots`: one pass over the
-        map, for an offline tool that looks up once (memory: the rows and the index's bits)."""
-        rows = np.asarray(rows, dtype=np.int64)
-        if not self.num_placed:
-            return rows.copy()
-        placed, below = _rank(self.rank_words, rows)
-        slots = self.num_placed + rows - below
-        wanted = np.flatnonzero(placed)
-        by_row = wanted[np.argsort(rows[wanted], kind="stable")]
-        wanted_rows = rows[by_row]
-        for start in range(0, self.num_placed, RANK_BUILD_ROWS):
-            chunk = self.slot_rows[start:start + RANK_BUILD_ROWS].astype(np.int64)
-            where = np.minimum(np.searchsorted(wanted_rows, chunk), max(len(wanted_rows) - 1, 0))
-            hit = np.flatnonzero(wanted_rows[where] == chunk) if len(wanted_rows) else where[:0]
-            slots[by_row[where[hit]]] = start + hit
-        return slots
+    def drop_slots(self) -> None:
+        """Free the index's `sorted_slots` (4 bytes a placed row) once an offline tool has looked up
+        what it needed; the rank bits stay (the writer reads them)."""
+        with self._rank_lock:
+            self._rank_index = None
 
 
 def _rank(rank_words: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -33,7 +33,7 @@ MAX_MAP_FRACTION = 0.02
 BUDGETS_GIB = (0.25, 0.5, 1, 2, 4, 8, 16)
 BUDGETS_PERCENT = (1, 2, 5, 10, 20)
 # Groups hashed into rows per step (bounds the temporaries: 8 int64 rows a group).
-GROUP_CHUNK = 1 << 18
+GROUP_CHUNK = 1 << 16
 # Pieces turned into slot positions per step.
 PIECE_CHUNK = 1 << 18
 
@@ -149,7 +149,10 @@ def _pack(sizes: np.ndarray, capacity: int, spare: int = 0) -> tuple[np.ndarray,
     # bytes, not lists: millions of Python ints would stay in the heap after they are freed.
     queues = [array.array("q", np.flatnonzero(sizes == size).astype(np.int64).tobytes() if size <= capacity else b"")
               for size in range(largest + 1)]
-    piece_group, piece_first, piece_count = array.array("q"), array.array("q"), array.array("q")
+    # Pieces: a group index, its first row (the spare pool's can be large) and a count of at most
+    # a page's rows (a byte where pages hold fewer than 256 rows, as they do for this model).
+    piece_group, piece_first = array.array("i"), array.array("q")
+    piece_count = array.array("B" if capacity < 256 else "q")
     front, back, fill = 0, len(sizes) - 1, 0
 
     def place(group: int, count: int) -> None:
@@ -170,9 +173,8 @@ def _pack(sizes: np.ndarray, capacity: int, spare: int = 0) -> tuple[np.ndarray,
         while front < pool and remaining[front] == 0:
             front += 1
         if front == pool:
-            # Views of the arrays (no copy): int64, as array("q") holds them.
-            return tuple(np.frombuffer(a, dtype=np.int64) if len(a) else np.zeros(0, np.int64)
-                         for a in (piece_group, piece_first, piece_count))
+            return tuple(np.frombuffer(a, dtype=np.dtype(a.typecode).newbyteorder("=")) if len(a)
+                         else np.zeros(0, np.int64) for a in (piece_group, piece_first, piece_count))
         free = capacity - fill
         if remaining[front] <= free or remaining[front] > capacity:
             place(front, remaining[front])
@@ -208,38 +210,40 @@ def plan_order(profile: Profile, num_rows: int, rows_per_page: int, *, max_place
     new_rows, new_per_group = _new_rows(keys, orders, profile.spec, first_row, num_rows)
     del keys, orders
     ends = np.cumsum(new_per_group, dtype=np.int64)
-    group_start = ends - new_per_group
     # Spare rows filling page ends count against the cap too: pack once, then again with the
     # groups' share shrunk by the spare rows the first packing used. Groups within the cap are a
     # prefix (the ends ascend); the rows of the groups beyond it follow them as the spare pool.
     limit = max_placed
     for _ in range(2):
         within = int(np.searchsorted(ends, limit, side="right"))
-        kept = np.flatnonzero(new_per_group[:within] > 0)
+        kept = np.flatnonzero(new_per_group[:within] > 0).astype(np.int32)
         within_rows = int(ends[within - 1]) if within else 0
         groups, firsts, counts = _pack(new_per_group[kept], rows_per_page, len(new_rows) - within_rows)
         spare_used = int(counts[groups == len(kept)].sum())
         if within_rows + spare_used <= max_placed:
             break
         limit = max_placed - spare_used
+    # Where each kept group's rows start in `new_rows` (int32: fewer rows than 2**32 a table).
+    kept_start = (ends[kept] - new_per_group[kept]).astype(np.int32)
+    del ends
     if not len(groups):
         return Plan(RowOrder.identity(num_rows), 0, 0, groups_seen)
     # Whatever still passes the cap is the coldest tail: it goes.
     num_placed = min(max_placed, int(counts.sum()))
     placed = np.empty(num_placed, dtype=ORDER_DTYPE)
-    piece_ends = np.cumsum(counts)
+    piece_ends = np.cumsum(counts, dtype=np.int64)
     for start in range(0, len(groups), PIECE_CHUNK):
         stop = min(start + PIECE_CHUNK, len(groups))
         from_pool = groups[start:stop] == len(kept)
         starts = np.where(from_pool, within_rows + firsts[start:stop],
-                          group_start[kept[np.minimum(groups[start:stop], len(kept) - 1)]] + firsts[start:stop])
-        lengths = counts[start:stop]
+                          kept_start[np.minimum(groups[start:stop], len(kept) - 1)] + firsts[start:stop])
+        lengths = counts[start:stop].astype(np.int64)
         offsets = piece_ends[start:stop] - lengths
         positions = np.repeat(starts - offsets, lengths) + np.arange(offsets[0], piece_ends[stop - 1])
         first_slot, last_slot = int(offsets[0]), min(num_placed, int(piece_ends[stop - 1]))
         if first_slot < last_slot:
             placed[first_slot:last_slot] = new_rows[positions[:last_slot - first_slot]]
-    del new_rows, group_start, ends
+    del new_rows, kept_start
     whole = piece_ends <= max_placed
     is_group = groups != len(kept)
     pieces_per_group = np.bincount(groups[is_group], minlength=len(kept))
@@ -258,28 +262,26 @@ def budget_rows(budget_bytes: int, *, num_rows: int, rows_per_page: int, page_si
 def residency_hints(order: RowOrder, profile: Profile, *, row_bytes: int, rows_per_page: int,
                     page_size: int, first_row: int = 0) -> list[dict[str, Any]]:
     """For each budget, the leading rows to keep resident and the fraction of held-out row reads
-    they serve. Measured on the profile's held-out requests, which never shaped the order."""
+    they serve. Measured on the profile's held-out requests, which never shaped the order; one
+    head's rows at a time, and the lookup index's slots freed after (offline memory stays small)."""
     num_rows = order.num_rows
-    rows, counts = profile.parts["heldout"].rows(profile.spec)
-    local = rows - first_row
-    inside = (local >= 0) & (local < num_rows)
-    slots = order.slots_by_scan(local[inside])
-    by_slot = np.argsort(slots, kind="stable")
-    sorted_slots = slots[by_slot]
-    served = np.concatenate([[0], np.cumsum(counts[inside][by_slot], dtype=np.uint64)])
-    total = int(served[-1])
     table_bytes = num_rows * row_bytes
     budgets = [(f"{gib:g} GiB", int(gib * 2**30)) for gib in BUDGETS_GIB]
     budgets += [(f"{percent}%", table_bytes * percent // 100) for percent in BUDGETS_PERCENT]
-    hints = []
-    for label, budget in budgets:
-        resident = budget_rows(budget, num_rows=num_rows, rows_per_page=rows_per_page,
-                               page_size=page_size)
-        hits = int(served[np.searchsorted(sorted_slots, resident)])
-        hints.append({"budget": label, "budget_bytes": budget, "rows": resident,
-                      "pages": pages_for(resident, rows_per_page),
-                      "hit_fraction": round(hits / total, 6) if total else None})
-    return hints
+    resident = [budget_rows(budget, num_rows=num_rows, rows_per_page=rows_per_page, page_size=page_size)
+                for _, budget in budgets]
+    hits, total = [0] * len(budgets), 0
+    for rows, counts in profile.parts["heldout"].rows_by_head(profile.spec):
+        local = rows - first_row
+        inside = (local >= 0) & (local < num_rows)
+        slots, counts = order.slot_of(local[inside]), counts[inside]
+        total += int(counts.sum(dtype=np.uint64))
+        for index, leading in enumerate(resident):
+            hits[index] += int(counts[slots < leading].sum(dtype=np.uint64))
+    order.drop_slots()
+    return [{"budget": label, "budget_bytes": budget, "rows": leading, "pages": pages_for(leading, rows_per_page),
+             "hit_fraction": round(hit / total, 6) if total else None}
+            for (label, budget), leading, hit in zip(budgets, resident, hits)]
 
 
 def plan_for_source(source: TableSource, profile: Profile, *, page_size: int,

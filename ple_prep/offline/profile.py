@@ -26,7 +26,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -38,7 +38,7 @@ from ..core.fileio import (
     open_regular,
     parse_json,
 )
-from ..ngram import NgramSpec, mixed_values, rows_of_mixed
+from ..ngram import NgramSpec, mixed_values, row_of_head
 from .profile_pool import MIN_PARALLEL_BYTES, Piece, default_workers, file_sha256, pieces_of, profile_pieces
 from .prompts import PromptReader
 
@@ -69,20 +69,19 @@ class PartCounts:
 
     def rows(self, spec: NgramSpec) -> tuple[np.ndarray, np.ndarray]:
         """Sorted distinct global rows read, and how many tokens read each (uint64)."""
-        ids, counts = [], []
         # Heads hold disjoint row ranges in head order, so per-head results concatenate sorted.
-        for order, (values, group_counts) in sorted(self.groups.items()):
-            rows = rows_of_mixed(values, order, spec)
-            first_head = (order - 2) * spec.heads_per_ngram
-            for k in range(spec.heads_per_ngram):
-                head_ids, head_counts = _sum_in_range(rows[:, k], group_counts,
-                                                      spec.head_offsets[first_head + k],
-                                                      spec.head_sizes[first_head + k])
-                ids.append(head_ids)
-                counts.append(head_counts)
+        ids, counts = zip(*self.rows_by_head(spec)) if self.groups else ((), ())
         if not ids:
             return np.zeros(0, np.int64), np.zeros(0, np.uint64)
         return np.concatenate(ids), np.concatenate(counts)
+
+    def rows_by_head(self, spec: NgramSpec) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """`rows`, one head at a time in head order (memory: one head's rows)."""
+        for order, (values, group_counts) in sorted(self.groups.items()):
+            for k in range(spec.heads_per_ngram):
+                head = (order - 2) * spec.heads_per_ngram + k
+                yield _sum_in_range(row_of_head(values, order, k, spec), group_counts,
+                                    spec.head_offsets[head], spec.head_sizes[head])
 
 
 @dataclasses.dataclass
