@@ -10,8 +10,9 @@ Steps, in order (seconds and peak RSS of each child, from os.wait4):
 2. profile: `ple-prep profile` of the profile half of bench/real_corpus.py's documents, as text
    (one JSON line a document, tokenised by the profile's workers).
 3. convert: `ple-prep convert --profile` (cold page cache) against `cat` of the .gguf into a file
-   on the same disk (cold, fsynced), alternating which goes first, `--rounds` pairs; ratio = copy
-   seconds / convert seconds of a round. The last convert's table is kept for the next steps.
+   on the same disk (cold, fsynced), alternating which goes first (the last round's convert goes
+   last), `--rounds` pairs; ratio = copy seconds / convert seconds of a round. The last convert's
+   table is kept for the next steps.
 4. verify: `ple-prep verify --sample N` against the checkpoint.
 5. first gather: bench/first_gather.py (the first gather after open against a later one).
 6. bench: `ple-prep bench` of the table (real-text gathers, cold and warm; fio when installed).
@@ -114,7 +115,9 @@ def main() -> None:
     rounds = []
     for index in range(args.rounds):
         pair = {}
-        order = ("copy", "convert") if index % 2 == 0 else ("convert", "copy")
+        # Alternating, except that the last round ends with its convert: its table is kept, and
+        # a copy beside it would need the source's size again on the disk.
+        order = ("copy", "convert") if index % 2 == 0 or index == args.rounds - 1 else ("convert", "copy")
         for name in order:
             evict(model)
             if name == "copy":
