@@ -207,7 +207,9 @@ def convert(model: Path, out: Path, page_size: int, profile_path: Path | None, m
         from .offline.profile import load_profile
 
         check_map_fraction(map_fraction)
-        profile = load_profile(profile_path)
+        # Checked whole before the source is opened; the planner reads it again a part at a time.
+        profile = profile_path
+        load_profile(profile_path, parts=())
     options = WriteOptions(page_size=page_size, force=force, resume=resume)
     with open_source(model) as source:
         def layout_for(first_row: int, num_rows: int) -> Any:
@@ -219,9 +221,8 @@ def convert(model: Path, out: Path, page_size: int, profile_path: Path | None, m
         rows = source.num_rows if tp_size is None or tp_rank is None else source.num_rows // tp_size
         with progress_bar(rows * source.row_bytes, "convert", quiet) as advance:
             if tp_size is None:
-                layout = layout_for(0, source.num_rows)
-                profile = None  # planned: its counts need not stay in memory while rows are written
-                written = [(out, write_table(source, out, options, layout=layout, progress=advance))]
+                written = [(out, write_table(source, out, options, layout=layout_for(0, source.num_rows),
+                                             progress=advance))]
             else:
                 written = convert_ranks(source, out, tp_size, None if tp_rank is None else [tp_rank], options,
                                         progress=advance, layout_for=layout_for)

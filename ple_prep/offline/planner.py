@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,7 @@ from ..format.layout import TableLayout
 from ..format.order import RowOrder, lookup_index_bytes
 from ..format.pages import pages_for
 from ..ngram import rows_of_mixed
-from .profile import Profile
+from .profile import Profile, load_profile
 
 MAX_MAP_FRACTION = 0.02
 BUDGETS_GIB = (0.25, 0.5, 1, 2, 4, 8, 16)
@@ -284,20 +285,26 @@ def residency_hints(order: RowOrder, profile: Profile, *, row_bytes: int, rows_p
             for (label, budget), leading, hit in zip(budgets, resident, hits)]
 
 
-def plan_for_source(source: TableSource, profile: Profile, *, page_size: int,
+def plan_for_source(source: TableSource, profile: Profile | Path, *, page_size: int,
                     map_fraction: float = DEFAULT_MAP_FRACTION, first_row: int = 0,
                     num_rows: int | None = None) -> TableLayout:
     """The layout `writer.convert` writes for rows [first_row, first_row + num_rows) of this source
-    (all rows by default): the access order, its manifest entry and the residency hints."""
+    (all rows by default): the access order, its manifest entry and the residency hints. Given a
+    profile file, one part of it is in memory at a time: the training counts for the order, then
+    the held-out ones for the hints."""
     num_rows = source.num_rows - first_row if num_rows is None else num_rows
     limit = max_placed_rows(num_rows, source.row_bytes, map_fraction)
-    if profile.spec != source.spec:
-        raise BadInput("the profile was made with another model's hash (its spec differs from "
-                       "this checkpoint's); profile with this --model")
     if not 0 < source.row_bytes <= page_size:
         raise BadInput(f"a {source.row_bytes}-byte row does not fit a {page_size}-byte page")
     rows_per_page = page_size // source.row_bytes
-    plan = plan_order(profile, num_rows, rows_per_page, max_placed=limit, first_row=first_row)
-    residency = residency_hints(plan.order, profile, row_bytes=source.row_bytes,
+    train = load_profile(profile, parts=("train",)) if isinstance(profile, Path) else profile
+    if train.spec != source.spec:
+        raise BadInput("the profile was made with another model's hash (its spec differs from "
+                       "this checkpoint's); profile with this --model")
+    plan = plan_order(train, num_rows, rows_per_page, max_placed=limit, first_row=first_row)
+    entry = plan.layout(train, map_fraction)
+    del train
+    heldout = load_profile(profile, parts=("heldout",)) if isinstance(profile, Path) else profile
+    residency = residency_hints(plan.order, heldout, row_bytes=source.row_bytes,
                                 rows_per_page=rows_per_page, page_size=page_size, first_row=first_row)
-    return TableLayout(plan.order, plan.layout(profile, map_fraction), tuple(residency))
+    return TableLayout(plan.order, entry, tuple(residency))

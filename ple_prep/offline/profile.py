@@ -456,8 +456,10 @@ class _BoundedReader:
         return array
 
 
-def load_profile(path: str | Path) -> Profile:
-    """Read a profile file, checking its structure; BadInput on anything malformed.
+def load_profile(path: str | Path, parts: tuple[str, ...] = PARTS) -> Profile:
+    """Read a profile file, checking its structure; BadInput on anything malformed. Only the
+    counts of `parts` are kept (the others read and dropped: their groups come back empty), so a
+    tool that needs one part at a time holds one.
 
     Memory stays within the file's decompressed bound: every declared size is checked against
     what is left of it before anything is allocated or decompressed.
@@ -480,14 +482,15 @@ def load_profile(path: str | Path) -> Profile:
                 raise BadInput(f"{path}: corrupt profile (no list of arrays)")
             # The per-row arrays are for other readers: the counts follow from the groups (and
             # would take 16 bytes a row seen: 460 MB for a real-text profile of the model).
-            arrays = {name: reader.read_array(name, keep=not name.endswith(PER_ROW_ARRAYS)) for name in names}
+            arrays = {name: reader.read_array(name, keep=not name.endswith(PER_ROW_ARRAYS)
+                                              and name.split(".", 1)[0] in parts) for name in names}
     except zstandard.ZstdError as exc:
         raise BadInput(f"{path} is not a ple-prep profile (zstandard: {exc})") from None
     except BadInput:
         raise
     except (struct.error, KeyError, TypeError, ValueError) as exc:
         raise BadInput(f"{path}: corrupt profile ({exc})") from None
-    return _from_parts(header, arrays, path)
+    return _from_parts(header, arrays, path, parts)
 
 
 def _read_exact(stream: Any, size: int) -> bytes:
@@ -502,7 +505,8 @@ def _read_exact(stream: Any, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def _from_parts(header: Any, arrays: dict[str, np.ndarray], path: Path) -> Profile:
+def _from_parts(header: Any, arrays: dict[str, np.ndarray | None], path: Path,
+                parts_kept: tuple[str, ...] = PARTS) -> Profile:
     if not isinstance(header, dict) or header.get("format") != PROFILE_FORMAT:
         raise BadInput(f"{path} is not a ple-prep profile")
     if header.get("version") != PROFILE_VERSION:
@@ -515,6 +519,8 @@ def _from_parts(header: Any, arrays: dict[str, np.ndarray], path: Path) -> Profi
             for order in range(2, spec.ngram_size + 1):
                 keys = arrays[f"{part}.groups.{order}"]
                 counts = arrays[f"{part}.group_counts.{order}"]
+                if part not in parts_kept:
+                    keys = counts = np.zeros(0, np.uint64)
                 if (keys.dtype != np.uint64 or counts.dtype != np.uint64 or keys.shape != counts.shape
                         or keys.ndim != 1 or np.any(keys[1:] <= keys[:-1])):
                     raise BadInput(f"{path}: corrupt profile (groups of order {order})")
