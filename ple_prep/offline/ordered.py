@@ -129,16 +129,18 @@ def _stream_source(source: TableSource, order: RowOrder, header: Header, sink: _
     first_row = header.first_row
     boundary_page, head = divmod(num_placed, rows_per_page)
     row_bytes = header.row_bytes
-    starts = range(0, num_rows, chunk_rows)
-    buffers = [np.empty((chunk_rows, row_bytes), dtype=np.uint8) for _ in range(READ_AHEAD + 2)]
+    # Source chunks of half a write chunk: the read-ahead ring is the largest of the buffers.
+    read_rows = max(1, chunk_rows // 2)
+    starts = range(0, num_rows, read_rows)
+    buffers = [np.empty((read_rows, row_bytes), dtype=np.uint8) for _ in range(READ_AHEAD + 2)]
 
     def read(index: int) -> np.ndarray:
         ahead = index + PREFETCH_AHEAD
         if ahead < len(starts):
             prefetcher.submit(source.prefetch, first_row + starts[ahead],
-                              first_row + min(starts[ahead] + chunk_rows, num_rows))
+                              first_row + min(starts[ahead] + read_rows, num_rows))
         start = starts[index]
-        stop = min(start + chunk_rows, num_rows)
+        stop = min(start + read_rows, num_rows)
         return source.read_rows(first_row + start, first_row + stop, out=buffers[index % len(buffers)][:stop - start])
 
     # The page chunk being filled: pages [page, page_stop), `filled` of its rows set. The first one
