@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Mapping
 
 from vllm.logger import init_logger
@@ -94,36 +95,40 @@ class StatsLog:
     CUDA graph no call of the plugin runs until the next step that is not one)."""
 
     def __init__(self, prefix: str, rows, seconds: float):
-        self.prefix, self.rows, self.seconds = prefix, rows, seconds
+        # A weak reference: the thread must not keep the lookup (its buffers, its reader) alive.
+        self.prefix, self._rows, self.seconds = prefix, weakref.ref(rows), seconds
         self._last = dict(rows.stats())
         self._failed = self._last.get("failed", 0)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._exporter = prometheus()
         if seconds > 0:
-            threading.Thread(target=self._run, name="ple-prep-stats", daemon=True).start()
+            threading.Thread(target=_run, args=(weakref.ref(self), self._stop, seconds), name="ple-prep-stats",
+                             daemon=True).start()
 
-    def _run(self) -> None:
-        due = self.seconds
-        while not self._stop.wait(min(ERROR_POLL_SECONDS, self.seconds)):
-            self.log_failures()
-            due -= min(ERROR_POLL_SECONDS, self.seconds)
-            if due <= 0:
-                self.flush()
-                due = self.seconds
+    @property
+    def rows(self):
+        rows = self._rows()
+        if rows is None:
+            self._stop.set()
+        return rows
 
     def log_failures(self) -> None:
-        failed = self.rows.stats().get("failed", 0)
+        rows = self.rows
+        failed = 0 if rows is None else rows.stats().get("failed", 0)
         if failed > self._failed:
-            error = self.rows.pending_error()
+            error = rows.pending_error()
             cause = "raised already" if error is None else f"{type(error).__name__}: {error}"
             logger.error("PLE lookup of %s: %d step(s) failed, their values are NaN: %s", self.prefix,
                          failed - self._failed, cause)
             self._failed = failed
 
     def flush(self) -> dict[str, int]:
+        rows = self.rows
+        if rows is None:
+            return {}
         with self._lock:
-            now = dict(self.rows.stats())
+            now = dict(rows.stats())
             window = {key: now[key] - self._last.get(key, 0) for key in now}
             self._last = now
         if window.get("starts"):
@@ -134,3 +139,18 @@ class StatsLog:
 
     def close(self) -> None:
         self._stop.set()
+
+
+def _run(log: weakref.ref, stop: threading.Event, seconds: float) -> None:
+    """The thread of a StatsLog, which it does not keep alive: it ends with the log or its lookup."""
+    due = seconds
+    while not stop.wait(min(ERROR_POLL_SECONDS, seconds)):
+        current = log()
+        if current is None:
+            return
+        current.log_failures()
+        due -= min(ERROR_POLL_SECONDS, seconds)
+        if due <= 0:
+            current.flush()
+            due = seconds
+        del current

@@ -53,8 +53,10 @@ except ImportError:  # built only where a C compiler was there at install (setup
 REQUEST, ARRIVED, READY, FLAG_WORDS = 0, 16, 32, 48
 # On the CPU `finish` waits for the thread at most this long before it gives up on the step.
 HOST_WAIT_SECONDS = 120.0
-# Cold reads the service thread keeps in flight (O_DIRECT, native AIO): fio's reference depth.
-READ_DEPTH = 64
+# Cold reads the service thread keeps in flight (O_DIRECT, native AIO), as the runtime's DirectReader
+# keeps: a cold 4,096-token chunk took 1.21-1.22x the eager path's time at 64, 1.06x at 512
+# (BENCHMARKS.md, "Serving inside vLLM's CUDA graphs").
+READ_DEPTH = 512
 # Byte patterns tried for the poison row, the first whose every value decodes to NaN is kept:
 # FP8's 0x7F code, and the 16-bit NaN of BF16 rows and of the f16/fp8 block scales of the others.
 _POISON_PATTERNS = (b"\x7f", b"\xc0\x7f", b"\x00\x7e", b"\xff")

@@ -1,5 +1,5 @@
 /* The step service's cold reads (disk_reads.h): the distinct blocks of a step's disk rows read with
- * Linux native AIO on the table's O_DIRECT descriptor, `depth` in flight, each block's rows copied
+ * Linux native AIO on the table's O_DIRECT descriptor, `depth` in flight (at most MAX_DEPTH), each block's rows copied
  * to their staging rows as it lands; where the kernel refuses AIO, one pread at a time. As the
  * runtime's DirectReader (runtime/direct.py) reads a request, but on the service's thread and
  * without the GIL: a Python thread that holds it while it waits for the device (a synchronous copy
@@ -18,7 +18,7 @@
 #define MIN_BLOCK 4096
 /* Low bits of a key hold the position's rank among the step's disk positions. */
 #define RANK_BITS 24
-#define MAX_DEPTH 128
+#define MAX_DEPTH 512
 
 int disk_reader_open(disk_reader *reader, int fd, off_t data_offset, off_t file_end, Py_ssize_t page_size,
                      Py_ssize_t capacity, int depth)
