@@ -54,8 +54,8 @@ REQUEST, ARRIVED, READY, FLAG_WORDS = 0, 16, 32, 48
 # On the CPU `finish` waits for the thread at most this long before it gives up on the step.
 HOST_WAIT_SECONDS = 120.0
 # Cold reads the service thread keeps in flight (O_DIRECT, native AIO), as the runtime's DirectReader
-# keeps: a cold 4,096-token chunk took 1.21-1.22x the eager path's time at 64, 1.06x at 512
-# (BENCHMARKS.md, "Serving inside vLLM's CUDA graphs").
+# keeps: at 64 a cold chunk was well behind the eager path (BENCHMARKS.md, "Serving inside vLLM's
+# CUDA graphs").
 READ_DEPTH = 512
 # Byte patterns tried for the poison row, the first whose every value decodes to NaN is kept:
 # FP8's 0x7F code, and the 16-bit NaN of BF16 rows and of the f16/fp8 block scales of the others.
