@@ -165,3 +165,23 @@ def test_stats_seconds_are_read_from_the_environment_or_the_config(value, second
 def test_stats_seconds_refused_naming_the_variable(value):
     with pytest.raises(BadInput, match=rf"^PLE_PREP_STATS_SECONDS={value}: seconds between stats lines, 0 \(none\)"):
         read_settings({}, {"PLE_PREP_TABLE": "/nvme/ple.bin", "PLE_PREP_STATS_SECONDS": value})
+def test_host_cache_read_ahead_and_recording_settings(tmp_path):
+    environ = {"PLE_PREP_TABLE": "/a.bin", "PLE_PREP_HOST_CACHE_BYTES": "2GiB", "PLE_PREP_READ_AHEAD": "off",
+               "PLE_PREP_RECORD_PROFILE": str(tmp_path / "served.prof")}
+    settings = read_settings({}, environ)
+    assert (settings.host_cache_bytes, settings.read_ahead, settings.record_profile) == \
+        (2 << 30, False, str(tmp_path / "served.prof"))
+    defaults = read_settings({}, {"PLE_PREP_TABLE": "/a.bin"})
+    assert (defaults.host_cache_bytes, defaults.read_ahead, defaults.record_profile) == (None, True, None)
+    assert read_settings({"ple_prep": {"read_ahead": True, "host_cache_bytes": 0}}, environ).host_cache_bytes == 0
+
+
+@pytest.mark.parametrize("variable, value, cause", [
+    ("PLE_PREP_HOST_CACHE_BYTES", "99999TiB", "more than"),
+    ("PLE_PREP_HOST_CACHE_BYTES", "lots", "not a byte count"),
+    ("PLE_PREP_READ_AHEAD", "maybe", "on or off"),
+    ("PLE_PREP_RECORD_PROFILE", "/no/such/folder/served.prof", "no such folder"),
+])
+def test_host_cache_settings_refuse_naming_the_variable(variable, value, cause):
+    with pytest.raises(BadInput, match=f"{variable}={value}: .*{cause}"):
+        read_settings({}, {"PLE_PREP_TABLE": "/a.bin", variable: value})

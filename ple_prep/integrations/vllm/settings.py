@@ -2,6 +2,7 @@
 
     --additional-config '{"ple_prep": {"table": "/nvme/ple.bin", "resident_bytes": "4GiB", "read_path": "mapped"}}'
     PLE_PREP_TABLE=/nvme/ple.bin  PLE_PREP_RESIDENT_BYTES=4GiB  PLE_PREP_READ_PATH=mapped  PLE_PREP_READ_TIMEOUT=30
+    PLE_PREP_HOST_CACHE_BYTES=2GiB  PLE_PREP_READ_AHEAD=off  PLE_PREP_RECORD_PROFILE=/var/ple/served.prof
 
 The additional config wins over the environment, key by key. With tensor parallelism the table
 path names each rank's file through `{rank}` and `{size}` (`/nvme/ple.tp{rank}of{size}.bin`, the
@@ -38,6 +39,9 @@ STATS_VARIABLE = "PLE_PREP_STATS_SECONDS"
 # The lookup's counters go to vLLM's log this often by default; at most once a day.
 DEFAULT_STATS_SECONDS = 60.0
 MAX_STATS_SECONDS = 86400.0
+HOST_CACHE_VARIABLE = "PLE_PREP_HOST_CACHE_BYTES"
+READ_AHEAD_VARIABLE = "PLE_PREP_READ_AHEAD"
+RECORD_PROFILE_VARIABLE = "PLE_PREP_RECORD_PROFILE"
 # Byte units, by their lowercase spelling: GB, MB, KB, TB are powers of 1000 (4GB = 4 * 10**9), GiB,
 # MiB, KiB, TiB and the bare letters G, M, K, T powers of 1024 (4GiB = 4G = 4 * 2**30).
 UNITS = {"": 1, "b": 1,
@@ -133,6 +137,23 @@ def parse_switch(value: Any, where: str) -> bool:
     raise refuse(where, value, "on or off: write 1 or 0 (true/false, yes/no, on/off)")
 
 
+def parse_host_bytes(value: Any, where: str) -> int:
+    """A byte count of host memory: at most the host's memory."""
+    return parse_bytes(value, where, host_memory_bytes())
+
+
+def parse_profile_path(value: Any, where: str) -> str:
+    """Where to write the recorded profile: a file in an existing folder."""
+    if not isinstance(value, str) or not value:
+        raise refuse(where, value, "the profile must be a path")
+    folder = os.path.dirname(os.path.abspath(value))
+    if not os.path.isdir(folder):
+        raise refuse(where, value, f"no such folder: {folder}")
+    if os.path.isdir(value):
+        raise refuse(where, value, "a directory, not a profile file")
+    return value
+
+
 def parse_stats_seconds(value: Any, where: str) -> float:
     """Seconds between the log's stats lines: 0 (none) to MAX_STATS_SECONDS, ASCII digits."""
     seconds = value
@@ -159,9 +180,12 @@ KEYS = (
     Key("read_timeout", READ_TIMEOUT_VARIABLE, parse_seconds),
     Key("verify_reads", VERIFY_READS_VARIABLE, parse_switch),
     Key("stats_seconds", STATS_VARIABLE, parse_stats_seconds),
+    Key("host_cache_bytes", HOST_CACHE_VARIABLE, parse_host_bytes),
+    Key("read_ahead", READ_AHEAD_VARIABLE, parse_switch),
+    Key("record_profile", RECORD_PROFILE_VARIABLE, parse_profile_path),
 )
 # The settings passed on to open_table as they are, by name.
-OPEN_OPTIONS = ("read_path", "read_timeout", "verify_reads")
+OPEN_OPTIONS = ("read_path", "read_timeout", "verify_reads", "host_cache_bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +196,9 @@ class Settings:
     read_timeout: float | None = None  # open_table's read_timeout; None: its default
     verify_reads: bool | None = None  # open_table's verify_reads; None: its default (off)
     stats_seconds: float = DEFAULT_STATS_SECONDS  # between the lookup's lines in vLLM's log; 0: none
+    host_cache_bytes: int | None = None  # the host cache's budget (open_table's); None: its default
+    read_ahead: bool = True  # read new requests' later prompt chunks ahead (traffic.py)
+    record_profile: str | None = None  # where to write a sampled profile of served requests (traffic.py)
     # Where each set field came from (`PLE_PREP_TABLE` or `additional_config['ple_prep']['table']`).
     origins: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 

@@ -33,6 +33,7 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
 
 from ...core.errors import BadInput
 from ...runtime import compiled_helper_missing, open_table
+from . import traffic
 from .backend import (
     PrefetchedRows,
     TableMismatch,
@@ -139,6 +140,9 @@ class PreparedTableEmbedding(Qwen4ExpPLEEmbedding):
             table.close()
             raise
         self.table = table
+        # Read-ahead and recording fed from the schedule (traffic.py); one process records a replica's traffic.
+        traffic.serve(table, self.rows.source.num_resident, settings,
+                      record=self.tp_rank == 0 and data_parallel_rank == 0)
         self.quant_method = _CheckedAfterLoading(embedding_method)
         self._output_dim = num_ngram_heads * embedding_dim
         self._shard_rows_dropped = 0

@@ -15,14 +15,17 @@ this module, cut into chunks of the first chunk's size, and handed to `Table.rea
 table served in this process (each ETP rank's table keeps the ids in its row range; slots of the
 GPU tier are left out). A request that finishes before its read-ahead does cancels it. With a
 recorder configured, each new request's prompt is offered to it (`TrafficRecorder.add_request`,
-which keeps a sample). docs/SERVING.md ("Host cache and read-ahead") says what this covers and
+which keeps a sample). docs/RUNTIME.md ("Host cache and read-ahead") says what this covers and
 what it does not (decode tokens are not known ahead; under ETP spanning DP a worker sees only its
 own DP rank's requests).
 """
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
+import hashlib
 import logging
+import os
 from typing import Any
 
 import numpy as np
@@ -47,15 +50,34 @@ class _Served:
 _SERVED = _Served()
 
 
-def serve(table, skip_slots: int, spec: NgramSpec, *, read_ahead: bool = True,
-          recorder: TrafficRecorder | None = None) -> None:
-    """Feed `table` (with its first `skip_slots` slots on the GPU) from the requests scheduled in
-    this process; `recorder`, if given, records a sample of them."""
-    _SERVED.spec = spec
-    if read_ahead and table.host_cache is not None:
-        _SERVED.tables.append((table, skip_slots))
-    if recorder is not None:
-        _SERVED.recorder = recorder
+def serve(table, skip_slots: int, settings, *, record: bool) -> None:
+    """Feed `table` (its first `skip_slots` slots on the GPU) from the requests scheduled in this
+    process, as `settings` ask (read_ahead, record_profile; `record`: this process records)."""
+    served = _SERVED
+    served.spec = NgramSpec.from_json(table.manifest["ngram"])
+    if settings.read_ahead and table.host_cache is not None:
+        served.tables.append((table, skip_slots))
+    if record and settings.record_profile and served.recorder is None:
+        served.recorder = TrafficRecorder(served.spec, settings.record_profile, tokenizer_sha256=_tokenizer_sha256(),
+                                          model=table.manifest.get("source", {}).get("model", "served"))
+        atexit.register(served.recorder.close)
+
+
+def _tokenizer_sha256() -> str | None:
+    """sha256 of the served model's tokenizer.json, as `ple-prep profile` records it (so that
+    `profile merge` takes this profile with the operator's), or None where there is no such file."""
+    from vllm.config import get_current_vllm_config
+
+    config = get_current_vllm_config().model_config
+    folder = getattr(config, "tokenizer", None) or getattr(config, "model", None)
+    path = os.path.join(str(folder), "tokenizer.json") if folder else ""
+    if not os.path.isfile(path):
+        return None
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def on_schedule(scheduler_output: Any) -> None:

@@ -1,0 +1,81 @@
+"""The vLLM schedule's feed: new requests' later prompt chunks read ahead, a sample recorded."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from ple_prep.integrations.vllm import traffic
+from ple_prep.integrations.vllm.settings import Settings
+from ple_prep.ngram import NgramSpec, row_ids
+from ple_prep.offline.profile import load_profile
+from ple_prep.runtime import open_table
+
+
+@dataclasses.dataclass
+class NewRequest:
+    """The fields traffic.py reads of vLLM 0.33.0's NewRequestData (vllm/v1/core/sched/output.py)."""
+    req_id: str
+    prompt_token_ids: list[int]
+    num_computed_tokens: int = 0
+
+
+@dataclasses.dataclass
+class Schedule:
+    """The fields traffic.py reads of vLLM 0.33.0's SchedulerOutput."""
+    scheduled_new_reqs: list
+    num_scheduled_tokens: dict
+    finished_req_ids: set = dataclasses.field(default_factory=set)
+
+
+@pytest.fixture
+def served(monkeypatch, fp8_table):
+    monkeypatch.setattr(traffic, "_SERVED", traffic._Served())
+    monkeypatch.setattr(traffic, "_tokenizer_sha256", lambda: None)
+    table = open_table(fp8_table, read_path="mapped", host_cache_bytes=4 << 20)
+    yield table
+    table.close()
+
+
+def test_a_new_requests_later_chunks_are_read_ahead(served, tmp_path):
+    table = served
+    traffic.serve(table, 100, Settings("/t.bin", record_profile=str(tmp_path / "served.prof")), record=True)
+    tokens = np.random.default_rng(4).integers(0, 800, 300).tolist()
+    traffic.on_schedule(Schedule([NewRequest("r1", tokens, num_computed_tokens=20)], {"r1": 64}))
+    traffic._SERVED.worker.shutdown(wait=True)
+    (job,) = traffic._SERVED.jobs["r1"]
+    assert job.wait(30) and job.error is None
+    spec = NgramSpec.from_json(table.manifest["ngram"])
+    later = row_ids(tokens, spec)[84:]  # after the computed tokens and the first chunk
+    slots = np.unique(table.slot_of(later.reshape(-1)))
+    assert job.rows_read == int((slots >= 100).sum())
+    assert len(job.chunks) == -(-(300 - 84) // 64)
+    read = table.host_cache.rows_read
+    table.gather_slots(slots[slots >= 100])
+    assert table.host_cache.rows_read == read  # all there already (the GPU tier's slots left out)
+    recorder = traffic._SERVED.recorder
+    assert recorder.seen == 1
+    recorder.sample_every = 1
+    traffic.on_schedule(Schedule([NewRequest("r2", tokens[:50])], {"r2": 50}, {"r1"}))
+    recorder.close()
+    assert load_profile(tmp_path / "served.prof").requests == 1
+    assert "r1" not in traffic._SERVED.jobs
+
+
+def test_without_a_configured_table_the_wrapper_only_calls_through():
+    class Runner:
+        def _update_states(self, scheduler_output):
+            return ("updated", scheduler_output)
+
+    module = type("module", (), {"GPUModelRunner": Runner})
+    traffic.install(module)
+    traffic.install(module)  # once only
+    assert Runner._update_states.ple_prep_feed
+    assert Runner()._update_states("schedule") == ("updated", "schedule")
+
+
+def test_read_ahead_off_feeds_nothing(served):
+    traffic.serve(served, 0, Settings("/t.bin", read_ahead=False), record=False)
+    traffic.on_schedule(Schedule([NewRequest("r1", list(range(200)))], {"r1": 10}))
+    assert traffic._SERVED.worker is None and traffic._SERVED.jobs == {}
