@@ -5,7 +5,8 @@
 read path (one request at a time: `read_lock`) and admitted. `read_ahead` takes the rows of a
 request's coming chunks (a prompt's, known when it is scheduled) and reads them into the cache on
 a thread, chunk by chunk in order, each chunk's distinct missing rows in file order in batches of
-BATCH_ROWS through the same read path (its full queue depth). Rows it reads stay pinned until a
+BATCH_ROWS through the same read path (its full queue depth); the later chunks' rows on the pages a
+batch reads are read with it, so each page is read once. Rows it reads stay pinned until a
 lookup takes them, so nothing evicts the rows a coming chunk needs; it pins at most PIN_FRACTION
 of the cache, and waits for lookups to take pinned rows before reading further ahead. A demand read
 waits for at most the batch in flight, then looks again (the batch may have brought its rows).
@@ -171,7 +172,10 @@ class CachedDiskTier:
 
     def _serve(self, job: ReadAhead) -> None:
         limit = int(self.cache.entries * PIN_FRACTION)
-        for chunk in job.chunks:
+        rows_per_page = self.rows_per_page
+        later = list(job.chunks)
+        for index in range(len(later)):
+            chunk = later[index]
             for start in range(0, len(chunk), BATCH_ROWS):
                 batch = chunk[start:start + BATCH_ROWS]
                 if not self._room(job, len(batch), limit):
@@ -179,12 +183,22 @@ class CachedDiskTier:
                 with self.read_lock:
                     missing = batch[self.cache.probe(batch)]
                     job.rows_found += len(batch) - len(missing)
-                    if len(missing):
-                        rows = self.reader.gather_slots(missing,
-                                                        np.empty((len(missing), self.cache.row_bytes), np.uint8))
-                        self.cache.admit(missing, rows, pin=True)
-                        job.rows_read += len(missing)
-                        self.ahead_rows_read += len(missing)
+                    if not len(missing):
+                        continue
+                    # The later chunks' rows on the pages read now come with them: each page once.
+                    pages = np.unique(missing // rows_per_page)
+                    extra = []
+                    for following in range(index + 1, len(later)):
+                        on_pages = np.isin(later[following] // rows_per_page, pages)
+                        if on_pages.any():
+                            extra.append(later[following][on_pages])
+                            later[following] = later[following][~on_pages]
+                    if extra:
+                        missing = np.unique(np.concatenate([missing, *extra]))
+                    rows = self.reader.gather_slots(missing, np.empty((len(missing), self.cache.row_bytes), np.uint8))
+                    self.cache.admit(missing, rows, pin=True)
+                    job.rows_read += len(missing)
+                    self.ahead_rows_read += len(missing)
             job.chunks_done += 1
 
     def _room(self, job: ReadAhead, rows: int, limit: int) -> bool:
