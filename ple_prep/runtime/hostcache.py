@@ -7,7 +7,7 @@ one asked for, so a budget holds many more useful rows than pages (bench/host_ca
 compares both, and the policies, on held-out real text; BENCHMARKS.md, "Host cache and read-ahead").
 
 Layout: `ways`-way set-associative. A slot's set is a multiplicative hash of it; each entry has a
-64-bit word (the slot, and flags in its top byte; all ones when empty) and the row's bytes.
+64-bit word (the slot + 1, and flags in its top byte; 0 when empty) and the row's bytes.
 Eviction is a clock per set: a hit
 marks its entry referenced; admission moves the set's hand past pinned entries, clears the mark of
 referenced ones, and takes the first entry with neither. New rows enter unmarked, so a row read
@@ -16,8 +16,8 @@ Read-ahead (runtime/readahead.py) pins the rows it reads until a lookup takes th
 are never evicted, so rows read for a coming chunk stay until that chunk reads them.
 
 Memory: the budget covers the rows, their words and the sets' hands (`entry_bytes` per entry, and
-a byte per set); nothing else grows with it. The rows' pages are allocated on first write, so an
-unused budget costs nothing.
+a byte per set); nothing else grows with it. A thread faults the whole budget in when the cache is
+made (`_populate`), so the process holds its budget from then on and no request pays for it.
 
 Exactness: every lookup and admission runs under one lock (and in the compiled helper,
 runtime/native/hostcache.c, with the GIL held), so no entry changes while its row is copied out; a
@@ -25,6 +25,7 @@ lookup copies a row only if its tag names the slot asked for.
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import threading
@@ -43,16 +44,21 @@ WAYS = 8
 # or its memory cgroup's limit) and at most the table's disk tier (docs/RUNTIME.md, "Host cache and read-ahead").
 DEFAULT_HOST_CACHE_BYTES = 1 << 30
 _MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
-# An entry's word: the slot in the low 56 bits, these flags above it (runtime/native/hostcache.c).
+# An entry's word: the slot + 1 in the low 56 bits, these flags above it, 0 when empty
+# (runtime/native/hostcache.c).
 _SLOT_MASK = np.uint64((1 << 56) - 1)
 _REFERENCED, _PINNED = np.uint64(1 << 56), np.uint64(2 << 56)
-_EMPTY = np.uint64((1 << 64) - 1)
+_ONE = np.uint64(1)
+# madvise(2)'s MADV_POPULATE_WRITE (Linux 5.14): fault pages in without writing them.
+_MADV_POPULATE_WRITE = 23
+# Bytes the populating thread faults in per call.
+_POPULATE_STEP = 32 << 20
 
 
 def _anonymous(size: int) -> np.ndarray:
     """`size` zero bytes of private anonymous memory, in transparent huge pages where the kernel
-    gives them: a lookup touches rows spread over the whole cache, and with 4 KiB pages most of
-    its time went to TLB misses (BENCHMARKS.md, "Host cache and read-ahead")."""
+    gives them: a lookup's rows are spread over the whole cache, and huge pages keep its TLB misses
+    few (BENCHMARKS.md, "Host cache and read-ahead")."""
     buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
@@ -60,6 +66,33 @@ def _anonymous(size: int) -> np.ndarray:
         except OSError:  # a kernel without transparent huge pages
             pass
     return np.frombuffer(buffer, dtype=np.uint8)
+
+
+def _load_madvise():
+    try:
+        function = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return function
+
+
+_MADVISE = _load_madvise()
+
+
+def _populate(arrays: tuple[np.ndarray, ...]) -> None:
+    """Fault the cache's memory in, off the request path (ctypes calls release the GIL): a fresh
+    huge page costs its zeroing, which admission would otherwise pay for inside a request (a
+    first cold request's rows land all over the cache). Where the kernel lacks
+    MADV_POPULATE_WRITE, admission faults pages in as before."""
+    if _MADVISE is None:
+        return
+    for array in arrays:
+        address, size = array.ctypes.data, array.nbytes
+        for offset in range(0, size, _POPULATE_STEP):
+            if _MADVISE(address + offset, min(_POPULATE_STEP, size - offset), _MADV_POPULATE_WRITE) != 0:
+                return
 
 
 def memory_limit() -> int:
@@ -111,9 +144,11 @@ class HostCache:
         self.budget_bytes = int(budget_bytes)
         count = max(self.entries, 1)
         self._words = _anonymous(count * 8).view(np.uint64)
-        self._words.fill(_EMPTY)
         self._data = _anonymous(count * self.row_bytes)
         self._hands = _anonymous(max(self.sets, 1))
+        if self.entries:
+            threading.Thread(target=_populate, args=((self._words, self._data),), name="ple-prep-host-cache",
+                             daemon=True).start()
         self._rows = self._data.reshape(count, self.row_bytes)
         self._arrays = (self._words, self._data, self._hands, self.ways, self.row_bytes)
         self.lock = threading.Lock()
@@ -182,8 +217,13 @@ class HostCache:
     def unpin_all(self) -> None:
         """Release every pin (a read-ahead cancelled, or its rows never asked for)."""
         with self.lock:
-            held = self._words != _EMPTY
-            self._words[held] &= ~_PINNED
+            self._words &= ~_PINNED
+            self.pinned = 0
+
+    def clear(self) -> None:
+        """Forget every row (the memory stays the cache's)."""
+        with self.lock:
+            self._words.fill(0)
             self.pinned = 0
 
     # --- the numpy fallback: the same results as runtime/native/hostcache.c --------------------------
@@ -196,7 +236,7 @@ class HostCache:
         """The entry holding each slot, or -1."""
         first = self._sets_of(slots) * self.ways
         words = self._words[first[:, None] + np.arange(self.ways)]
-        match = ((words & _SLOT_MASK) == slots.astype(np.uint64)[:, None]) & (words != _EMPTY)
+        match = (words & _SLOT_MASK) == slots.astype(np.uint64)[:, None] + _ONE
         return np.where(match.any(axis=1), first + match.argmax(axis=1), -1)
 
     def _lookup(self, slots: np.ndarray, out: np.ndarray, positions: np.ndarray | None) -> tuple[np.ndarray, int]:
@@ -211,8 +251,8 @@ class HostCache:
         return np.flatnonzero(entries < 0), unpinned
 
     def _admit(self, slots: np.ndarray, rows: np.ndarray, pin: bool) -> tuple[int, int]:
-        if len(slots) and (slots.min() < 0 or slots.max() > int(_SLOT_MASK)):
-            raise ValueError("admit: slots must lie in [0, 2**56)")
+        if len(slots) and (slots.min() < 0 or slots.max() >= int(_SLOT_MASK)):
+            raise ValueError("admit: slots must lie in [0, 2**56 - 1)")
         pinned = dropped = 0
         words, hands, ways = self._words, self._hands, self.ways
         for index, (slot, set_number) in enumerate(zip(slots.tolist(), self._sets_of(slots).tolist())):
@@ -227,7 +267,7 @@ class HostCache:
                 candidate = first + int(hands[set_number])
                 hands[set_number] = (hands[set_number] + 1) % ways
                 value = words[candidate]
-                if value == _EMPTY:
+                if value == 0:
                     entry = candidate
                     break
                 if value & _PINNED:
@@ -240,7 +280,7 @@ class HostCache:
             if entry < 0:
                 dropped += 1
                 continue
-            words[entry] = np.uint64(slot) | (_PINNED if pin else np.uint64(0))
+            words[entry] = np.uint64(slot + 1) | (_PINNED if pin else np.uint64(0))
             self._rows[entry] = rows[index]
             pinned += pin
         return pinned, dropped

@@ -3,7 +3,8 @@
  *
  * The cache is set-associative: slot s lives in set ((h >> 32) * sets) >> 32, h = s * K mod 2**64
  * (hostcache.py computes the same), in one of the set's `ways` entries. An entry is a 64-bit word
- * (the slot in the low 56 bits, flags in the top byte; all ones when empty) and the row's bytes,
+ * (the slot + 1 in the low 56 bits, flags in the top byte; 0 when empty, so fresh memory is an
+ * empty cache) and the row's bytes,
  * in two caller-owned arrays; one byte per set holds its clock hand. Keeping the flags in the word
  * means a lookup touches one line of words per set and the row, nothing else.
  *
@@ -24,7 +25,7 @@
 #define SLOT_MASK ((uint64_t)0x00FFFFFFFFFFFFFFull)
 #define REFERENCED ((uint64_t)1 << 56)
 #define PINNED ((uint64_t)2 << 56)
-#define EMPTY (~(uint64_t)0)
+#define EMPTY ((uint64_t)0)
 /* The pipeline of `lookup`: a set's words are fetched this many slots ahead of the slot being
  * copied, its row half as many. */
 #define AHEAD 16
@@ -74,7 +75,7 @@ static int get_cache(Cache *cache, PyObject *words, PyObject *data, PyObject *ha
 static inline int64_t find(const Cache *cache, const uint64_t *word, int64_t slot) {
     int64_t first = set_index(cache, slot) * cache->ways;
     for (int64_t way = 0; way < cache->ways; way++)
-        if ((word[first + way] & SLOT_MASK) == (uint64_t)slot && word[first + way] != EMPTY) return first + way;
+        if ((word[first + way] & SLOT_MASK) == (uint64_t)slot + 1) return first + way;
     return -1;
 }
 
@@ -198,8 +199,8 @@ done:
  * Each slot not in the cache takes an entry of its set chosen by the set's clock hand: the hand
  * passes pinned entries, clears the referenced mark of the ones it passes, and takes the first
  * entry with neither; rows[i] is copied there. With pin, entries (new or found) are pinned. A
- * slot whose set holds only pinned entries is dropped (not admitted). Slots outside [0, 2**56)
- * are refused. */
+ * slot whose set holds only pinned entries is dropped (not admitted). Slots outside
+ * [0, 2**56 - 1) are refused. */
 PyObject *hostcache_admit(PyObject *self, PyObject *args)
 {
     PyObject *slots_obj, *rows_obj, *words, *data, *hands;
@@ -220,8 +221,8 @@ PyObject *hostcache_admit(PyObject *self, PyObject *args)
     }
     const int64_t *slot = slots.buf;
     for (int64_t i = 0; i < count; i++) {
-        if (slot[i] < 0 || (uint64_t)slot[i] > SLOT_MASK) {
-            PyErr_SetString(PyExc_ValueError, "admit: slots must lie in [0, 2**56)");
+        if (slot[i] < 0 || (uint64_t)slot[i] >= SLOT_MASK) {
+            PyErr_SetString(PyExc_ValueError, "admit: slots must lie in [0, 2**56 - 1)");
             goto done;
         }
     }
@@ -261,7 +262,7 @@ PyObject *hostcache_admit(PyObject *self, PyObject *args)
             dropped++;
             continue;
         }
-        word[entry] = (uint64_t)slot[i] | (pin ? PINNED : 0);
+        word[entry] = ((uint64_t)slot[i] + 1) | (pin ? PINNED : 0);
         memcpy(store + entry * row_bytes, source + i * row_bytes, row_bytes);
         added++;
         pinned += pin;
