@@ -189,6 +189,9 @@ def test_read_ahead_brings_a_requests_chunks_before_they_are_gathered(ordered, c
             assert np.array_equal(out, ordered.rows[chunk])
         assert tier.rows_read == demand  # every row was there already
         assert tier.cache.pinned == 0 and tier.cache.read_ahead_hits == job.rows_read
+        stats = tier.stats()
+        assert stats["read_ahead_rows_read"] == job.rows_read and stats["disk_rows_read"] == demand
+        assert 0 < stats["read_ahead_coverage"] <= 1
 
 
 def test_read_ahead_skips_the_resident_slots(ordered):

@@ -8,8 +8,9 @@ a thread, chunk by chunk in order, each chunk's distinct missing rows in file or
 BATCH_ROWS through the same read path (its full queue depth); the later chunks' rows on the pages a
 batch reads are read with it, so each page is read once. Rows it reads stay pinned until a
 lookup takes them, so nothing evicts the rows a coming chunk needs; it pins at most PIN_FRACTION
-of the cache, and waits for lookups to take pinned rows before reading further ahead. A demand read
-waits for at most the batch in flight, then looks again (the batch may have brought its rows).
+of the cache, and waits for lookups to take pinned rows before reading further ahead. A demand
+read goes first: it waits for at most the batch in flight, then looks again (the batch may have
+brought its rows), and the read-ahead thread starts no batch while a demand read waits.
 
 Pins that no lookup takes (a request cancelled, or its rows served from another path) are
 released by `ReadAhead.cancel`, and by the read-ahead thread itself once no lookup has taken a pin
@@ -70,6 +71,9 @@ class CachedDiskTier:
         self.cache = cache
         self.rows_per_page = rows_per_page
         self.read_lock = threading.Lock()
+        # Demand reads go first: the read-ahead thread takes `read_lock` only while none waits.
+        self._demand = threading.Condition()
+        self._demand_waiting = 0
         self.rows_read = self.pages_read = 0   # distinct rows and pages of demand reads, summed
         self.ahead_rows_read = 0               # by read-ahead
         self._queue: collections.deque[ReadAhead] = collections.deque()
@@ -88,6 +92,17 @@ class CachedDiskTier:
             self._thread.join()
         self._thread = None
 
+    def stats(self) -> dict[str, int | float]:
+        """Counts since open: rows looked up in the cache (`host_cache_hits` + `host_cache_misses`),
+        rows and pages demand reads took from the disk, rows read ahead, and `read_ahead_coverage`,
+        the share of rows looked up that read-ahead had brought."""
+        cache = self.cache
+        looked_up = cache.hits + cache.misses
+        return {"host_cache_hits": cache.hits, "host_cache_misses": cache.misses, "disk_rows_read": self.rows_read,
+                "disk_pages_read": self.pages_read, "read_ahead_rows_read": self.ahead_rows_read,
+                "read_ahead_hits": cache.read_ahead_hits, "host_cache_pinned": cache.pinned,
+                "read_ahead_coverage": cache.read_ahead_hits / looked_up if looked_up else 0.0}
+
     def gather_slots(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """uint8 `(len(slots), row_bytes)`: the rows at these file slots, in request order."""
         slots = np.ascontiguousarray(slots, dtype=np.int64).reshape(-1)
@@ -105,11 +120,18 @@ class CachedDiskTier:
             self._taken.set()
         if not len(missed):
             return out
-        with self.read_lock:
-            if self._queue:
-                # The read-ahead's batch this waited for may have brought some of them.
-                missed = missed[self.cache.lookup(slots[missed], out, missed)]
-                self._taken.set()
+        with self._demand:
+            self._demand_waiting += 1
+        try:
+            self.read_lock.acquire()
+        finally:
+            with self._demand:
+                self._demand_waiting -= 1
+                self._demand.notify_all()
+        try:
+            # A read-ahead batch this waited for may have brought some of them.
+            missed = missed[self.cache.lookup(slots[missed], out, missed)]
+            self._taken.set()
             if len(missed) == count:
                 self.reader.gather_slots(slots, out)
                 self.cache.admit(slots, out)
@@ -125,6 +147,8 @@ class CachedDiskTier:
             pages = distinct // self.rows_per_page
             self.rows_read += len(distinct)
             self.pages_read += 1 + int(np.count_nonzero(pages[1:] != pages[:-1]))
+        finally:
+            self.read_lock.release()
         return out
 
     def read_ahead(self, chunks: list[np.ndarray]) -> ReadAhead:
@@ -180,6 +204,9 @@ class CachedDiskTier:
                 batch = chunk[start:start + BATCH_ROWS]
                 if not self._room(job, len(batch), limit):
                     return
+                with self._demand:
+                    while self._demand_waiting:
+                        self._demand.wait()
                 with self.read_lock:
                     missing = batch[self.cache.probe(batch)]
                     job.rows_found += len(batch) - len(missing)
