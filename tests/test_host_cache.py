@@ -6,6 +6,7 @@ import threading
 import numpy as np
 import pytest
 
+from ple_prep.core.errors import BadInput
 from ple_prep.runtime import hostcache, open_table
 from ple_prep.runtime.hostcache import HostCache, default_budget
 
@@ -245,3 +246,31 @@ def test_eviction_racing_copies_never_yields_wrong_rows(ordered, cache_loops):
         job.cancel()
         job.wait(10)
     assert errors == []
+
+
+def test_the_torch_source_counts_rows_its_tables_host_cache_held(ordered):
+    torch = pytest.importorskip("torch")
+    from support.bf16_bits import bits, expected_bits
+
+    from ple_prep.runtime.device import EmbeddingSource
+    from ple_prep.tools.benchmark import evict
+
+    evict(ordered.path)  # the direct path keeps it so: every request is cold, through the host cache
+    try:
+        table = open_table(ordered.path, read_path="direct", host_cache_bytes=4 << 20)
+    except BadInput as exc:
+        pytest.skip(str(exc))
+    with table:
+        source = EmbeddingSource(table, device="cpu", resident_bytes=500 * table.row_bytes, max_ids=200 * 16)
+        ids = request_ids(table.num_rows, 200 * 16, 40).reshape(200, 16)
+        slots = table.slot_of(ids.reshape(-1))
+        distinct = len(np.unique(slots[slots >= source.num_resident]))
+        for _ in range(2):
+            values = source(ids)
+            assert np.array_equal(bits(values), expected_bits(table, ids))
+        stats = source.stats()
+        assert stats.rows_read == distinct and stats.rows_host_cache == distinct
+        job = source.read_ahead([ids[:100], ids[100:]])
+        assert job.wait(30) and job.rows_read == 0 and job.rows_found >= distinct  # all held already
+        assert torch.equal(source(ids[:100]), values[:100])
+        source.close()

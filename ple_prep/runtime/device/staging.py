@@ -91,9 +91,13 @@ class HostStaging:
             first = buffers.capacity - disk
             index[disk_positions] = resident + first + inverse
             split = time.perf_counter()
+            tier = table.host_cache
+            hits = tier.cache.hits if tier is not None else 0
             table.gather_slots(disk_slots, out=buffers.host_rows[first:])
             gathered = time.perf_counter()
-            stats.rows_read += disk
+            cached = tier.cache.hits - hits if tier is not None else 0
+            stats.rows_host_cache += cached
+            stats.rows_read += disk - cached
         self.last_disk_rows = disk
         span = buffers.span_of(disk, count)
         if buffers.cuda and not copied:

@@ -8,8 +8,9 @@ import dataclasses
 class SourceStats:
     """Counts since the source was made; `later - earlier` gives a window's counts.
 
-    Rows are counted per position served, except `rows_read`, which counts the distinct rows read
-    through the table's read path (a cold request reads each distinct row once).
+    Rows are counted per position served, except `rows_read` and `rows_host_cache`, which count the
+    distinct rows of the cold requests read through the table's read path (a cold request reads
+    each distinct row once) and those its host cache held instead (`Table.host_cache`).
     """
 
     starts: int = 0            # requests started (start, or a call of the source)
@@ -19,6 +20,7 @@ class SourceStats:
     rows_page_cache: int = 0   # disk-tier positions copied from the page cache (the request was cached)
     rows_disk: int = 0         # disk-tier positions served by rows read through the read path
     rows_read: int = 0         # rows read through the read path
+    rows_host_cache: int = 0   # rows of those requests the table's host cache held (not read)
     starts_from_device: int = 0  # requests whose ids were given on the device
     helper_lookups: int = 0    # of those, looked up on a helper thread as soon as the ids landed
     helper_copies: int = 0     # of those, whose staged rows the helper thread copied to the device
