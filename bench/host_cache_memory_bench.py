@@ -8,8 +8,9 @@ of 16 chunks followed by their gathers, and 3,000 one-token gathers; then it fil
 its budget with more chunks. It runs three times, each in a fresh cgroup v1 memory group:
 1. with the host cache off (`host_cache_bytes=0`), no limit: the process's own baseline;
 2. with the default cache, no limit: its peak usage beside the baseline;
-3. with the default cache, limited to the baseline's peak + the budget + OVERHEAD_BYTES: the run
-   must finish (no OOM kill) with the same rows (a digest of every gather).
+3. with the same budget (given: under a limit the default shrinks to an eighth of it), limited to
+   the baseline's peak + the budget + OVERHEAD_BYTES: the run must finish (no OOM kill) with the
+   same rows (a digest of every gather).
 Reports each run's peak cgroup usage (memory.max_usage_in_bytes), peak RSS, failcnt and seconds.
 Needs root and /sys/fs/cgroup/memory. Prints one JSON object.
 """
@@ -104,7 +105,8 @@ def main() -> None:
     cached = capped(args.table, None, None, "on")
     budget = cached["cache"]["budget_bytes"]
     limit = baseline["max_usage_bytes"] + budget + OVERHEAD_BYTES
-    limited = capped(args.table, None, limit, "limited")
+    # The budget given: the default would shrink under the lower limit (an eighth of it).
+    limited = capped(args.table, budget, limit, "limited")
     report = {"table": str(args.table), "budget_bytes": budget, "overhead_bytes": OVERHEAD_BYTES,
               "without_cache": baseline, "with_cache": cached, "with_cache_limited": limited,
               "cache_usage_beyond_baseline_bytes": cached["max_usage_bytes"] - baseline["max_usage_bytes"],

@@ -123,10 +123,12 @@ def run_prompt(source: EmbeddingSource, path: Path, chunks: list[np.ndarray], wo
         synchronize()
     total = time.perf_counter() - began
     tier = source.table.host_cache
-    result = {"total_s": round(total, 4), "demand_rows_read": tier.rows_read}
+    result = {"total_s": round(total, 4), "demand_rows_read": tier.rows_read,
+              "demand_pages_read": tier.pages_read}
     if job is not None:
-        result |= {"read_ahead_rows": job.rows_read, "read_ahead_found": job.rows_found,
-                   "read_ahead_hits": tier.cache.read_ahead_hits, "read_ahead_error": repr(job.error)}
+        result |= {"read_ahead_rows": job.rows_read, "read_ahead_pages": job.pages_read,
+                   "read_ahead_found": job.rows_found, "read_ahead_hits": tier.cache.read_ahead_hits,
+                   "read_ahead_error": repr(job.error)}
         job.cancel()
     result["values"] = values
     return result

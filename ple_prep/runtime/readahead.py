@@ -6,7 +6,7 @@ read path (one request at a time: `read_lock`) and admitted. `read_ahead` takes 
 request's coming chunks (a prompt's, known when it is scheduled) and reads them into the cache on
 a thread, chunk by chunk in order, each chunk's distinct missing rows in file order in batches of
 BATCH_ROWS through the same read path (its full queue depth); the later chunks' rows on the pages a
-batch reads are read with it, so each page is read once. Rows it reads stay pinned until a
+batch (or a demand read) reads are read with it: each page once. Rows it reads stay pinned until a
 lookup takes them, so nothing evicts the rows a coming chunk needs; it pins at most PIN_FRACTION
 of the cache, and waits for lookups to take pinned rows before reading further ahead. A demand
 read goes first: it waits for at most the batch in flight, then looks again (the batch may have
@@ -43,7 +43,12 @@ class ReadAhead:
         self.chunks_done = 0      # chunks whose rows have all been read or found cached
         self.rows_read = 0        # rows this read-ahead read from the disk
         self.rows_found = 0       # rows it found cached already
+        self.pages_read = 0       # pages those reads took
         self.error: BaseException | None = None
+        # While it is read (under the tier's read_lock): the chunks' rows not read yet, and the
+        # chunk being read.
+        self.later: list[np.ndarray] | None = None
+        self.position = 0
         self._cancelled = False
         self._done = threading.Event()
         self._tier: CachedDiskTier | None = None
@@ -132,7 +137,19 @@ class CachedDiskTier:
             # A read-ahead batch this waited for may have brought some of them.
             missed = missed[self.cache.lookup(slots[missed], out, missed)]
             self._taken.set()
-            if len(missed) == count:
+            # A read-ahead's coming rows on the pages read now come with them (pinned for their chunk).
+            extra = self._later_rows_on_pages_of(slots[missed]) if len(missed) else np.zeros(0, np.int64)
+            if len(extra):
+                extra = extra[self.cache.probe(extra)]
+            if len(extra):
+                missed_slots = slots[missed]
+                both = np.concatenate([missed_slots, extra])
+                rows = self.reader.gather_slots(both, np.empty((len(both), row_bytes), dtype=np.uint8))
+                self.cache.admit(missed_slots, rows[:len(missed)])
+                self.cache.admit(extra, rows[len(missed):], pin=True)
+                self.ahead_rows_read += len(extra)
+                out[missed] = rows[:len(missed)]
+            elif len(missed) == count:
                 self.reader.gather_slots(slots, out)
                 self.cache.admit(slots, out)
                 missed_slots = slots
@@ -196,9 +213,9 @@ class CachedDiskTier:
 
     def _serve(self, job: ReadAhead) -> None:
         limit = int(self.cache.entries * PIN_FRACTION)
-        rows_per_page = self.rows_per_page
-        later = list(job.chunks)
+        later = job.later = list(job.chunks)
         for index in range(len(later)):
+            job.position = index
             chunk = later[index]
             for start in range(0, len(chunk), BATCH_ROWS):
                 batch = chunk[start:start + BATCH_ROWS]
@@ -212,21 +229,33 @@ class CachedDiskTier:
                     job.rows_found += len(batch) - len(missing)
                     if not len(missing):
                         continue
-                    # The later chunks' rows on the pages read now come with them: each page once.
-                    pages = np.unique(missing // rows_per_page)
-                    extra = []
-                    for following in range(index + 1, len(later)):
-                        on_pages = np.isin(later[following] // rows_per_page, pages)
-                        if on_pages.any():
-                            extra.append(later[following][on_pages])
-                            later[following] = later[following][~on_pages]
-                    if extra:
-                        missing = np.unique(np.concatenate([missing, *extra]))
+                    extra = self._later_rows_on_pages_of(missing)
+                    if len(extra):
+                        missing = np.unique(np.concatenate([missing, extra]))
                     rows = self.reader.gather_slots(missing, np.empty((len(missing), self.cache.row_bytes), np.uint8))
                     self.cache.admit(missing, rows, pin=True)
+                    pages = missing // self.rows_per_page  # sorted
                     job.rows_read += len(missing)
+                    job.pages_read += 1 + int(np.count_nonzero(pages[1:] != pages[:-1]))
                     self.ahead_rows_read += len(missing)
             job.chunks_done += 1
+
+    def _later_rows_on_pages_of(self, slots: np.ndarray) -> np.ndarray:
+        """The rows of the read-ahead's coming chunks (after the one it reads) on the pages of
+        `slots`, taken out of those chunks: read with `slots`, each page is read once. Called with
+        `read_lock` held (which guards the chunks)."""
+        job = self._queue[0] if self._queue else None
+        later = getattr(job, "later", None)
+        if later is None or not len(slots):
+            return np.zeros(0, dtype=np.int64)
+        pages = np.unique(slots // self.rows_per_page)
+        extra = []
+        for following in range(job.position + 1, len(later)):
+            on_pages = np.isin(later[following] // self.rows_per_page, pages)
+            if on_pages.any():
+                extra.append(later[following][on_pages])
+                later[following] = later[following][~on_pages]
+        return np.concatenate(extra) if extra else np.zeros(0, dtype=np.int64)
 
     def _room(self, job: ReadAhead, rows: int, limit: int) -> bool:
         """Wait until `rows` more pins fit under `limit`; False if the job was cancelled."""
