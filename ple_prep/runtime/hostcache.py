@@ -51,8 +51,9 @@ _REFERENCED, _PINNED = np.uint64(1 << 56), np.uint64(2 << 56)
 _ONE = np.uint64(1)
 # madvise(2)'s MADV_POPULATE_WRITE (Linux 5.14): fault pages in without writing them.
 _MADV_POPULATE_WRITE = 23
-# Bytes the populating thread faults in per call.
-_POPULATE_STEP = 32 << 20
+# Bytes the populating thread faults in per call: one huge page, so that it holds the process's
+# memory-map lock (which other threads' mmap and munmap wait for) briefly at a time.
+_POPULATE_STEP = 2 << 20
 
 
 def _anonymous(size: int) -> np.ndarray:
