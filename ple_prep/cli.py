@@ -176,7 +176,8 @@ def cli(debug: bool) -> None:
 @click.option("--tp-rank", type=click.IntRange(min=0), help="With --tp-size: write only this rank's file.")
 @click.option("--resume", is_flag=True,
               help="Continue a killed convert of OUT: keep the blocks it wrote that re-verify, "
-                   "write the rest (a run of other options or another source starts afresh).")
+                   "write the rest (a run of other options or another source, or any run with "
+                   "--profile, starts afresh).")
 @json_option
 @quiet_option
 def convert(model: Path, out: Path, page_size: int, profile_path: Path | None, map_fraction: float,
