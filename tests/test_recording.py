@@ -24,6 +24,10 @@ def test_every_request_recorded_equals_the_profile_of_those_requests(tmp_path):
         assert recorder.add_request(tokens)
         profiler.add_request(tokens)
     recorder.close()
+    (tmp_path / "served.prof").unlink()
+    recorder.close()  # once only: nothing written again
+    assert not (tmp_path / "served.prof").exists()
+    recorder.write()
     recorded = load_profile(tmp_path / "served.prof")
     expected = profiler.finish(model="served", tokenizer_sha256=None, inputs=[])
     for part in ("train", "heldout"):

@@ -103,6 +103,7 @@ class TrafficRecorder:
         self.error: BaseException | None = None
         self._queue: queue.Queue = queue.Queue(MAX_QUEUED)
         self._lock = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="ple-prep-recorder", daemon=True)
         self._thread.start()
 
@@ -151,7 +152,10 @@ class TrafficRecorder:
         return self.path
 
     def close(self) -> None:
-        """Count what is queued, write the profile, stop the thread."""
+        """Count what is queued, write the profile, stop the thread (once: later calls do nothing)."""
+        if self._closed:
+            return
+        self._closed = True
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
