@@ -1,6 +1,8 @@
 """A profile recorded from served traffic: the file `profile merge` and `convert --profile` take."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ple_prep.ngram import NgramSpec
@@ -61,8 +63,6 @@ def test_the_profile_is_written_periodically_while_serving(tmp_path):
     for _ in range(200):
         if (tmp_path / "served.prof").exists():
             break
-        import time
-
         time.sleep(0.02)
     assert load_profile(tmp_path / "served.prof").requests >= 1
     recorder.close()
