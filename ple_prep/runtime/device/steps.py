@@ -24,6 +24,8 @@ read a poison row, which decodes to NaN everywhere, never a stale or a wrong row
 for `check` (called by the next `start`; `pending_error` reads it without taking it). On the CPU
 the host does the device's part (the flags are stored and waited for by the caller), through the
 same thread. The thread reads the file itself: the table's host cache and read-ahead are not used.
+A step whose reads make no progress for `read_timeout` fails (ReadTimeout at `check`); the thread
+abandons the stuck reads with their buffer and serves the next step (docs/RELIABILITY.md, section 10).
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ import numpy as np
 import torch
 
 from ..dequant import decode
+from ..readcheck import DEFAULT_READ_TIMEOUT, ReadTimeout, check_timeout
 from ..table import Table
 from .buffers import DeviceBuffers
 from .dequant import decoder_for
@@ -76,7 +79,7 @@ class StepLookup:
     """bf16 PLE values for row ids on a device, looked up without any host wait in the caller's calls."""
 
     def __init__(self, table: Table, *, device: str | torch.device = "cuda", resident_bytes: int = 0,
-                 max_ids: int = 4096 * 16):
+                 max_ids: int = 4096 * 16, read_timeout: float | None = None):
         if _native is None:
             raise RuntimeError("StepLookup needs the compiled runtime helper (runtime/native/): reinstall "
                                "ple-prep where a C compiler is present")
@@ -84,6 +87,10 @@ class StepLookup:
             raise ValueError("max_ids must be >= 1")
         self.capacity = int(max_ids)
         self.table = table
+        # A cold read that makes no progress this long fails its step: the table's disk-tier
+        # reader's timeout (open_table's read_timeout; a mapped table has none: the default) unless given.
+        self.read_timeout = check_timeout(getattr(table._gatherer.direct, "timeout", DEFAULT_READ_TIMEOUT)
+                                          if read_timeout is None else read_timeout)
         # Resolved ('cuda' -> 'cuda:0') so it compares equal to the devices of tensors.
         self.device = torch.empty(0, device=device).device
         self.num_resident = int(min(table.num_rows, max(0, resident_bytes) // table.row_bytes))
@@ -127,7 +134,7 @@ class StepLookup:
         header = table.header
         self._descriptor = _disk_descriptor(table.descriptor)
         disk = (self._descriptor, header.data_offset, header.data_offset + header.num_pages * header.page_size,
-                header.page_size, READ_DEPTH)
+                header.page_size, READ_DEPTH, self.read_timeout)
         arguments = table._gatherer._stage_arguments(self._ids_array, table.order, table.first_row, self.num_resident,
                                                      self._slots, self._host_index, buffers.host_rows,
                                                      LOOKUP_THREADS)
@@ -236,7 +243,8 @@ class StepLookup:
 
     def check(self) -> None:
         """Raise the error of the first step that failed since the last check (the lookup serves
-        the next steps afresh): IndexError for an id outside the table, OSError for a failed read."""
+        the next steps afresh): IndexError for an id outside the table, OSError for a failed read,
+        ReadTimeout (a TimeoutError) for a read that made no progress for `read_timeout` seconds."""
         failure = _native.step_service_error(self._service, True)
         if failure is not None:
             raise self._error_of(*failure)
@@ -254,6 +262,10 @@ class StepLookup:
             except IndexError as error:
                 return error
             return IndexError(f"row id {value} is outside the table")
+        if kind == "read" and value == -2:
+            return ReadTimeout(errno.ETIMEDOUT, f"{self.table.path}: no read of the PLE step service completed in "
+                                                f"{self.read_timeout:g} s (waiting for byte {offset}): the disk "
+                                                f"stalled; this step failed and the next one reads again")
         if kind == "read" and value == -1:
             return OSError(errno.EIO, f"{name}: short O_DIRECT read at byte {offset}: the file shrank")
         if kind == "read":

@@ -1,12 +1,22 @@
 /* The step service's cold reads (disk_reads.h): the distinct blocks of a step's disk rows read with
  * Linux native AIO on the table's O_DIRECT descriptor, `depth` in flight (at most MAX_DEPTH), each block's rows copied
- * to their staging rows as it lands; where the kernel refuses AIO, one pread at a time. As the
+ * to their staging rows as it lands; where the kernel refuses AIO or completes O_DIRECT reads inside
+ * io_submit (FUSE, some network file systems), one pread at a time on a worker thread. As the
  * runtime's DirectReader (runtime/direct.py) reads a request, but on the service's thread and
  * without the GIL: a Python thread that holds it while it waits for the device (a synchronous copy
- * back, a full launch queue) would otherwise wait for a step that waits for it. */
+ * back, a full launch queue) would otherwise wait for a step that waits for it.
+ *
+ * A wait in which no read completes for `timeout` fails the step (STALLED) instead of hanging the
+ * service and the device that waits for it. Nothing can cancel a read in the kernel (io_cancel does
+ * not apply to file reads, io_destroy waits for them, a pread cannot be interrupted), so its buffer
+ * is abandoned to it: an AIO context and its buffer are left to their reads (never freed, never
+ * read from again) and the next step gets new ones; a worker whose pread outlived the timeout frees
+ * itself once the pread returns, and the next read gets a new worker. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <linux/aio_abi.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
@@ -20,11 +30,195 @@
 #define RANK_BITS 24
 #define MAX_DEPTH 512
 
+/* The pread path's reading thread: one block at a time into its own buffer, from its own
+ * descriptor (a dup: the table's may be closed and its number reused while an abandoned read is
+ * still in the kernel). */
+typedef struct read_worker {
+    pthread_mutex_t lock;
+    pthread_cond_t changed;
+    int fd;
+    char *buffer;
+    size_t length;
+    off_t offset;
+    int job, done, abandoned, stopping;
+    long result; /* bytes read, or -errno */
+    pthread_t thread;
+} read_worker;
+
+static void free_worker(read_worker *worker)
+{
+    if (worker->fd >= 0)
+        close(worker->fd);
+    free(worker->buffer);
+    pthread_cond_destroy(&worker->changed);
+    pthread_mutex_destroy(&worker->lock);
+    free(worker);
+}
+
+static void *worker_main(void *argument)
+{
+    read_worker *worker = argument;
+    pthread_mutex_lock(&worker->lock);
+    for (;;) {
+        while (!worker->job && !worker->stopping)
+            pthread_cond_wait(&worker->changed, &worker->lock);
+        if (worker->stopping)
+            break;
+        worker->job = 0;
+        pthread_mutex_unlock(&worker->lock);
+        ssize_t got;
+        do
+            got = pread(worker->fd, worker->buffer, worker->length, worker->offset);
+        while (got < 0 && errno == EINTR);
+        long result = got < 0 ? -errno : (long)got;
+        pthread_mutex_lock(&worker->lock);
+        worker->result = result;
+        worker->done = 1;
+        if (worker->abandoned)
+            break;
+        pthread_cond_broadcast(&worker->changed);
+    }
+    int abandoned = worker->abandoned;
+    pthread_mutex_unlock(&worker->lock);
+    if (abandoned) /* detached by the reader that gave up on it */
+        free_worker(worker);
+    return NULL;
+}
+
+static read_worker *new_worker(const disk_reader *reader)
+{
+    read_worker *worker = calloc(1, sizeof(read_worker));
+    if (!worker)
+        return NULL;
+    worker->fd = -1;
+    void *buffer = NULL;
+    pthread_condattr_t clock;
+    pthread_condattr_init(&clock);
+    pthread_condattr_setclock(&clock, CLOCK_MONOTONIC);
+    pthread_mutex_init(&worker->lock, NULL);
+    pthread_cond_init(&worker->changed, &clock);
+    pthread_condattr_destroy(&clock);
+    if (posix_memalign(&buffer, (size_t)reader->block, (size_t)reader->block) != 0) {
+        free_worker(worker);
+        errno = ENOMEM;
+        return NULL;
+    }
+    worker->buffer = buffer;
+    worker->length = (size_t)reader->block;
+    worker->fd = fcntl(reader->fd, F_DUPFD_CLOEXEC, 0);
+    int error = worker->fd < 0 ? errno : pthread_create(&worker->thread, NULL, worker_main, worker);
+    if (error) {
+        free_worker(worker);
+        errno = error;
+        return NULL;
+    }
+    return worker;
+}
+
+static void stop_worker(read_worker *worker)
+{
+    pthread_mutex_lock(&worker->lock);
+    worker->stopping = 1;
+    pthread_cond_broadcast(&worker->changed);
+    pthread_mutex_unlock(&worker->lock);
+    pthread_join(worker->thread, NULL);
+    free_worker(worker);
+}
+
+static void deadline_after(struct timespec *deadline, const struct timespec *timeout)
+{
+    clock_gettime(CLOCK_MONOTONIC, deadline);
+    deadline->tv_sec += timeout->tv_sec;
+    deadline->tv_nsec += timeout->tv_nsec;
+    if (deadline->tv_nsec >= 1000000000L) {
+        deadline->tv_sec++;
+        deadline->tv_nsec -= 1000000000L;
+    }
+}
+
+/* The block at `offset` read by the worker into its buffer: 0 with *result (bytes or -errno), an
+ * errno where no worker can be made, or STALLED where the read outlived the timeout (the worker is
+ * then abandoned to it). */
+static int worker_read(disk_reader *reader, off_t offset, long *result)
+{
+    if (!reader->worker && !(reader->worker = new_worker(reader)))
+        return errno ? errno : ENOMEM;
+    read_worker *worker = reader->worker;
+    struct timespec deadline;
+    deadline_after(&deadline, &reader->timeout);
+    pthread_mutex_lock(&worker->lock);
+    worker->offset = offset;
+    worker->done = 0;
+    worker->job = 1;
+    pthread_cond_broadcast(&worker->changed);
+    while (!worker->done) {
+        if (pthread_cond_timedwait(&worker->changed, &worker->lock, &deadline) == ETIMEDOUT && !worker->done) {
+            worker->abandoned = 1;
+            pthread_t thread = worker->thread;
+            pthread_mutex_unlock(&worker->lock);
+            pthread_detach(thread);
+            reader->worker = NULL;
+            return STALLED;
+        }
+    }
+    *result = worker->result;
+    pthread_mutex_unlock(&worker->lock);
+    return 0;
+}
+
+/* Whether O_DIRECT reads complete inside io_submit here: two reads of the first block each found
+ * complete the moment io_submit returns (a disk's read takes tens of microseconds). Such a read
+ * that hangs hangs io_submit, out of the timeout's reach: the reader then reads with its worker.
+ * -1 where the probe's reads fail (the pread path then reports what fails). */
+static int completes_inside_submit(disk_reader *reader)
+{
+    aio_context_t context = (aio_context_t)reader->context;
+    off_t offset = reader->data_offset / reader->block * reader->block;
+    for (int i = 0; i < 2; i++) {
+        struct iocb read = {.aio_lio_opcode = IOCB_CMD_PREAD, .aio_fildes = (uint32_t)reader->fd,
+                            .aio_buf = (uint64_t)(uintptr_t)reader->buffer, .aio_nbytes = (uint64_t)reader->block,
+                            .aio_offset = offset};
+        struct iocb *pointer = &read;
+        struct io_event event;
+        struct timespec now = {0, 0}, timeout = reader->timeout;
+        if (syscall(SYS_io_submit, context, 1L, &pointer) != 1)
+            return -1;
+        long got = syscall(SYS_io_getevents, context, 0L, 1L, &event, &now);
+        if (got == 1)
+            continue;
+        got = syscall(SYS_io_getevents, context, 1L, 1L, &event, &timeout);
+        return got == 1 ? 0 : -2; /* -2: the read is still in flight */
+    }
+    return 1;
+}
+
+/* Leave the AIO context and buffer to the reads still in flight (never freed: the kernel may still
+ * write into the buffer) and take new ones; without them, the worker's preads. */
+static void abandon_reads(disk_reader *reader)
+{
+    void *buffer = NULL;
+    aio_context_t context = 0;
+    reader->context = 0;
+    if (posix_memalign(&buffer, (size_t)reader->block, (size_t)reader->block * (size_t)reader->depth) != 0) {
+        reader->buffer = NULL;
+        return;
+    }
+    reader->buffer = buffer;
+    if (syscall(SYS_io_setup, reader->depth, &context) == 0)
+        reader->context = context;
+}
+
 int disk_reader_open(disk_reader *reader, int fd, off_t data_offset, off_t file_end, Py_ssize_t page_size,
-                     Py_ssize_t capacity, int depth)
+                     Py_ssize_t capacity, int depth, double timeout)
 {
     depth = depth < MAX_DEPTH ? depth : MAX_DEPTH;
     *reader = (disk_reader){.fd = fd, .data_offset = data_offset, .file_end = file_end, .depth = depth};
+    if (!(timeout > 0 && timeout < 1e9)) {
+        errno = EINVAL;
+        return -1;
+    }
+    reader->timeout.tv_sec = (time_t)timeout;
+    reader->timeout.tv_nsec = (long)((timeout - (double)reader->timeout.tv_sec) * 1e9);
     reader->block = page_size > MIN_BLOCK ? page_size : MIN_BLOCK;
     if (capacity >= (1 << RANK_BITS) || depth < 1) {
         errno = EINVAL;
@@ -44,13 +238,23 @@ int disk_reader_open(disk_reader *reader, int fd, off_t data_offset, off_t file_
         return -1;
     }
     aio_context_t context = 0;
-    if (syscall(SYS_io_setup, depth, &context) == 0)
+    if (syscall(SYS_io_setup, depth, &context) == 0) {
         reader->context = context;
+        int synchronous = completes_inside_submit(reader);
+        if (synchronous == -2)
+            abandon_reads(reader);
+        if (synchronous != 0 && reader->context) {
+            syscall(SYS_io_destroy, (aio_context_t)reader->context);
+            reader->context = 0;
+        }
+    }
     return 0;
 }
 
 void disk_reader_close(disk_reader *reader)
 {
+    if (reader->worker)
+        stop_worker(reader->worker);
     if (reader->context)
         syscall(SYS_io_destroy, (aio_context_t)reader->context);
     free(reader->buffer);
@@ -118,6 +322,7 @@ int disk_reader_stage(disk_reader *reader, stage_call *call, Py_ssize_t disk, of
     int in_flight = 0, error = 0;
     struct iocb iocbs[MAX_DEPTH], *pointers[MAX_DEPTH];
     Py_ssize_t run_from[MAX_DEPTH], run_to[MAX_DEPTH];
+    off_t in_flight_at[MAX_DEPTH];
     int depth = reader->depth < MAX_DEPTH ? reader->depth : MAX_DEPTH;
     int free_slots[MAX_DEPTH], free_count = depth;
     for (int s = 0; s < depth; s++)
@@ -134,14 +339,16 @@ int disk_reader_stage(disk_reader *reader, stage_call *call, Py_ssize_t disk, of
             run_to[s] = end;
             off_t offset = (off_t)block * reader->block;
             char *data = reader->buffer + (size_t)s * (size_t)reader->block;
+            in_flight_at[s] = offset;
             if (!reader->context) {
-                ssize_t got = pread(reader->fd, data, (size_t)reader->block, offset);
-                error = checked(reader, got < 0 ? -errno : got, offset);
+                long got = 0;
+                error = worker_read(reader, offset, &got);
+                error = error ? error : checked(reader, got, offset);
                 reader->blocks_read++;
                 if (error)
                     *failed_at = offset;
                 else
-                    copy_block(reader, call, first, next, end, data, offset);
+                    copy_block(reader, call, first, next, end, reader->worker->buffer, offset);
                 free_slots[free_count++] = s;
             } else {
                 iocbs[batch] = (struct iocb){.aio_data = (uint64_t)s, .aio_lio_opcode = IOCB_CMD_PREAD,
@@ -170,13 +377,22 @@ int disk_reader_stage(disk_reader *reader, stage_call *call, Py_ssize_t disk, of
         if (in_flight == 0)
             continue;
         struct io_event events[MAX_DEPTH];
-        long got = syscall(SYS_io_getevents, (aio_context_t)reader->context, 1L, (long)in_flight, events, NULL);
-        if (got < 0) {
-            if (errno == EINTR)
+        struct timespec timeout = reader->timeout;
+        long got = syscall(SYS_io_getevents, (aio_context_t)reader->context, 1L, (long)in_flight, events, &timeout);
+        if (got <= 0) {
+            if (got < 0 && errno == EINTR)
                 continue;
-            /* The reads in flight still target the buffer: nothing more can be read safely. */
-            error = errno;
+            /* The reads in flight still target the buffer: it is theirs, the step fails. */
+            error = got < 0 ? errno : STALLED;
             *failed_at = 0;
+            for (int k = 0; k < free_count; k++)
+                in_flight_at[free_slots[k]] = -1;
+            for (int k = 0; k < depth && got == 0; k++)
+                if (in_flight_at[k] >= 0) {
+                    *failed_at = in_flight_at[k];
+                    break;
+                }
+            abandon_reads(reader);
             return error;
         }
         for (long e = 0; e < got; e++) {

@@ -4,6 +4,7 @@
 #define PLE_PREP_DISK_READS_H
 #include <stdint.h>
 #include <sys/types.h>
+#include <time.h>
 
 #include "stage.h"
 
@@ -12,8 +13,10 @@ typedef struct {
     off_t data_offset, file_end;
     Py_ssize_t block;        /* bytes a read: max(page_size, 4096), aligned to it */
     int depth;               /* reads kept in flight */
-    unsigned long context;   /* the thread's own Linux AIO context; 0: reads one at a time (pread) */
+    unsigned long context;   /* the thread's own Linux AIO context; 0: one pread at a time, on `worker` */
     char *buffer;            /* depth blocks, aligned to a block */
+    struct timespec timeout; /* a wait with no read completing fails the step (STALLED) */
+    struct read_worker *worker; /* the pread path's reading thread (made at the first pread) */
     uint64_t *keys;          /* (block, position) pairs of a step, sorted: capacity of them */
     int64_t *positions;      /* the step's disk positions */
     uint64_t blocks_read;    /* since the reader was opened */
@@ -21,16 +24,19 @@ typedef struct {
 
 /* disk_reader_stage's result for a read that ended before its block did, inside the table. */
 #define SHORT_READ (-1)
+/* Its result for a wait of `timeout` in which no read completed: the disk stalled. */
+#define STALLED (-2)
 
-/* 0, or -1 with errno (the reader then holds nothing); `capacity` positions a step at most. */
+/* 0, or -1 with errno (the reader then holds nothing); `capacity` positions a step at most; reads
+ * that make no progress for `timeout` seconds fail their step. */
 int disk_reader_open(disk_reader *reader, int fd, off_t data_offset, off_t file_end, Py_ssize_t page_size,
-                     Py_ssize_t capacity, int depth);
+                     Py_ssize_t capacity, int depth, double timeout);
 void disk_reader_close(disk_reader *reader);
 
 /* The rows of the request's disk positions (slots >= num_resident, already found by stage) read
  * from the file into the last `disk` rows of `out`, in position order, their index entries set,
- * each block read once; returns 0, or an errno (SHORT_READ: the file shrank) with *failed_at the
- * file offset that failed. */
+ * each block read once; returns 0, or an errno (SHORT_READ: the file shrank; STALLED: the disk
+ * stalled) with *failed_at the file offset that failed (for STALLED, one of the reads waited for). */
 int disk_reader_stage(disk_reader *reader, stage_call *call, Py_ssize_t disk, off_t *failed_at);
 
 #endif

@@ -15,8 +15,9 @@
  * Per step: `stage` (stage.c) with the step's count; where the disk rows are not in the page
  * cache, disk_reads.c reads them (O_DIRECT). The thread never takes the GIL: a Python thread that
  * holds it while it waits for the device would wait for a step that waits for it. A failed step
- * (an id outside the table, a read that failed) has its index name the poison row (a tier row
- * whose every value decodes to NaN) at every position, so the device gets no stale or wrong rows;
+ * (an id outside the table, a read that failed or stalled) has its index name the poison row (a
+ * tier row whose every value decodes to NaN) at every position, so the device gets no stale or
+ * wrong rows;
  * the first error is kept for step_service_error, which the Python side raises. Then the copy of
  * the staged rows and the index (one span of the pinned buffer) and the write of READY, queued on
  * the service's stream. The thread polls REQUEST spinning for SPIN_NS after a step, then sleeping
@@ -262,7 +263,8 @@ static void service_destroy(PyObject *capsule)
 /* step_service(flags, disk, poison_row, (threads, part_ids), device, *the arguments of stage) -> service
  * A step's stage is split over up to `threads` threads, parts of at least part_ids ids. `disk`:
  * None (rows not in the page cache fail their step) or (fd, data_offset, file_end, page_size,
- * depth) for disk_reads.c, the descriptor held open by the caller until the service is stopped.
+ * depth, timeout) for disk_reads.c (a read wait of `timeout` seconds with no progress fails the
+ * step), the descriptor held open by the caller until the service is stopped.
  * `device`: None (the thread stores READY) or (context, stream, span_address): the device address
  * of `out`'s first byte, the staged rows and index following it as in the pinned buffer. */
 PyObject *step_service(PyObject *self, PyObject *args)
@@ -281,8 +283,10 @@ PyObject *step_service(PyObject *self, PyObject *args)
     int fd = -1, depth = 0;
     long long data_offset = 0, file_end = 0;
     Py_ssize_t page_size = 0;
-    if (disk != Py_None && !PyArg_ParseTuple(disk, "iLLni;disk must be (fd, data_offset, file_end, page_size, depth)",
-                                             &fd, &data_offset, &file_end, &page_size, &depth))
+    double timeout = 0;
+    if (disk != Py_None
+        && !PyArg_ParseTuple(disk, "iLLnid;disk must be (fd, data_offset, file_end, page_size, depth, timeout)", &fd,
+                             &data_offset, &file_end, &page_size, &depth, &timeout))
         return NULL;
     void *context = NULL, *stream = NULL;
     unsigned long long span = 0;
@@ -333,7 +337,7 @@ PyObject *step_service(PyObject *self, PyObject *args)
     server->flags = server->flags_view.buf;
     if (fd >= 0) {
         if (disk_reader_open(&server->reader, fd, (off_t)data_offset, (off_t)file_end, page_size, server->capacity,
-                             depth) != 0) {
+                             depth, timeout) != 0) {
             PyErr_SetFromErrno(PyExc_OSError);
             free_stage_call(call);
             PyBuffer_Release(&server->flags_view);
@@ -400,7 +404,7 @@ PyObject *step_service_stats(PyObject *self, PyObject *args)
 }
 
 /* step_service_error(service, take) -> None or (kind, value, offset): the first failure since the
- * last taken (kinds: "id" the id, "read" errno or -1 for a short read and the offset, "count",
+ * last taken (kinds: "id" the id, "read" errno, -1 for a short read or -2 for a stalled disk, and the offset, "count",
  * "context", "copy" the CUDA error, "no_reader"); with `take`, cleared. */
 PyObject *step_service_error(PyObject *self, PyObject *args)
 {
