@@ -64,7 +64,7 @@ def poison(lookup) -> None:
     lookup.output.fill_(float("nan"))
     buffers.host_rows[1:].fill(0xFF)
     buffers.tiers[lookup.num_resident + 1:].fill_(0xFF)
-    lookup._ids_array.fill(-1)
+    lookup.host_ids.fill(-1)
 
 
 def serve(lookup, ids: np.ndarray) -> torch.Tensor:

@@ -112,7 +112,8 @@ class StepLookup:
             buffers.host_rows[0] = poison.numpy()
         pin = self._cuda
         self._ids = torch.zeros(self.capacity + 1, dtype=torch.int64, pin_memory=pin)
-        self._ids_array = self._ids.numpy()
+        # The pinned host copy of a step's ids, which the service thread reads.
+        self.host_ids = self._ids.numpy()
         self._slots = np.zeros(self.capacity + 1, dtype=np.int64)
         self._flags = torch.zeros(FLAG_WORDS, dtype=torch.int32, pin_memory=pin)
         self._flags_array = self._flags.numpy()
@@ -135,7 +136,7 @@ class StepLookup:
         self._descriptor = _disk_descriptor(table.descriptor)
         disk = (self._descriptor, header.data_offset, header.data_offset + header.num_pages * header.page_size,
                 header.page_size, READ_DEPTH, self.read_timeout)
-        arguments = table._gatherer._stage_arguments(self._ids_array, table.order, table.first_row, self.num_resident,
+        arguments = table._gatherer._stage_arguments(self.host_ids, table.order, table.first_row, self.num_resident,
                                                      self._slots, self._host_index, buffers.host_rows,
                                                      LOOKUP_THREADS)
         try:
@@ -164,7 +165,7 @@ class StepLookup:
         self._started = count
         flat = ids.reshape(-1)
         if not self._cuda:
-            self._ids_array[:count] = flat.numpy()
+            self.host_ids[:count] = flat.numpy()
             self._flags_array[REQUEST] = count
             return
         if not flat.is_contiguous():
