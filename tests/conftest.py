@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
+import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -9,10 +11,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from hypothesis import settings
+from support.faultfs import FaultFS, fuse_unavailable
 
 from ple_prep.converters import open_source
 from ple_prep.format import order as order_module
 from ple_prep.format.layout import TableLayout
+from ple_prep.format.manifest import manifest_path
 from ple_prep.format.order import RowOrder
 from ple_prep.ngram import NgramSpec
 from ple_prep.offline.ranks import convert_ranks
@@ -129,3 +133,21 @@ def fp8_rank_tables(fp8_checkpoint, tmp_path_factory) -> Path:
     with open_source(fp8_checkpoint) as source:
         convert_ranks(source, folder / "ple.bin", 2)
     return folder
+
+
+@pytest.fixture(scope="module")
+def faultfs(fp8_table, tmp_path_factory):
+    """The FP8 fixture table on a fault-injecting FUSE mount; skips where FUSE is unavailable."""
+    why = fuse_unavailable()
+    if why:
+        pytest.skip(why)
+    folder = tmp_path_factory.mktemp("faulty")
+    shutil.copyfile(fp8_table, folder / "t.bin")
+    shutil.copyfile(manifest_path(fp8_table), manifest_path(folder / "t.bin"))
+    try:
+        with FaultFS(folder) as fs:
+            yield fs
+    except OSError as exc:
+        if exc.errno == errno.ENODEV:
+            pytest.skip(str(exc))
+        raise

@@ -6,7 +6,6 @@ forked child, so that a SIGBUS or a segfault fails the test instead of killing t
 """
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import subprocess
@@ -17,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.faultfs import FaultFS, fuse_unavailable
 from support.isolation import in_child
 
 from ple_prep.converters import open_source
@@ -35,24 +33,6 @@ READ_PATHS = ("direct", "pread", "mapped")
 def source_rows(fp8_checkpoint):
     with open_source(fp8_checkpoint) as source:
         return source.read_rows(0, source.num_rows)
-
-
-@pytest.fixture(scope="module")
-def faultfs(fp8_table, tmp_path_factory):
-    """The FP8 fixture table on a fault-injecting FUSE mount; skips where FUSE is unavailable."""
-    why = fuse_unavailable()
-    if why:
-        pytest.skip(why)
-    folder = tmp_path_factory.mktemp("faulty")
-    shutil.copyfile(fp8_table, folder / "t.bin")
-    shutil.copyfile(manifest_path(fp8_table), manifest_path(folder / "t.bin"))
-    try:
-        with FaultFS(folder) as fs:
-            yield fs
-    except OSError as exc:
-        if exc.errno == errno.ENODEV:
-            pytest.skip(str(exc))
-        raise
 
 
 @pytest.fixture

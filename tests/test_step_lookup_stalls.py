@@ -7,7 +7,6 @@ The pread path (FUSE completes O_DIRECT reads inside io_submit, so the service r
 worker thread there) under a FUSE hang; the native AIO path under a blkio cgroup's throttle."""
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import time
@@ -18,7 +17,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from support.bf16_bits import bits, expected_bits  # noqa: E402
-from support.faultfs import FaultFS, fuse_unavailable  # noqa: E402
 
 from ple_prep.format.manifest import manifest_path  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
@@ -28,24 +26,6 @@ from ple_prep.tools.benchmark import evict  # noqa: E402
 pytestmark = pytest.mark.skipif(steps._native is None, reason="needs the compiled helper")
 TIMEOUT = 0.5
 BLKIO = "/sys/fs/cgroup/blkio"
-
-
-@pytest.fixture(scope="module")
-def faultfs(fp8_table, tmp_path_factory):
-    """The FP8 fixture table on a fault-injecting FUSE mount; skips where FUSE is unavailable."""
-    why = fuse_unavailable()
-    if why:
-        pytest.skip(why)
-    folder = tmp_path_factory.mktemp("stalling")
-    shutil.copyfile(fp8_table, folder / "t.bin")
-    shutil.copyfile(manifest_path(fp8_table), manifest_path(folder / "t.bin"))
-    try:
-        with FaultFS(folder) as fs:
-            yield fs
-    except OSError as exc:
-        if exc.errno == errno.ENODEV:
-            pytest.skip(str(exc))
-        raise
 
 
 def spread_ids(table, count: int, seed: int) -> np.ndarray:
