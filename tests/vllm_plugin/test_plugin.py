@@ -202,6 +202,7 @@ def test_refuses_a_rank_file_that_is_not_this_ranks(fp8_rank_tables):
         build_layer(vllm_config(str(fp8_rank_tables / "ple.tp1of2.bin")), text_config("fp8"), None)
 
 
+@pytest.mark.needs_helper  # StepLookup serves every mode; the no-helper path is tested below
 @pytest.mark.parametrize("mode", [mode.name for mode in CUDAGraphMode])
 def test_serves_bit_for_bit_under_every_cudagraph_mode_with_breakable_graphs(checkpoints, tables, monkeypatch, mode):
     """vLLM 0.33.0's default for Qwen4Exp is FULL_AND_PIECEWISE with breakable CUDA graphs: the lookup only
@@ -239,6 +240,7 @@ def test_without_the_compiled_helper_full_graphs_are_refused_and_piecewise_serve
     assert not layer.ngram_embedding.rows.graph_safe
 
 
+@pytest.mark.needs_helper
 def test_a_failed_step_is_logged_at_once_and_raised_by_the_next_call(tables, caplog):
     """An id outside the table (a table of another model slipping past the checks): the step's error
     names the id in vLLM's log from the lookup's thread, and the call raises it."""
@@ -250,6 +252,7 @@ def test_a_failed_step_is_logged_at_once_and_raised_by_the_next_call(tables, cap
     assert rows.stats()["failed"] == 1
 
 
+@pytest.mark.needs_helper
 def test_the_stats_line_and_prometheus_count_each_tier(tables, checkpoints, tmp_path, monkeypatch, caplog):
     """The periodic line in vLLM's log, and with PROMETHEUS_MULTIPROC_DIR the counters vLLM's /metrics
     gathers from the workers: every row served counted once, by its tier."""
