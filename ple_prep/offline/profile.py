@@ -256,6 +256,32 @@ def _profile_share(model_dir: Path, spec: NgramSpec, heldout_every: int, pieces:
     return {"parts": profiler.counts(), "pieces": per_piece}
 
 
+def _write_share(share: dict[str, Any], folder: Path) -> None:
+    """A worker's share as plain data (JSON and .npy arrays, nothing pickled) for `_read_share`."""
+    names = []
+    for part, counts in share["parts"].items():
+        for order, (keys, group_counts) in sorted(counts.groups.items()):
+            for kind, array in (("keys", keys), ("counts", group_counts)):
+                names.append(f"{part}.{order}.{kind}")
+                np.save(folder / f"{names[-1]}.npy", np.ascontiguousarray(array), allow_pickle=False)
+    header = {"pieces": share["pieces"], "arrays": names,
+              "parts": {part: [c.requests, c.tokens, sorted(c.groups)] for part, c in share["parts"].items()}}
+    (folder / "share.json").write_text(json.dumps(header))
+
+
+def _read_share(folder: Path) -> dict[str, Any]:
+    header = json.loads((folder / "share.json").read_text())
+
+    def array(name: str) -> np.ndarray:
+        return np.load(folder / f"{name}.npy", allow_pickle=False)
+
+    parts = {part: PartCounts(requests, tokens, {order: (array(f"{part}.{order}.keys"),
+                                                         array(f"{part}.{order}.counts"))
+                                                 for order in orders})
+             for part, (requests, tokens, orders) in header["parts"].items()}
+    return {"parts": parts, "pieces": header["pieces"]}
+
+
 def profile_files(model: str | Path, prompt_files: Iterable[str | Path], *,
                   progress: Callable[[int], None] | None = None,
                   spec: NgramSpec | None = None, workers: int | None = None) -> Profile:
@@ -282,7 +308,8 @@ def profile_files(model: str | Path, prompt_files: Iterable[str | Path], *,
     if workers is None:
         small = sum(path.stat().st_size for path in paths) < MIN_PARALLEL_BYTES
         workers = 1 if small else default_workers()
-    shares = profile_pieces(_profile_share, model_dir, spec, HELDOUT_EVERY, pieces, workers, progress)
+    shares = profile_pieces(_profile_share, _write_share, _read_share, model_dir, spec, HELDOUT_EVERY, pieces,
+                            workers, progress)
     parts = _merged_parts([share["parts"] for share in shares])
     inputs = [{"name": path.name, "bytes": path.stat().st_size, "sha256": None, "requests": 0, "tokens": 0}
               for path in paths]

@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import multiprocessing
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -103,12 +104,15 @@ def file_sha256(path: Path, what: str) -> str:
     return digest.hexdigest()
 
 
-def profile_pieces(profile_share: Callable[..., dict[str, Any]], model_dir: Path, spec: NgramSpec,
+def profile_pieces(profile_share: Callable[..., dict[str, Any]], write_share: Callable[[dict[str, Any], Path], None],
+                   read_share: Callable[[Path], dict[str, Any]], model_dir: Path, spec: NgramSpec,
                    heldout_every: int, pieces: list[Piece], workers: int,
                    progress: Callable[[int], None] | None) -> list[dict[str, Any]]:
     """The results of `profile_share(model_dir, spec, heldout_every, pieces[, progress])` over
     shares of the pieces, in piece order, each piece's sha256 filled in; `workers` processes (1:
-    this process). `profile_share` must be a module-level function (the workers import it)."""
+    this process). A worker hands its result back through `write_share` into a folder that
+    `read_share` reads (plain data: the counts never travel pickled). The three functions must be
+    module-level (the workers import them)."""
     split_files = sorted({p.path for p in pieces if not p.whole})
     if workers <= 1 or len(pieces) == 1:
         shares = [list(range(len(pieces)))]
@@ -119,14 +123,18 @@ def profile_pieces(profile_share: Callable[..., dict[str, Any]], model_dir: Path
         results = [None] * len(shares)
         context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
                                               else "spawn")
-        with concurrent.futures.ProcessPoolExecutor(min(workers, len(shares)), mp_context=context) as pool:
-            futures = {pool.submit(profile_share, model_dir, spec, heldout_every, [pieces[i] for i in share]): n
+        with tempfile.TemporaryDirectory(prefix="ple-prep-profile-") as scratch, \
+                concurrent.futures.ProcessPoolExecutor(min(workers, len(shares)), mp_context=context) as pool:
+            folders = [Path(scratch) / str(n) for n in range(len(shares))]
+            futures = {pool.submit(_share_into, profile_share, write_share, folders[n], model_dir, spec,
+                                   heldout_every, [pieces[i] for i in share]): n
                        for n, share in enumerate(shares)}
             # The files cut into pieces are hashed whole here while the workers run.
             digests = {path: file_sha256(path, "prompt file") for path in split_files}
             for future in concurrent.futures.as_completed(futures):
                 number = futures[future]
-                results[number] = future.result()
+                future.result()
+                results[number] = read_share(folders[number])
                 if progress is not None:
                     progress(sum(entry["tokens"] for entry in results[number]["pieces"]))
     for share, result in zip(shares, results):
@@ -134,3 +142,10 @@ def profile_pieces(profile_share: Callable[..., dict[str, Any]], model_dir: Path
             if entry["sha256"] is None:
                 entry["sha256"] = digests[pieces[index].path]
     return results
+
+
+def _share_into(profile_share: Callable[..., dict[str, Any]], write_share: Callable[[dict[str, Any], Path], None],
+                folder: Path, *args: Any) -> None:
+    """In a worker: one share profiled and written into `folder`."""
+    folder.mkdir()
+    write_share(profile_share(*args), folder)

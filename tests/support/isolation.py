@@ -2,16 +2,17 @@
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
-import pickle
 import signal
 import time
 import traceback
 
 
 def in_child(function, *args, timeout: float = 20.0):
-    """`function(*args)` in a forked child: its result, or its exception re-raised here as an
-    AssertionError with its traceback; a signal or a hang fails the test."""
+    """`function(*args)` in a forked child: its result (plain JSON data, its lists as tuples), or
+    its exception re-raised here as an AssertionError with its traceback; a signal or a hang fails
+    the test."""
     reader, writer = os.pipe()
     child = os.fork()
     if child == 0:
@@ -19,10 +20,10 @@ def in_child(function, *args, timeout: float = 20.0):
         faulthandler.disable()
         os.close(reader)
         try:
-            outcome = ("ok", function(*args))
+            outcome = json.dumps(("ok", function(*args)), default=_plain)
         except BaseException as exc:  # the parent reports it
-            outcome = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-        os.write(writer, pickle.dumps(outcome))
+            outcome = json.dumps(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        os.write(writer, outcome.encode())
         os._exit(0)
     os.close(writer)
     deadline = time.monotonic() + timeout
@@ -42,7 +43,20 @@ def in_child(function, *args, timeout: float = 20.0):
     os.close(reader)
     if os.WIFSIGNALED(status):
         raise AssertionError(f"killed by {signal.Signals(os.WTERMSIG(status)).name}")
-    kind, value = pickle.loads(data)
+    kind, value = json.loads(data)
+    value = _tuples(value)
     if kind == "error":
         raise AssertionError(value)
     return value
+
+
+def _tuples(value):
+    """JSON's lists as the tuples the cases return."""
+    return tuple(_tuples(item) for item in value) if isinstance(value, list) else value
+
+
+def _plain(value):
+    """A set, as the cases return for the outcomes they saw, in JSON: its sorted items."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    raise TypeError(f"{type(value).__name__} is not plain data")
