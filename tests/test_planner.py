@@ -204,3 +204,15 @@ def test_plan_under_a_cap_fills_page_ends_with_rows_beyond_it():
         if not taken & set(rows.tolist()):  # rows shared with a hotter group stay where it put them
             assert np.ptp(plan.order.slot_of(rows) // 25) == 0
         taken.update(rows.tolist())
+
+
+def test_plan_releasing_the_counts_plans_the_same_order(source_and_profile):
+    source, _ = source_and_profile
+    kept, released = corpus_profile(source.spec, seed=3), corpus_profile(source.spec, seed=3)
+    limit = max_placed_rows(source.num_rows, source.row_bytes, 0.01)
+    plan = plan_order(kept, source.num_rows, 25, max_placed=limit)
+    freed = plan_order(released, source.num_rows, 25, max_placed=limit, release_counts=True)
+    assert np.array_equal(freed.order.slot_rows, plan.order.slot_rows)
+    assert (freed.groups_placed, freed.groups_split, freed.groups_seen) == (
+        plan.groups_placed, plan.groups_split, plan.groups_seen)
+    assert kept.parts["train"].groups and not released.parts["train"].groups

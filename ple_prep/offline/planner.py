@@ -204,9 +204,13 @@ def _pack(sizes: np.ndarray, capacity: int, spare: int = 0) -> tuple[np.ndarray,
 
 
 def plan_order(profile: Profile, num_rows: int, rows_per_page: int, *, max_placed: int,
-               first_row: int = 0) -> Plan:
-    """The access order for rows [first_row, first_row + num_rows) of a table with this geometry."""
+               first_row: int = 0, release_counts: bool = False) -> Plan:
+    """The access order for rows [first_row, first_row + num_rows) of a table with this geometry.
+    With `release_counts` (a profile loaded for this plan alone), the training counts are dropped
+    from `profile` once sorted, so they are not held through the packing (the planner's peak)."""
     keys, orders = _hot_groups(profile)
+    if release_counts:
+        profile.parts["train"].groups.clear()
     groups_seen = len(keys)
     new_rows, new_per_group = _new_rows(keys, orders, profile.spec, first_row, num_rows)
     del keys, orders
@@ -301,7 +305,8 @@ def plan_for_source(source: TableSource, profile: Profile | Path, *, page_size: 
     if train.spec != source.spec:
         raise BadInput("the profile was made with another model's hash (its spec differs from "
                        "this checkpoint's); profile with this --model")
-    plan = plan_order(train, num_rows, rows_per_page, max_placed=limit, first_row=first_row)
+    plan = plan_order(train, num_rows, rows_per_page, max_placed=limit, first_row=first_row,
+                      release_counts=isinstance(profile, Path))
     entry = plan.layout(train, map_fraction)
     del train
     heldout = load_profile(profile, parts=("heldout",)) if isinstance(profile, Path) else profile
