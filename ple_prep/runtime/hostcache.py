@@ -19,9 +19,12 @@ Memory: the budget covers the rows, their words and the sets' hands (`entry_byte
 a byte per set); nothing else grows with it. A thread faults the whole budget in when the cache is
 made (`_populate`), so the process holds its budget from then on and no request pays for it.
 
-Exactness: every lookup and admission runs under one lock (and in the compiled helper,
-runtime/native/hostcache.c, with the GIL held), so no entry changes while its row is copied out; a
-lookup copies a row only if its tag names the slot asked for.
+Exactness: every lookup and admission runs under one lock, so no entry changes while its row is
+copied out; a lookup copies a row only if its tag names the slot asked for. With the compiled
+helper that lock is runtime/native/hostcache.c's own mutex, not the GIL: the step service's thread
+(runtime/device/steps.py), which never takes the GIL, looks rows up and admits the rows it reads
+under it too, and the counts (hits, misses, pins) live beside it. The numpy fallback (no compiled
+helper, hence no step service) uses a Python lock.
 """
 from __future__ import annotations
 
@@ -151,11 +154,43 @@ class HostCache:
             threading.Thread(target=_populate, args=((self._words, self._data),), name="ple-prep-host-cache",
                              daemon=True).start()
         self._rows = self._data.reshape(count, self.row_bytes)
-        self._arrays = (self._words, self._data, self._hands, self.ways, self.row_bytes)
+        # The compiled cache (its own lock and counts), which the step service shares; None: numpy's.
+        self.handle = None if _native is None or not self.entries else \
+            _native.hostcache_new(self._words, self._data, self._hands, self.ways, self.row_bytes)
         self.lock = threading.Lock()
-        self.pinned = 0  # entries pinned now
-        self.hits = self.misses = self.dropped = 0
-        self.read_ahead_hits = 0  # hits on pinned entries: rows read ahead, then asked for
+        self._pinned = 0
+        self._hits = self._misses = self._dropped = self._read_ahead_hits = 0
+
+    def counts(self) -> dict[str, int]:
+        """Since the cache was made: lookups' `hits` and `misses` (the step service's included),
+        `read_ahead_hits` (hits on pinned entries: rows read ahead, then asked for), entries
+        `pinned` now, rows `dropped` (their set held only pinned entries)."""
+        if self.handle is not None:
+            values = _native.hostcache_counts(self.handle)
+        else:
+            values = (self._hits, self._misses, self._read_ahead_hits, self._pinned, self._dropped)
+        return dict(zip(("hits", "misses", "read_ahead_hits", "pinned", "dropped"), values))
+
+    @property
+    def hits(self) -> int:
+        return self.counts()["hits"]
+
+    @property
+    def misses(self) -> int:
+        return self.counts()["misses"]
+
+    @property
+    def read_ahead_hits(self) -> int:
+        return self.counts()["read_ahead_hits"]
+
+    @property
+    def pinned(self) -> int:
+        """Entries pinned now."""
+        return self.counts()["pinned"]
+
+    @property
+    def dropped(self) -> int:
+        return self.counts()["dropped"]
 
     @property
     def bytes(self) -> int:
@@ -172,17 +207,16 @@ class HostCache:
         slots = np.ascontiguousarray(slots, dtype=np.int64)
         if not self.enabled:
             return np.arange(len(slots), dtype=np.int64)
-        misses = np.empty(len(slots), dtype=np.int64)
+        if self.handle is not None:
+            misses = np.empty(len(slots), dtype=np.int64)
+            missed, _ = _native.hostcache_lookup(self.handle, slots, out, positions, misses)
+            return misses[:missed]
         with self.lock:
-            if _native is not None:
-                missed, unpinned = _native.hostcache_lookup(slots, out, positions, misses, *self._arrays)
-                misses = misses[:missed]
-            else:
-                misses, unpinned = self._lookup(slots, out, positions)
-            self.pinned -= unpinned
-            self.read_ahead_hits += unpinned
-            self.hits += len(slots) - len(misses)
-            self.misses += len(misses)
+            misses, unpinned = self._lookup(slots, out, positions)
+            self._pinned -= unpinned
+            self._read_ahead_hits += unpinned
+            self._hits += len(slots) - len(misses)
+            self._misses += len(misses)
         return misses
 
     def probe(self, slots: np.ndarray) -> np.ndarray:
@@ -191,10 +225,10 @@ class HostCache:
         slots = np.ascontiguousarray(slots, dtype=np.int64)
         if not self.enabled:
             return np.arange(len(slots), dtype=np.int64)
+        if self.handle is not None:
+            misses = np.empty(len(slots), dtype=np.int64)
+            return misses[:_native.hostcache_probe(self.handle, slots, misses)]
         with self.lock:
-            if _native is not None:
-                misses = np.empty(len(slots), dtype=np.int64)
-                return misses[:_native.hostcache_probe(slots, misses, *self._arrays)]
             entries = self._find(slots)
             self._words[entries[entries >= 0]] |= _REFERENCED
             return np.flatnonzero(entries < 0)
@@ -207,25 +241,31 @@ class HostCache:
         if not self.enabled or not len(slots):
             return
         rows = np.ascontiguousarray(rows, dtype=np.uint8)
+        if self.handle is not None:
+            _native.hostcache_admit(self.handle, slots, rows, pin)
+            return
         with self.lock:
-            if _native is not None:
-                _, pinned, dropped = _native.hostcache_admit(slots, rows, pin, *self._arrays)
-            else:
-                pinned, dropped = self._admit(slots, rows, pin)
-            self.pinned += pinned
-            self.dropped += dropped
+            pinned, dropped = self._admit(slots, rows, pin)
+            self._pinned += pinned
+            self._dropped += dropped
 
     def unpin_all(self) -> None:
         """Release every pin (a read-ahead cancelled, or its rows never asked for)."""
+        if self.handle is not None:
+            _native.hostcache_reset(self.handle, False)
+            return
         with self.lock:
             self._words &= ~_PINNED
-            self.pinned = 0
+            self._pinned = 0
 
     def clear(self) -> None:
         """Forget every row (the memory stays the cache's)."""
+        if self.handle is not None:
+            _native.hostcache_reset(self.handle, True)
+            return
         with self.lock:
             self._words.fill(0)
-            self.pinned = 0
+            self._pinned = 0
 
     # --- the numpy fallback: the same results as runtime/native/hostcache.c --------------------------
 

@@ -12,9 +12,12 @@ of the cache, and waits for lookups to take pinned rows before reading further a
 read goes first: it waits for at most the batch in flight, then looks again (the batch may have
 brought its rows), and the read-ahead thread starts no batch while a demand read waits.
 
-Pins that no lookup takes (a request cancelled, or its rows served from another path) are
+Pins that no lookup has taken (a request cancelled, or its rows served from another path) are
 released by `ReadAhead.cancel`, and by the read-ahead thread itself once no lookup has taken a pin
-for STALE_SECONDS while it waits or when it has nothing left to read.
+for STALE_SECONDS while it waits or when it has nothing left to read. Lookups are the cache's:
+this tier's gathers and the step service's (runtime/device/steps.py), whose thread looks rows up
+and admits what it reads in C without the GIL; the cache's `read_ahead_hits` count says a pin was
+taken, whoever took it.
 """
 from __future__ import annotations
 
@@ -197,7 +200,9 @@ class CachedDiskTier:
         while True:
             with self._wake:
                 while not self._queue and not self._closed:
-                    if not self._wake.wait(STALE_SECONDS) and self.cache.pinned and not self._queue:
+                    taken = self.cache.read_ahead_hits
+                    if not self._wake.wait(STALE_SECONDS) and self.cache.pinned and not self._queue \
+                            and self.cache.read_ahead_hits == taken:
                         self.cache.unpin_all()  # nothing has asked for them since: stale
                 if self._closed:
                     return
@@ -260,12 +265,15 @@ class CachedDiskTier:
     def _room(self, job: ReadAhead, rows: int, limit: int) -> bool:
         """Wait until `rows` more pins fit under `limit`; False if the job was cancelled."""
         waited_since = time.monotonic()
+        taken = self.cache.read_ahead_hits
         while self.cache.pinned + rows > limit and self.cache.pinned:
             if job._cancelled or self._closed:
                 return False
-            if self._taken.wait(0.05):
+            if self._taken.wait(0.05):  # this tier's gathers wake it at once; the step service's are polled
                 self._taken.clear()
-                waited_since = time.monotonic()
+            now = self.cache.read_ahead_hits
+            if now != taken:
+                taken, waited_since = now, time.monotonic()
             elif time.monotonic() - waited_since > STALE_SECONDS:
                 self.cache.unpin_all()
         return not (job._cancelled or self._closed)

@@ -23,7 +23,10 @@ it is asked. If the thread is late the device waits at `finish` only. A failed s
 read a poison row, which decodes to NaN everywhere, never a stale or a wrong row; the error is kept
 for `check` (called by the next `start`; `pending_error` reads it without taking it). On the CPU
 the host does the device's part (the flags are stored and waited for by the caller), through the
-same thread. The thread reads the file itself: the table's host cache and read-ahead are not used.
+same thread. Disk-tier rows not in the page cache come from the table's host cache where it holds
+them (runtime/hostcache.py, shared with the thread under the cache's own lock, never the GIL), the
+others are read from the file and admitted into it; `Table.read_ahead` fills that same cache, so a
+prompt's later chunks read ahead are served from memory (docs/RUNTIME.md, "Host cache and read-ahead").
 A step whose reads make no progress for `read_timeout` fails (ReadTimeout at `check`); the thread
 abandons the stuck reads with their buffer and serves the next step (docs/RELIABILITY.md, section 10).
 """
@@ -134,8 +137,12 @@ class StepLookup:
                                  buffers.span.data_ptr())
         header = table.header
         self._descriptor = _disk_descriptor(table.descriptor)
+        # The table's host cache (open_table's host_cache_bytes), which the thread reads and fills.
+        tier = table.host_cache
+        self.host_cache = tier.cache if tier is not None and tier.cache.handle is not None else None
         disk = (self._descriptor, header.data_offset, header.data_offset + header.num_pages * header.page_size,
-                header.page_size, READ_DEPTH, self.read_timeout)
+                header.page_size, READ_DEPTH, self.read_timeout,
+                None if self.host_cache is None else self.host_cache.handle)
         arguments = table._gatherer._stage_arguments(self.host_ids, table.order, table.first_row, self.num_resident,
                                                      self._slots, self._host_index, buffers.host_rows,
                                                      LOOKUP_THREADS)
@@ -294,17 +301,23 @@ class StepLookup:
     def stats(self) -> dict[str, int]:
         """Counts since the lookup was made (a later minus an earlier gives a window's): `starts`
         (steps) and their `ids`; positions served by each tier: `rows_resident` (on the device),
-        `rows_page_cache` (disk-tier rows copied from the page cache), `rows_disk` (the others,
-        read from the file), and `pages_read` (the blocks read for them, each once a step);
-        `failed` steps; `late` steps (the device reached finish before the rows were
-        ready: it waited at most `late_host_ns`, the thread's time on them); the thread's
+        `rows_page_cache` (disk-tier rows copied from the page cache), `rows_host_cache` (from the
+        table's host cache), `rows_disk` (the others, read from the file), and `pages_read` (the
+        blocks read for them, each once a step) with their `bytes_read`; `rows_read_ahead` (of the
+        host cache's, rows read-ahead had brought: the read-ahead coverage is it over the disk
+        tier's positions); `failed` steps; `late` steps (the device reached finish before the rows
+        were ready: it waited at most `late_host_ns`, the thread's time on them); the thread's
         `host_ns` and the `copied_bytes` it queued to the device."""
         counters = _native.step_service_stats(self._service)
         return {"starts": counters["steps"], "ids": counters["ids"],
                 "rows_resident": counters["ids"] - counters["disk_positions"],
                 "rows_page_cache": counters["cached_positions"],
-                "rows_disk": counters["disk_positions"] - counters["cached_positions"],
-                "pages_read": counters["blocks_read"], "failed": counters["failed_steps"],
+                "rows_host_cache": counters["host_cache_positions"],
+                "rows_disk": counters["disk_positions"] - counters["cached_positions"]
+                - counters["host_cache_positions"],
+                "rows_read_ahead": counters["read_ahead_positions"],
+                "pages_read": counters["blocks_read"], "bytes_read": counters["bytes_read"],
+                "failed": counters["failed_steps"],
                 "late": counters["late_steps"],
                 "late_host_ns": counters["late_host_ns"], "host_ns": counters["host_ns"],
                 "copied_bytes": counters["copied_bytes"]}

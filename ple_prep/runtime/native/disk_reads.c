@@ -287,7 +287,8 @@ static int checked(const disk_reader *reader, long result, off_t offset)
     return 0;
 }
 
-/* Copy the rows of keys [from, to) (one block, at `data`) to their staging rows. */
+/* Copy the rows of keys [from, to) (one block, at `data`) to their staging rows, and admit them
+ * into the host cache (whose lock the caller holds). */
 static void copy_block(const disk_reader *reader, stage_call *call, Py_ssize_t first, Py_ssize_t from,
                        Py_ssize_t to, const char *data, off_t block_offset)
 {
@@ -295,27 +296,62 @@ static void copy_block(const disk_reader *reader, stage_call *call, Py_ssize_t f
     for (Py_ssize_t k = from; k < to; k++) {
         Py_ssize_t rank = (Py_ssize_t)(reader->keys[k] & ((1u << RANK_BITS) - 1));
         int64_t position = reader->positions[rank];
-        off_t offset = row_offset(reader, request, request->slots[position]);
-        memcpy(request->out + (first + rank) * request->row_bytes, data + (offset - block_offset),
-               (size_t)request->row_bytes);
+        int64_t slot = request->slots[position];
+        const char *row = data + (row_offset(reader, request, slot) - block_offset);
+        memcpy(request->out + (first + rank) * request->row_bytes, row, (size_t)request->row_bytes);
         request->index[position] = (int32_t)(request->num_resident + first + rank);
+        if (reader->cache)
+            host_cache_insert(reader->cache, slot, row);
     }
 }
 
-int disk_reader_stage(disk_reader *reader, stage_call *call, Py_ssize_t disk, off_t *failed_at)
+static void lock_cache(const disk_reader *reader)
+{
+    if (reader->cache)
+        host_cache_lock(reader->cache);
+}
+
+static void unlock_cache(const disk_reader *reader)
+{
+    if (reader->cache)
+        host_cache_unlock(reader->cache);
+}
+
+/* The step's disk positions by rank (reader->positions), each staged from the host cache where it
+ * holds the slot (under its lock: no entry changes while its row is copied out), the others' keys
+ * (block, rank) sorted into reader->keys: returns their count. */
+static Py_ssize_t collect(disk_reader *reader, stage_call *call, Py_ssize_t first, Py_ssize_t disk)
 {
     stage_request *request = &call->request;
-    Py_ssize_t first = call->out_rows - disk, found = 0;
+    Py_ssize_t found = 0, missed = 0;
+    reader->cache_hits = reader->read_ahead_hits = 0;
+    lock_cache(reader);
     for (Py_ssize_t i = 0; i < request->count && found < disk; i++) {
         int64_t slot = request->slots[i];
         if (slot < request->num_resident)
             continue;
         reader->positions[found] = i;
-        uint64_t block = (uint64_t)(row_offset(reader, request, slot) / reader->block);
-        reader->keys[found] = (block << RANK_BITS) | (uint64_t)found;
+        int pinned = 0;
+        if (reader->cache && host_cache_copy(reader->cache, slot, request->out + (first + found) * request->row_bytes,
+                                             &pinned)) {
+            request->index[i] = (int32_t)(request->num_resident + first + found);
+            reader->cache_hits++;
+            reader->read_ahead_hits += pinned;
+        } else {
+            uint64_t block = (uint64_t)(row_offset(reader, request, slot) / reader->block);
+            reader->keys[missed++] = (block << RANK_BITS) | (uint64_t)found;
+        }
         found++;
     }
-    qsort(reader->keys, (size_t)found, sizeof(uint64_t), compare_keys);
+    unlock_cache(reader);
+    qsort(reader->keys, (size_t)missed, sizeof(uint64_t), compare_keys);
+    reader->misses = missed;
+    return missed;
+}
+
+int disk_reader_stage(disk_reader *reader, stage_call *call, Py_ssize_t disk, off_t *failed_at)
+{
+    Py_ssize_t first = call->out_rows - disk, found = collect(reader, call, first, disk);
     /* The keys of one block are a run; runs are read in order, `depth` blocks in flight, each in a
      * buffer slot that holds it until its rows are copied. */
     Py_ssize_t next = 0; /* first key of the next block to submit */
@@ -345,10 +381,13 @@ int disk_reader_stage(disk_reader *reader, stage_call *call, Py_ssize_t disk, of
                 error = worker_read(reader, offset, &got);
                 error = error ? error : checked(reader, got, offset);
                 reader->blocks_read++;
-                if (error)
+                if (error) {
                     *failed_at = offset;
-                else
+                } else {
+                    lock_cache(reader);
                     copy_block(reader, call, first, next, end, reader->worker->buffer, offset);
+                    unlock_cache(reader);
+                }
                 free_slots[free_count++] = s;
             } else {
                 iocbs[batch] = (struct iocb){.aio_data = (uint64_t)s, .aio_lio_opcode = IOCB_CMD_PREAD,
@@ -395,6 +434,7 @@ int disk_reader_stage(disk_reader *reader, stage_call *call, Py_ssize_t disk, of
             abandon_reads(reader);
             return error;
         }
+        lock_cache(reader);
         for (long e = 0; e < got; e++) {
             int s = (int)events[e].data;
             off_t offset = (off_t)((reader->keys[run_from[s]] >> RANK_BITS) * (uint64_t)reader->block);
@@ -408,6 +448,7 @@ int disk_reader_stage(disk_reader *reader, stage_call *call, Py_ssize_t disk, of
                            reader->buffer + (size_t)s * (size_t)reader->block, offset);
             free_slots[free_count++] = s;
         }
+        unlock_cache(reader);
         in_flight -= (int)got;
         reader->blocks_read += (uint64_t)got;
     }

@@ -6,6 +6,7 @@
 #include <sys/types.h>
 #include <time.h>
 
+#include "hostcache.h"
 #include "stage.h"
 
 typedef struct {
@@ -20,6 +21,10 @@ typedef struct {
     uint64_t *keys;          /* (block, position) pairs of a step, sorted: capacity of them */
     int64_t *positions;      /* the step's disk positions */
     uint64_t blocks_read;    /* since the reader was opened */
+    host_cache *cache;       /* the table's host cache (hostcache.h), or NULL */
+    /* The last step's disk positions served by the host cache, of those the ones read-ahead had
+     * brought (pinned), and the positions read from the file. */
+    Py_ssize_t cache_hits, read_ahead_hits, misses;
 } disk_reader;
 
 /* disk_reader_stage's result for a read that ended before its block did, inside the table. */
@@ -33,10 +38,12 @@ int disk_reader_open(disk_reader *reader, int fd, off_t data_offset, off_t file_
                      Py_ssize_t capacity, int depth, double timeout);
 void disk_reader_close(disk_reader *reader);
 
-/* The rows of the request's disk positions (slots >= num_resident, already found by stage) read
- * from the file into the last `disk` rows of `out`, in position order, their index entries set,
- * each block read once; returns 0, or an errno (SHORT_READ: the file shrank; STALLED: the disk
- * stalled) with *failed_at the file offset that failed (for STALLED, one of the reads waited for). */
+/* The rows of the request's disk positions (slots >= num_resident, already found by stage) staged
+ * into the last `disk` rows of `out`, in position order, their index entries set: from the host
+ * cache where it holds them (reader->cache), the others read from the file, each block once, and
+ * admitted into the cache as their block lands; returns 0, or an errno (SHORT_READ: the file shrank;
+ * STALLED: the disk stalled) with *failed_at the file offset that failed (for STALLED, one of the
+ * reads waited for). */
 int disk_reader_stage(disk_reader *reader, stage_call *call, Py_ssize_t disk, off_t *failed_at);
 
 #endif

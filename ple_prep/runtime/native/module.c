@@ -35,7 +35,8 @@
  *     request (first and last included) is in the page cache (mincore); slots outside the table are
  *     left to copy_rows to refuse; OSError if mincore fails.
  *
- * hostcache_lookup, hostcache_probe, hostcache_admit: the host cache's loops (hostcache.c).
+ * hostcache_new, hostcache_lookup, hostcache_probe, hostcache_admit, hostcache_reset, hostcache_counts:
+ *     the host cache (hostcache.c), under a lock of its own that the step service shares.
  *
  * Files: view.c (the table view), stage.c (the stage and its parts), pool.c (the thread pool),
  * jobs.c (stage_when), cuda.c (the driver table), hostcache.c (runtime/hostcache.py's loops); the

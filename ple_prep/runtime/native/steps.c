@@ -13,7 +13,9 @@
  * flags never mix with the next one's.
  *
  * Per step: `stage` (stage.c) with the step's count; where the disk rows are not in the page
- * cache, disk_reads.c reads them (O_DIRECT). The thread never takes the GIL: a Python thread that
+ * cache, disk_reads.c stages them: from the table's host cache (hostcache.c, under its own lock)
+ * where it holds them, the others read from the file (O_DIRECT) and admitted into that cache, which
+ * read-ahead (runtime/readahead.py) fills too. The thread never takes the GIL: a Python thread that
  * holds it while it waits for the device would wait for a step that waits for it. A failed step
  * (an id outside the table, a read that failed or stalled) has its index name the poison row (a
  * tier row whose every value decodes to NaN) at every position, so the device gets no stale or
@@ -31,6 +33,7 @@
 #include "../../core/native/rows.h"
 #include "cuda.h"
 #include "disk_reads.h"
+#include "hostcache.h"
 #include "memops.h"
 #include "pool.h"
 #include "stage.h"
@@ -47,8 +50,8 @@
 #define SERVICE_CAPSULE "ple_prep.step_service"
 
 typedef struct {
-    uint64_t steps, ids, disk_positions, cached_positions, cold_steps, failed_steps, late_steps, host_ns,
-        late_host_ns, copied_bytes, blocks_read;
+    uint64_t steps, ids, disk_positions, cached_positions, host_cache_positions, read_ahead_positions, cold_steps,
+        failed_steps, late_steps, host_ns, late_host_ns, copied_bytes, blocks_read, bytes_read;
 } step_stats;
 
 /* What failed a step (the first failure since step_service_error took the last). */
@@ -63,6 +66,7 @@ typedef struct {
     int32_t *flags;
     disk_reader reader;
     int has_reader;
+    PyObject *cache;            /* the host cache's capsule (held), or NULL */
     int failure;                /* FAILED_*, under stats_lock */
     long long failure_value;    /* the id, errno (SHORT_READ), count or CUDA error */
     long long failure_offset;   /* the file offset of a failed read */
@@ -139,7 +143,7 @@ static void serve(service *server, Py_ssize_t count)
     uint64_t began = monotonic_ns();
     stage_call *call = server->call;
     stage_request *request = &call->request;
-    Py_ssize_t first, disk = 0;
+    Py_ssize_t first, disk = 0, cache_hits = 0, read_ahead_hits = 0;
     int cached = 0;
     if (server->broken) {
         record_failure(server, FAILED_CONTEXT, 0, 0);
@@ -173,6 +177,9 @@ static void serve(service *server, Py_ssize_t count)
         } else if (!cached && (error = disk_reader_stage(&server->reader, call, disk, &failed_at)) != 0) {
             record_failure(server, FAILED_READ, error, (long long)failed_at);
             first = -1;
+        } else if (!cached) {
+            cache_hits = server->reader.cache_hits;
+            read_ahead_hits = server->reader.read_ahead_hits;
         }
     } else {
         record_failure(server, FAILED_COUNT, count, 0);
@@ -195,6 +202,8 @@ static void serve(service *server, Py_ssize_t count)
     stats->ids += (uint64_t)count;
     stats->disk_positions += (uint64_t)disk;
     stats->cached_positions += cached ? (uint64_t)disk : 0;
+    stats->host_cache_positions += (uint64_t)cache_hits;
+    stats->read_ahead_positions += (uint64_t)read_ahead_hits;
     stats->cold_steps += !cached && !failed;
     stats->failed_steps += failed;
     stats->late_steps += late;
@@ -202,6 +211,7 @@ static void serve(service *server, Py_ssize_t count)
     stats->late_host_ns += late ? took : 0;
     stats->copied_bytes += server->device_span ? high - low : 0;
     stats->blocks_read = server->reader.blocks_read;
+    stats->bytes_read = server->reader.blocks_read * (uint64_t)server->reader.block;
     pthread_mutex_unlock(&server->stats_lock);
     if (!server->device_span || server->broken) {
         store_flag(server, READY, 1);
@@ -256,6 +266,7 @@ static void service_destroy(PyObject *capsule)
     PyBuffer_Release(&server->flags_view);
     if (server->has_reader)
         disk_reader_close(&server->reader);
+    Py_XDECREF(server->cache);
     pthread_mutex_destroy(&server->stats_lock);
     PyMem_RawFree(server);
 }
@@ -263,8 +274,9 @@ static void service_destroy(PyObject *capsule)
 /* step_service(flags, disk, poison_row, (threads, part_ids), device, *the arguments of stage) -> service
  * A step's stage is split over up to `threads` threads, parts of at least part_ids ids. `disk`:
  * None (rows not in the page cache fail their step) or (fd, data_offset, file_end, page_size,
- * depth, timeout) for disk_reads.c (a read wait of `timeout` seconds with no progress fails the
- * step), the descriptor held open by the caller until the service is stopped.
+ * depth, timeout, cache) for disk_reads.c (a read wait of `timeout` seconds with no progress fails
+ * the step; `cache`: a host cache of hostcache_new for the table's rows, or None), the descriptor
+ * held open by the caller until the service is stopped.
  * `device`: None (the thread stores READY) or (context, stream, span_address): the device address
  * of `out`'s first byte, the staged rows and index following it as in the pinned buffer. */
 PyObject *step_service(PyObject *self, PyObject *args)
@@ -284,9 +296,13 @@ PyObject *step_service(PyObject *self, PyObject *args)
     long long data_offset = 0, file_end = 0;
     Py_ssize_t page_size = 0;
     double timeout = 0;
+    PyObject *cache = Py_None;
     if (disk != Py_None
-        && !PyArg_ParseTuple(disk, "iLLnid;disk must be (fd, data_offset, file_end, page_size, depth, timeout)", &fd,
-                             &data_offset, &file_end, &page_size, &depth, &timeout))
+        && !PyArg_ParseTuple(disk, "iLLnidO;disk must be (fd, data_offset, file_end, page_size, depth, timeout, cache)",
+                             &fd, &data_offset, &file_end, &page_size, &depth, &timeout, &cache))
+        return NULL;
+    host_cache *rows_cache = cache == Py_None ? NULL : host_cache_of(cache);
+    if (cache != Py_None && !rows_cache)
         return NULL;
     void *context = NULL, *stream = NULL;
     unsigned long long span = 0;
@@ -318,7 +334,9 @@ PyObject *step_service(PyObject *self, PyObject *args)
         : (const char *)call->request.index < call->request.out + call->out_rows * call->request.row_bytes
             ? "step_service: index must follow out in one buffer"
         : poison_row < 0 || poison_row >= call->request.num_resident + call->out_rows
-            ? "step_service: the poison row is not a tier row" : NULL;
+            ? "step_service: the poison row is not a tier row"
+        : rows_cache && host_cache_row_bytes(rows_cache) != call->request.row_bytes
+            ? "step_service: the host cache holds rows of another size" : NULL;
     if (!call || refused) {
         if (refused)
             PyErr_SetString(PyExc_ValueError, refused);
@@ -345,6 +363,11 @@ PyObject *step_service(PyObject *self, PyObject *args)
             return NULL;
         }
         server->has_reader = 1;
+        server->reader.cache = rows_cache;
+        if (rows_cache) {
+            Py_INCREF(cache);
+            server->cache = cache;
+        }
     }
     server->context = context;
     server->stream = stream;
@@ -356,6 +379,7 @@ PyObject *step_service(PyObject *self, PyObject *args)
         PyBuffer_Release(&server->flags_view);
         if (server->has_reader)
             disk_reader_close(&server->reader);
+        Py_XDECREF(server->cache);
         pthread_mutex_destroy(&server->stats_lock);
         PyMem_RawFree(server);
         return NULL;
@@ -396,11 +420,13 @@ PyObject *step_service_stats(PyObject *self, PyObject *args)
     pthread_mutex_lock(&server->stats_lock);
     step_stats stats = server->stats;
     pthread_mutex_unlock(&server->stats_lock);
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsK}", "steps", stats.steps, "ids", stats.ids, "disk_positions",
-                         stats.disk_positions, "cached_positions", stats.cached_positions, "cold_steps",
-                         stats.cold_steps, "failed_steps", stats.failed_steps, "late_steps", stats.late_steps,
-                         "host_ns", stats.host_ns, "late_host_ns", stats.late_host_ns, "copied_bytes",
-                         stats.copied_bytes, "blocks_read", stats.blocks_read);
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "steps", stats.steps, "ids", stats.ids,
+                         "disk_positions", stats.disk_positions, "cached_positions", stats.cached_positions,
+                         "host_cache_positions", stats.host_cache_positions, "read_ahead_positions",
+                         stats.read_ahead_positions, "cold_steps", stats.cold_steps, "failed_steps",
+                         stats.failed_steps, "late_steps", stats.late_steps, "host_ns", stats.host_ns,
+                         "late_host_ns", stats.late_host_ns, "copied_bytes", stats.copied_bytes, "blocks_read",
+                         stats.blocks_read, "bytes_read", stats.bytes_read);
 }
 
 /* step_service_error(service, take) -> None or (kind, value, offset): the first failure since the
