@@ -127,7 +127,7 @@ def resident_graph(full: EmbeddingSource, slot_pool: torch.Tensor, other: OtherW
         index.copy_(slots)
 
     def finish():
-        full._fused(full._tiers, index, out)
+        full._fused(full.buffers.tiers, index, out)
         return out
 
     return ProxyStep(slot_pool, other, start, finish, (size, full.table.values_per_row))
@@ -151,7 +151,7 @@ def poison(lookup: StepLookup) -> None:
     lookup.output.fill_(float("nan"))
     buffers.tiers[lookup.num_resident + 1:].fill_(0xFF)
     buffers.host_rows[1:].fill(0xFF)
-    lookup._ids_array.fill(-1)
+    lookup.host_ids.fill(-1)
 
 
 def exact_replays(table, lookup: StepLookup, proxy: ProxyStep, host_ids: list[np.ndarray]) -> bool:
@@ -177,14 +177,14 @@ def slot_pool_of(table, host_ids: list[np.ndarray]) -> torch.Tensor:
 
 
 def cold_section(path: Path, resident: int, decode: list[np.ndarray], chunks: list[np.ndarray], other: OtherWork,
-                 steps: int) -> dict:
+                 steps: int, chunk_steps: int) -> dict:
     """Cold (O_DIRECT) FULL-graph steps against today's eager path on the same ids, one at a time."""
     table = open_table(path, read_path="direct", host_cache_bytes=0)  # each side reads every disk row
     evict(path)
     lookup = StepLookup(table, device="cuda", resident_bytes=resident, max_ids=CHUNK_TOKENS * 16)
     eager = EmbeddingSource(table, device="cuda", resident_bytes=resident, max_ids=CHUNK_TOKENS * 16)
     report = {}
-    for name, requests in (("decode", decode[:steps]), ("chunk", chunks[:6])):
+    for name, requests in (("decode", decode[:steps]), ("chunk", chunks[:chunk_steps])):
         before = lookup.stats()
         proxy = lookup_graph(lookup, pool_of(requests), other)
         ids_device = [torch.from_numpy(ids.reshape(-1).copy()).cuda() for ids in requests]
@@ -236,7 +236,7 @@ def warm_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
     began = time.perf_counter()
     full = EmbeddingSource(table, device="cuda", resident_bytes=table.num_rows * table.row_bytes, max_ids=16)
     report = {"resident_table_load_s": round(time.perf_counter() - began, 1),
-              "fused_kernel": full._fused is not None}
+              "fused_kernel": full.kernel == "fused"}
     for name, requests, work, steps, block in (
             ("decode", decode, other, args.decode_steps, 100),
             ("chunk", chunks, chunk_other, args.chunk_steps, 16)):
@@ -407,6 +407,7 @@ def main() -> None:
     parser.add_argument("--chunk-steps", type=int, default=256)
     parser.add_argument("--chunks", type=int, default=32)
     parser.add_argument("--cold-steps", type=int, default=200)
+    parser.add_argument("--cold-chunks", type=int, default=16)
     parser.add_argument("--layer-ms", type=float, default=1.0)
     parser.add_argument("--chunk-layer-ms", type=float, default=2.0)
     parser.add_argument("--work", type=Path, default=Path("/tmp/ple-full-graph"))
@@ -431,7 +432,7 @@ def main() -> None:
     other = OtherWork(args.layer_ms)
     chunk_other = OtherWork(args.chunk_layer_ms)
     print("cold", flush=True, file=sys.stderr)
-    report["cold"] = cold_section(args.table, resident, decode, chunks, other, args.cold_steps)
+    report["cold"] = cold_section(args.table, resident, decode, chunks, other, args.cold_steps, args.cold_chunks)
     print(json.dumps(report["cold"]), flush=True, file=sys.stderr)
     print("warm", flush=True, file=sys.stderr)
     report["warm"] = warm_section(args.table, resident, decode, chunks, other, chunk_other, args)

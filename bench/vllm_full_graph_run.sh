@@ -9,9 +9,9 @@ export PYTHONUNBUFFERED=1
 python3 setup.py build_ext --inplace > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
 python3 -c 'from ple_prep.runtime import _native; assert hasattr(_native, "step_service"); print("compiled helper: ok")'
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
-python3 -m pytest -q -p no:cacheprovider tests/test_step_lookup.py tests/test_vllm_backend.py \
+[ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider tests/test_step_lookup.py tests/test_vllm_backend.py \
     > "$out/tests.log" 2>&1 || true
-tail -12 "$out/tests.log"
+[ ! -f "$out/tests.log" ] || tail -12 "$out/tests.log"
 [ -f /tmp/ple.bin ] || python3 bench/synthetic.py /tmp/ple.bin --base 2500000 --profile-tokens 1000000 > "$out/table.log"
 [ -f /tmp/small.bin ] || python3 bench/synthetic.py /tmp/small.bin --base 100000 > "$out/small.log"
 timeout "${BENCH_SECONDS:-300}" python3 bench/vllm_full_graph.py /tmp/ple.bin --faults-table /tmp/small.bin \

@@ -45,7 +45,7 @@ from ..readcheck import DEFAULT_READ_TIMEOUT, ReadTimeout, check_timeout
 from ..table import Table
 from .buffers import DeviceBuffers
 from .dequant import decoder_for
-from .driver import graph_exec
+from .driver import graph_exec, raw_stream_of
 from .graphs import GraphCache
 from .staging import LOOKUP_PART_IDS, LOOKUP_THREADS
 from .triton_gather import fp8_gather_for
@@ -130,6 +130,9 @@ class StepLookup:
             from .driver import device_context
 
             self._service_stream = torch.cuda.Stream(self.device)
+            # The caller's current stream as a raw handle: a torch Stream object costs more to build
+            # than the driver calls start and finish queue on it.
+            self._current_stream = raw_stream_of(torch, self.device.index)
             self._flag_address = self._flags.data_ptr()
             self._ids_address = self._ids.data_ptr()
             buffers.index[:] = self._poison
@@ -170,15 +173,14 @@ class StepLookup:
         if not 0 < count <= self.capacity:
             raise ValueError(f"{count} row ids: this lookup takes 1 to max_ids = {self.capacity}")
         self._started = count
-        flat = ids.reshape(-1)
         if not self._cuda:
-            self.host_ids[:count] = flat.numpy()
+            self.host_ids[:count] = ids.reshape(-1).numpy()
             self._flags_array[REQUEST] = count
             return
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
-        _native.queue_step_start(torch.cuda.current_stream(self.device).cuda_stream, self._ids_address,
-                                 flat.data_ptr(), 8 * count, self._flag_address + 4 * REQUEST, count)
+        if not ids.is_contiguous():  # read in row-major order, as the CPU's reshape does
+            ids = ids.contiguous()
+        _native.queue_step_start(self._current_stream(), self._ids_address, ids.data_ptr(), 8 * count,
+                                 self._flag_address + 4 * REQUEST, count)
 
     def finish(self, count: int | None = None) -> torch.Tensor:
         """Queue the wait for the last start's rows and their index and decode: bf16 (count,
@@ -194,16 +196,16 @@ class StepLookup:
             self._wait_on_host()
             self.check()
             return self._index_and_decode(count)
-        stream = torch.cuda.current_stream(self.device)
+        stream = self._current_stream()
         if torch.cuda.is_current_stream_capturing():
-            return self._device_half(count, stream.cuda_stream)
+            return self._device_half(count, stream)
         size = self._graphs.size_for(count)
         launch = self._graph_execs.get(size)
         if launch is None:
-            graph = self._graphs.capture(size, False, stream)
+            graph = self._graphs.capture(size, False, torch.cuda.current_stream(self.device))
             launch = self._graph_execs[size] = graph_exec(graph) or 0
         if launch:
-            _native.launch_graph(launch, stream.cuda_stream)
+            _native.launch_graph(launch, stream)
         else:  # a torch without graph exec handles
             self._graphs.graphs[(size, False)].replay()
         return self._graphs.output_view(count)
@@ -217,7 +219,7 @@ class StepLookup:
         return self._index_and_decode(count)
 
     def _device_half_here(self, count: int) -> torch.Tensor:
-        return self._device_half(count, torch.cuda.current_stream(self.device).cuda_stream)
+        return self._device_half(count, self._current_stream())
 
     def _index_and_decode(self, count: int) -> torch.Tensor:
         """Each position's row picked from its tier and decoded into `output`."""
@@ -241,7 +243,7 @@ class StepLookup:
             self._wait_on_host()
             _native.step_service_error(self._service, True)
             return
-        raw = torch.cuda.current_stream(self.device).cuda_stream
+        raw = self._current_stream()
         _native.stream_wait_value(raw, self._flag_address + 4 * READY, 1)
         _native.stream_write_value(raw, self._flag_address + 4 * READY, 0)
 
