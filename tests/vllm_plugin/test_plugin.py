@@ -272,19 +272,50 @@ def test_the_stats_line_and_prometheus_count_each_tier(tables, checkpoints, tmp_
         ple_input(layer, *step)
     with caplog.at_level("INFO"):
         window = storage_.stats_log.flush()
-    assert window["starts"] == 5 and window["rows_resident"] + window["rows_page_cache"] + window["rows_disk"] == \
+    tiers = ("rows_resident", "rows_page_cache", "rows_host_cache", "rows_disk")
+    assert window["starts"] == 5 and sum(window[tier] for tier in tiers) == \
         window["ids"] == sum(len(tokens) for tokens, _, _ in schedule()) * 16
-    assert re.search(r"PLE .*: 5 steps in 0 s, \d+ rows: [\d.]+% GPU, [\d.]+% page cache, [\d.]+% disk \(\d+ pages "
-                     r"read\); \d+ steps late at the PLE layer \(GPU wait <= [\d.]+ ms\); 0 failed; host [\d.]+ us a "
+    assert re.search(r"PLE .*: 5 steps in 0 s, \d+ rows: [\d.]+% GPU, [\d.]+% page cache, [\d.]+% host cache, "
+                     r"[\d.]+% disk \(\d+ pages, [\d.]+ MiB read\); read-ahead covered [\d.]+% of the rows off the "
+                     r"GPU; \d+ steps late at the PLE layer \(GPU wait <= [\d.]+ ms\); 0 failed; host [\d.]+ us a "
                      r"step, [\d.]+ MiB to the GPU", caplog.text), caplog.text
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry)
     assert registry.get_sample_value("ple_prep_steps_total") == 5
     by_tier = {tier: registry.get_sample_value("ple_prep_rows_total", {"tier": tier}) or 0
-               for tier in ("gpu", "page_cache", "disk")}
+               for tier in ("gpu", "page_cache", "host_cache", "disk")}
     assert by_tier == {"gpu": window["rows_resident"], "page_cache": window["rows_page_cache"],
-                       "disk": window["rows_disk"]}
+                       "host_cache": window["rows_host_cache"], "disk": window["rows_disk"]}
+    assert (registry.get_sample_value("ple_prep_read_bytes_total") or 0) == window["bytes_read"]
     assert storage_.stats_log.flush()["starts"] == 0  # a window holds what came after the last
+
+
+@pytest.mark.needs_helper
+def test_the_plugins_lookup_serves_rows_read_before_from_the_host_cache(checkpoints, fp8_table, tmp_path):
+    """The step service reads through the table's host cache (on by default): a second pass over
+    the same schedule, its file out of the page cache, reads nothing and equals vLLM's table."""
+    from ple_prep.tools.benchmark import cached_fraction, evict
+
+    copy = tmp_path / "cold.bin"
+    shutil.copy(fp8_table, copy)
+    shutil.copy(manifest_path(Path(fp8_table)), manifest_path(copy))
+    evict(copy)
+    if (cached_fraction(copy) or 0) > 0.5:
+        pytest.skip("the page cache does not let this file's pages go (tmpfs?)")
+    reference = build_layer(vllm_config(), text_config("fp8"), checkpoint_weights(checkpoints["fp8"]))
+    served = build_layer(vllm_config(str(copy), resident_bytes="256KiB", read_path="direct", stats_seconds=0),
+                         text_config("fp8"), checkpoint_weights(checkpoints["fp8"]))
+    storage_ = served.ngram_embedding
+    assert storage_.rows.graph_safe and storage_.table.host_cache is not None
+    windows = []
+    for _ in range(2):
+        for step in schedule():
+            expected = ple_input(reference, *step)
+            assert torch.equal(ple_input(served, *step).view(torch.int16), expected.view(torch.int16))
+        windows.append(storage_.stats_log.flush())
+    assert windows[0]["rows_disk"] > 0 and windows[0]["pages_read"] > 0
+    assert windows[1]["rows_disk"] == windows[1]["pages_read"] == windows[1]["bytes_read"] == 0
+    assert windows[1]["rows_host_cache"] == windows[1]["ids"] - windows[1]["rows_resident"] > 0
 
 
 class _Stored:

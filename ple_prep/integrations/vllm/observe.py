@@ -5,7 +5,8 @@ Each worker's `PreparedTableEmbedding` keeps a `StatsLog`: every `stats_seconds`
 when there were steps. Where vLLM's metrics gather the workers' (`PROMETHEUS_MULTIPROC_DIR` set, as
 vLLM sets it with more than one API server, or as the operator sets it), the same counts go to
 Prometheus counters on vLLM's `/metrics`: `ple_prep_steps_total`, `ple_prep_rows_total{tier=
-"gpu"|"page_cache"|"disk"}`, `ple_prep_pages_read_total`, `ple_prep_late_steps_total`,
+"gpu"|"page_cache"|"host_cache"|"disk"}`, `ple_prep_read_ahead_rows_total` (host-cache rows that
+read-ahead had brought), `ple_prep_pages_read_total`, `ple_prep_read_bytes_total`, `ple_prep_late_steps_total`,
 `ple_prep_late_seconds_total` (at most the time the GPU waited at the PLE layer),
 `ple_prep_failed_steps_total` and `ple_prep_copied_bytes_total`. A single API server without
 that variable exports none: vLLM's `/metrics` then shows that process's metrics alone.
@@ -25,12 +26,16 @@ logger = init_logger(__name__)
 _COUNTERS = {
     "ple_prep_steps": ("PLE lookup steps", ("starts",), 1),
     "ple_prep_pages_read": ("PLE table pages read from the disk", ("pages_read",), 1),
+    "ple_prep_read_bytes": ("Bytes of the PLE table read from the disk", ("bytes_read",), 1),
+    "ple_prep_read_ahead_rows": ("PLE rows served from the host cache that read-ahead had brought",
+                                 ("rows_read_ahead",), 1),
     "ple_prep_late_steps": ("PLE steps whose rows were not ready when the GPU reached the PLE layer", ("late",), 1),
     "ple_prep_late_seconds": ("Host seconds of the late PLE steps: at most the GPU's wait", ("late_host_ns",), 1e-9),
     "ple_prep_failed_steps": ("PLE steps that failed (NaN values, the error raised)", ("failed",), 1),
     "ple_prep_copied_bytes": ("Bytes the PLE lookup copied to the GPU", ("copied_bytes",), 1),
 }
-_TIERS = {"gpu": "rows_resident", "page_cache": "rows_page_cache", "disk": "rows_disk"}
+_TIERS = {"gpu": "rows_resident", "page_cache": "rows_page_cache", "host_cache": "rows_host_cache",
+          "disk": "rows_disk"}
 # How often a failed step is looked for, to log its cause.
 ERROR_POLL_SECONDS = 0.5
 
@@ -38,9 +43,13 @@ ERROR_POLL_SECONDS = 0.5
 def format_stats(prefix: str, counts: Mapping[str, int], seconds: float) -> str:
     """One log line of a lookup's counts over `seconds`."""
     ids = max(1, counts["ids"])
+    off_gpu = max(1, counts["ids"] - counts["rows_resident"])
     return (f"PLE {prefix}: {counts['starts']} steps in {seconds:g} s, {counts['ids']} rows: "
             f"{100 * counts['rows_resident'] / ids:.1f}% GPU, {100 * counts['rows_page_cache'] / ids:.1f}% page cache, "
-            f"{100 * counts['rows_disk'] / ids:.1f}% disk ({counts['pages_read']} pages read); "
+            f"{100 * counts['rows_host_cache'] / ids:.1f}% host cache, "
+            f"{100 * counts['rows_disk'] / ids:.1f}% disk ({counts['pages_read']} pages, "
+            f"{counts['bytes_read'] / 2**20:.1f} MiB read); read-ahead covered "
+            f"{100 * counts['rows_read_ahead'] / off_gpu:.1f}% of the rows off the GPU; "
             f"{counts['late']} steps late at the PLE layer (GPU wait <= {counts['late_host_ns'] / 1e6:.2f} ms); "
             f"{counts['failed']} failed; host {counts['host_ns'] / max(1, counts['starts']) / 1e3:.1f} us a step, "
             f"{counts['copied_bytes'] / 2**20:.1f} MiB to the GPU")

@@ -118,11 +118,9 @@ class PreparedTableEmbedding(Qwen4ExpPLEEmbedding):
         method = next((name for kind, name in _METHOD_NAMES if isinstance(embedding_method, kind)), None)
         if method is None:
             raise BadInput(f"ple-prep cannot serve a PLE table of method {type(embedding_method).__name__}")
-        options = settings.open_options()
-        if compiled_helper_missing() is None:
-            # StepLookup reads the file itself (runtime/device/steps.py): a host cache would go unused.
-            options.setdefault("host_cache_bytes", 0)
-        table = open_table(settings.table_path(self.tp_rank, self.tp_size), **options)
+        # The table's host cache (PLE_PREP_HOST_CACHE_BYTES, open_table's default budget) serves the
+        # lookup's disk-tier rows, StepLookup's service thread included, and read-ahead fills it.
+        table = open_table(settings.table_path(self.tp_rank, self.tp_size), **settings.open_options())
         try:
             owned = (self.shard_indices.org_vocab_start_index, self.shard_indices.org_vocab_end_index)
             check_layer(table, method=method, total_rows=self.org_vocab_size, values_per_row=embedding_dim,
@@ -145,7 +143,7 @@ class PreparedTableEmbedding(Qwen4ExpPLEEmbedding):
             raise
         self.table = table
         # Read-ahead and recording fed from the schedule (traffic.py); one process records a replica's traffic.
-        traffic.serve(table, self.rows.source.num_resident, settings, read_ahead=not self.rows.graph_safe,
+        traffic.serve(table, self.rows.source.num_resident, settings,
                       record=self.tp_rank == 0 and data_parallel_rank == 0)
         self.quant_method = _CheckedAfterLoading(embedding_method)
         self._output_dim = num_ngram_heads * embedding_dim

@@ -50,13 +50,14 @@ class _Served:
 _SERVED = _Served()
 
 
-def serve(table, skip_slots: int, settings, *, read_ahead: bool = True, record: bool) -> None:
+def serve(table, skip_slots: int, settings, *, record: bool) -> None:
     """Feed `table` (its first `skip_slots` slots on the GPU) from the requests scheduled in this
-    process, as `settings` ask (read_ahead, record_profile; `record`: this process records).
-    `read_ahead` False: the storage's lookup does not read through the table's host cache."""
+    process, as `settings` ask (read_ahead, record_profile; `record`: this process records). Both
+    lookups the storage uses (StepLookup's service thread, EmbeddingSource) read through the
+    table's host cache, which read-ahead fills."""
     served = _SERVED
     served.spec = NgramSpec.from_json(table.manifest["ngram"])
-    if read_ahead and settings.read_ahead and table.host_cache is not None:
+    if settings.read_ahead and table.host_cache is not None:
         served.tables.append((table, skip_slots))
     if record and settings.record_profile and served.recorder is None:
         served.recorder = TrafficRecorder(served.spec, settings.record_profile, tokenizer_sha256=_tokenizer_sha256(),
