@@ -24,6 +24,7 @@ from ple_prep.format.manifest import manifest_path
 from ple_prep.format.order import RowOrder
 from ple_prep.offline.writer import convert
 from ple_prep.runtime import open_table
+from ple_prep.tools.benchmark import cached_fraction, evict
 from ple_prep.tools.fixtures import FIXTURE_ROWS
 
 
@@ -329,3 +330,22 @@ def test_row_order_threads_looking_up_at_once_build_the_rank_index_once(monkeypa
     assert len(builds) == 1
     expected = _searched_slots(order, rows)
     assert all(np.array_equal(result, expected) for result in results)
+
+
+def test_a_closed_table_no_longer_pins_its_files_pages(fp8_checkpoint, converted_table, tmp_path):
+    """After close, even while the Table object lives, the pages it read through its mapping can be
+    evicted (a closed table that kept its mapping, held by its row order's views, would pin them)."""
+    path = converted_table(fp8_checkpoint, tmp_path / "ordered.bin",
+                           placed=lambda rows, spec: np.arange(rows - 1, rows // 2, -1)).path
+    control = tmp_path / "control.bin"
+    shutil.copy(path, control)
+    control.read_bytes()
+    evict(control)
+    if cached_fraction(control) in (None, 1.0):
+        pytest.skip("this file system keeps no evictable page cache (or mincore is unavailable)")
+    table = open_table(path, read_path="mapped")
+    table.values(np.arange(table.first_row, table.first_row + table.num_rows))  # every page read
+    table.close()
+    evict(path)
+    assert cached_fraction(path) < 0.05
+    assert table.path == path  # the object itself is still alive
