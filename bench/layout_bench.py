@@ -7,7 +7,8 @@ B: `ngram_vocab_size_base`, 20,000,000 for the real geometry, 2,500,000 for 1/8 
 Corpus: bench/real_corpus.py (real documents, split by document into a profile half and a disjoint
 evaluation half; tokenizer trained on the profile half). The profile half is profiled, and the
 layout planned for the geometry of B (the real one by default: 320,001,536 FP8 rows of 160 bytes,
-4 KiB pages, 25 rows a page) with the planner alone: no rows are read or written.
+4 KiB pages, 25 rows a page) with the planner alone, from both parts of the profile as `convert`
+plans it: no rows are read or written.
 
 Metric, for each token of the evaluation half: the number of distinct 4 KiB pages holding its 16
 rows that are not resident (a page read once per token, no page cache beyond the resident set).
@@ -15,7 +16,7 @@ Both layouts get the same resident budget, a fraction of the table's 51.2 GB, as
 - prepared: the file's leading pages (the hottest rows, as `ple-prep inspect` hints);
 - checkpoint: its rows back to back in source order (row r at byte 160*r, so one row in 25.6
   straddles two pages and needs both), with the budget spent on its hottest pages by the profile
-  half's row reads.
+  half's row reads (both parts of the profile, as the prepared layout gets).
 The "map charged" column also takes what a server holds for the row-order map (its lookup index:
 2 bits a table row and 4 bytes a placed row, `format.order.lookup_index_bytes`) out of its
 resident budget.
@@ -44,7 +45,7 @@ from ple_prep.format.header import ORDER_BYTES_PER_PLACED  # noqa: E402
 from ple_prep.format.order import lookup_index_bytes  # noqa: E402
 from ple_prep.ngram import NgramSpec, mixed_values, rows_of_mixed  # noqa: E402
 from ple_prep.offline.planner import DEFAULT_MAP_FRACTION, _hot_groups, max_placed_rows, plan_order  # noqa: E402
-from ple_prep.offline.profile import Profiler  # noqa: E402
+from ple_prep.offline.profile import PARTS, Profiler  # noqa: E402
 from ple_prep.tools.fixtures import fixture_config  # noqa: E402
 
 ROW_BYTES = 160
@@ -75,7 +76,7 @@ class DuplicatedLayout:
     page in hotness order; rows of no seen group follow in source order."""
 
     def __init__(self, profile, spec: NgramSpec, num_rows: int):
-        keys, orders = _hot_groups(profile)
+        keys, orders = _hot_groups(profile, PARTS)
         self.groups = len(keys)
         groups_per_page = ROWS_PER_PAGE // spec.heads_per_ngram
         self.group_page = (np.arange(self.groups) // groups_per_page).astype(np.int32)
@@ -155,7 +156,7 @@ def main() -> None:
 
     clock = time.perf_counter()
     limit = max_placed_rows(num_rows, ROW_BYTES, args.map_fraction)
-    plan = plan_order(profile, num_rows, ROWS_PER_PAGE, max_placed=limit)
+    plan = plan_order(profile, num_rows, ROWS_PER_PAGE, max_placed=limit, parts=PARTS)
     order = plan.order
     timings["plan_s"] = round(time.perf_counter() - clock, 1)
     map_bytes = ORDER_BYTES_PER_PLACED[2] * order.num_placed
@@ -172,7 +173,7 @@ def main() -> None:
 
     # The checkpoint's hottest pages by the profile half's row reads (both pages of a straddler).
     clock = time.perf_counter()
-    rows, counts = profile.parts["train"].rows(spec)
+    rows, counts = (np.concatenate(arrays) for arrays in zip(*(profile.parts[part].rows(spec) for part in PARTS)))
     num_pages = -(-table_bytes // PAGE_SIZE)
     heat = np.bincount(rows * ROW_BYTES // PAGE_SIZE, weights=counts, minlength=num_pages)
     heat += np.bincount((rows * ROW_BYTES + ROW_BYTES - 1) // PAGE_SIZE,

@@ -165,6 +165,33 @@ def test_residency_hints_measured_on_heldout_only(source_and_profile):
     assert fractions == sorted(fractions) and fractions[0] > 0.01
 
 
+def test_convert_places_the_heldout_parts_groups_and_hints_come_from_a_plan_without_them(source_and_profile):
+    source, _ = source_and_profile
+    profile = corpus_profile(source.spec, seed=1, requests=30)  # fewer rows than the cap
+    layout = plan_for_source(source, profile, page_size=4096, map_fraction=0.019)
+    train_rows, _ = profile.parts["train"].rows(profile.spec)
+    heldout_rows, _ = profile.parts["heldout"].rows(profile.spec)
+    seen = np.union1d(train_rows, heldout_rows)
+    assert len(np.setdiff1d(heldout_rows, train_rows)) > 0
+    assert len(seen) <= max_placed_rows(source.num_rows, source.row_bytes, 0.019)
+    # Every group of both parts is placed...
+    assert np.array_equal(np.sort(layout.order.slot_rows.astype(np.int64)), seen)
+    assert layout.entry["groups_seen"] == sum(len(keys) for keys, _ in
+                                              _merged_groups(profile).values())
+    # ...while the hints are measured on an order that never saw the held-out requests.
+    train_only = plan_order(profile, source.num_rows, 25, max_placed=source.num_rows).order
+    assert list(layout.residency) == residency_hints(train_only, profile, row_bytes=160, rows_per_page=25,
+                                                     page_size=4096)
+
+
+def _merged_groups(profile):
+    merged = {}
+    for part in profile.parts.values():
+        for order, (keys, _) in part.groups.items():
+            merged[order] = np.union1d(merged.get(order, np.zeros(0, np.uint64)), keys)
+    return {order: (keys, None) for order, keys in merged.items()}
+
+
 def test_plan_refuses_another_models_profile(fp8_checkpoint, tmp_path):
     from ple_prep.tools.fixtures import make_checkpoint
 

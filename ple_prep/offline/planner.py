@@ -28,7 +28,7 @@ from ..format.layout import TableLayout
 from ..format.order import RowOrder, lookup_index_bytes
 from ..format.pages import pages_for
 from ..ngram import rows_of_mixed
-from .profile import Profile, load_profile
+from .profile import PARTS, Profile, load_profile
 
 MAX_MAP_FRACTION = 0.02
 BUDGETS_GIB = (0.25, 0.5, 1, 2, 4, 8, 16)
@@ -74,11 +74,20 @@ def max_placed_rows(num_rows: int, row_bytes: int, map_fraction: float = DEFAULT
     return max(0, min(num_rows, allowed // 4))
 
 
-def _hot_groups(profile: Profile) -> tuple[np.ndarray, np.ndarray]:
-    """The training part's groups, hottest first (ties: lower order, then hash): their mixed hashes
-    (uint64) and orders (uint8)."""
+def _hot_groups(profile: Profile, parts: tuple[str, ...] = ("train",)) -> tuple[np.ndarray, np.ndarray]:
+    """The groups of these parts of the profile, their counts summed, hottest first (ties: lower
+    order, then hash): their mixed hashes (uint64) and orders (uint8)."""
     keys, counts, orders = [], [], []
-    for order, (values, group_counts) in sorted(profile.parts["train"].groups.items()):
+    for order in sorted({order for part in parts for order in profile.parts[part].groups}):
+        pieces = [profile.parts[part].groups[order] for part in parts if order in profile.parts[part].groups]
+        values = np.concatenate([values for values, _ in pieces])
+        group_counts = np.concatenate([group_counts for _, group_counts in pieces]).astype(np.uint64)
+        if len(pieces) > 1:
+            # Each part's keys are distinct: a key in several parts sums its counts.
+            by_key = np.argsort(values, kind="stable")
+            values, group_counts = values[by_key], group_counts[by_key]
+            starts = np.flatnonzero(np.concatenate([[True], values[1:] != values[:-1]]))
+            values, group_counts = values[starts], np.add.reduceat(group_counts, starts)
         keys.append(values)
         counts.append(group_counts)
         orders.append(np.full(len(values), order, dtype=np.uint8))
@@ -204,13 +213,15 @@ def _pack(sizes: np.ndarray, capacity: int, spare: int = 0) -> tuple[np.ndarray,
 
 
 def plan_order(profile: Profile, num_rows: int, rows_per_page: int, *, max_placed: int,
-               first_row: int = 0, release_counts: bool = False) -> Plan:
-    """The access order for rows [first_row, first_row + num_rows) of a table with this geometry.
-    With `release_counts` (a profile loaded for this plan alone), the training counts are dropped
-    from `profile` once sorted, so they are not held through the packing (the planner's peak)."""
-    keys, orders = _hot_groups(profile)
+               first_row: int = 0, parts: tuple[str, ...] = ("train",), release_counts: bool = False) -> Plan:
+    """The access order for rows [first_row, first_row + num_rows) of a table with this geometry,
+    from the groups of these parts of the profile. With `release_counts` (a profile loaded for this
+    plan alone), their counts are dropped from `profile` once sorted, so they are not held through
+    the packing (the planner's peak)."""
+    keys, orders = _hot_groups(profile, parts)
     if release_counts:
-        profile.parts["train"].groups.clear()
+        for part in parts:
+            profile.parts[part].groups.clear()
     groups_seen = len(keys)
     new_rows, new_per_group = _new_rows(keys, orders, profile.spec, first_row, num_rows)
     del keys, orders
@@ -293,23 +304,33 @@ def plan_for_source(source: TableSource, profile: Profile | Path, *, page_size: 
                     map_fraction: float = DEFAULT_MAP_FRACTION, first_row: int = 0,
                     num_rows: int | None = None) -> TableLayout:
     """The layout `writer.convert` writes for rows [first_row, first_row + num_rows) of this source
-    (all rows by default): the access order, its manifest entry and the residency hints. Given a
-    profile file, one part of it is in memory at a time: the training counts for the order, then
-    the held-out ones for the hints."""
+    (all rows by default): the access order, its manifest entry and the residency hints.
+
+    The written order is planned from both parts of the profile (every n-gram it saw: unseen ones
+    cost 8 page reads, so the held-out part's groups are worth placing). The hints are measured on
+    the held-out requests against an order planned from the training part alone, which never saw
+    them: an honest estimate, a little below what the written order serves. Given a profile file,
+    at most what one plan needs is in memory at a time."""
     num_rows = source.num_rows - first_row if num_rows is None else num_rows
     limit = max_placed_rows(num_rows, source.row_bytes, map_fraction)
     if not 0 < source.row_bytes <= page_size:
         raise BadInput(f"a {source.row_bytes}-byte row does not fit a {page_size}-byte page")
     rows_per_page = page_size // source.row_bytes
-    train = load_profile(profile, parts=("train",)) if isinstance(profile, Path) else profile
-    if train.spec != source.spec:
-        raise BadInput("the profile was made with another model's hash (its spec differs from "
-                       "this checkpoint's); profile with this --model")
-    plan = plan_order(train, num_rows, rows_per_page, max_placed=limit, first_row=first_row,
-                      release_counts=isinstance(profile, Path))
-    entry = plan.layout(train, map_fraction)
-    del train
-    heldout = load_profile(profile, parts=("heldout",)) if isinstance(profile, Path) else profile
-    residency = residency_hints(plan.order, heldout, row_bytes=source.row_bytes,
+
+    def load(parts: tuple[str, ...]) -> Profile:
+        loaded = load_profile(profile, parts=parts) if isinstance(profile, Path) else profile
+        if loaded.spec != source.spec:
+            raise BadInput("the profile was made with another model's hash (its spec differs from "
+                           "this checkpoint's); profile with this --model")
+        return loaded
+
+    release = isinstance(profile, Path)
+    order = plan_order(load(("train",)), num_rows, rows_per_page, max_placed=limit, first_row=first_row,
+                       release_counts=release).order
+    residency = residency_hints(order, load(("heldout",)), row_bytes=source.row_bytes,
                                 rows_per_page=rows_per_page, page_size=page_size, first_row=first_row)
-    return TableLayout(plan.order, entry, tuple(residency))
+    del order
+    both = load(PARTS)
+    plan = plan_order(both, num_rows, rows_per_page, max_placed=limit, first_row=first_row, parts=PARTS,
+                      release_counts=release)
+    return TableLayout(plan.order, plan.layout(both, map_fraction), tuple(residency))
