@@ -1,6 +1,7 @@
 """The model's n-gram hash: token ids to the 16 table rows each token reads (docs/MODEL.md).
 
-numpy only and no file formats (each converter reads its own metadata into an `NgramSpec`), so a
+numpy (and the compiled helper of core/native/ where built) and no file formats (each converter reads
+its own metadata into an `NgramSpec`), so a
 serving stack can hash with the runtime alone.
 """
 from __future__ import annotations
@@ -12,6 +13,11 @@ import numpy as np
 
 from .core.constants import DEFAULT_SEED
 from .core.errors import BadInput
+
+try:
+    from .core import _native
+except ImportError:  # built without a C compiler: numpy does the same work
+    _native = None
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -205,19 +211,33 @@ def mixed_values(tokens: Sequence[int] | np.ndarray, spec: NgramSpec,
     (`rows_of_mixed`), so it names the group of rows one n-gram reads. `request_starts` (sorted
     positions) hashes several new requests laid end to end in one call; it excludes `context`.
     """
-    tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    return mixed_columns(tokens, spec, context, request_starts).T
+
+
+def mixed_columns(tokens: Sequence[int] | np.ndarray, spec: NgramSpec,
+                  context: Sequence[int] | np.ndarray | None = None,
+                  request_starts: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """`mixed_values` transposed: uint64 `(ngram_size - 1, len(tokens))`, each order's values
+    contiguous (into `out`, a C-contiguous array of that shape, when given). The compiled helper's
+    loop where it is built, numpy's otherwise (same bits)."""
+    tokens = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1)
     history = spec.ngram_size - 1
-    eos = spec.eos_token_id
-    previous = np.full(history, eos, dtype=np.int64)
+    previous = np.full(history, spec.eos_token_id, dtype=np.int64)
     if context is not None:
-        context = np.asarray(context, dtype=np.int64).reshape(-1)[-history:] if history else []
+        context = np.asarray(context, dtype=np.int64).reshape(-1)[-history:]
         if len(context):
             previous[history - len(context):] = context
+    starts = np.zeros(0, np.int64) if request_starts is None else np.asarray(request_starts, dtype=np.int64)
+    if len(starts) and (starts[0] < 0 or np.any(starts[1:] < starts[:-1])):
+        raise ValueError("request_starts must be sorted positions (not negative)")
+    mixed = np.empty((history, len(tokens)), dtype=np.uint64) if out is None else out
+    if _native is not None:
+        _native.ngram_mix(tokens, previous, np.ascontiguousarray(starts), np.array(spec.multipliers, np.uint64),
+                          spec.eos_token_id, mixed)
+        return mixed
     padded = np.concatenate([previous, tokens]).astype(np.uint64)
     count = len(tokens)
-    eos64 = np.uint64(eos)
-    starts = None if request_starts is None else np.asarray(request_starts, dtype=np.int64)
-    mixed = np.empty((count, history), dtype=np.uint64)
+    eos64 = np.uint64(spec.eos_token_id)
     # ctx[s] for every position: the token s steps back, EOS once a cut (or the request start) is seen.
     cut = np.zeros(count, dtype=bool)
     with np.errstate(over="ignore"):
@@ -225,12 +245,12 @@ def mixed_values(tokens: Sequence[int] | np.ndarray, spec: NgramSpec,
         for step in range(1, spec.ngram_size):
             earlier = padded[history - step: history - step + count]
             value = np.where(cut, eos64, earlier)
-            if starts is not None:
+            if len(starts):
                 before_start = (starts[:, None] + np.arange(step)).reshape(-1)
                 value[before_start[before_start < count]] = eos64
             cut |= value == eos64
             running = running ^ (value * np.uint64(spec.multipliers[step]))
-            mixed[:, step - 1] = running
+            mixed[step - 1] = running
     return mixed
 
 

@@ -1,10 +1,12 @@
-"""The n-gram hash against the check vector of docs/MODEL.md and a plain-Python transcription."""
+"""The n-gram hash against the check vector of docs/MODEL.md and a plain-Python transcription, in
+the compiled helper's loop and in numpy's (a build without a compiler)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from ple_prep.ngram import NgramSpec, mixed_values, row_ids
+import ple_prep.ngram as ngram_module
+from ple_prep.ngram import NgramSpec, mixed_columns, mixed_values, row_ids
 from ple_prep.tools.fixtures import fixture_config
 
 EOS = 248044
@@ -15,6 +17,14 @@ CHECK_ROWS = {
     4: [10580618, 37840707, 45212370, 71723338, 84052565, 102293892, 120404177, 159281483,
         167500023, 187273292, 213206235, 226933061, 259691440, 273675538, 298609479, 305321328],
 }
+
+
+@pytest.fixture(params=[pytest.param("compiled", marks=pytest.mark.needs_helper), "numpy"])
+def hashing(request, monkeypatch):
+    """The hash in the compiled helper (core/native/ngramcount.c) or in numpy: the same values."""
+    if request.param == "numpy":
+        monkeypatch.setattr(ngram_module, "_native", None)
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +64,7 @@ def reference_rows(tokens: list[int], spec: NgramSpec, history: list[int] | None
     return out
 
 
-def test_hash_matches_spec_check_vector(real_spec):
+def test_hash_matches_spec_check_vector(real_spec, hashing):
     ids = row_ids(CHECK_TOKENS, real_spec)
     assert ids.dtype == np.int64 and ids.shape == (5, 16)
     for position, expected in CHECK_ROWS.items():
@@ -70,12 +80,12 @@ def test_hash_constants_match_spec(real_spec, small_spec):
     assert real_spec.rows_stored == 320_001_536
 
 
-def test_hash_check_vector_matches_reference(real_spec):
+def test_hash_check_vector_matches_reference(real_spec, hashing):
     assert reference_rows(CHECK_TOKENS, real_spec) == row_ids(CHECK_TOKENS, real_spec).tolist()
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_hash_matches_reference_on_random_sequences_with_eos(small_spec, real_spec, seed):
+def test_hash_matches_reference_on_random_sequences_with_eos(small_spec, real_spec, seed, hashing):
     rng = np.random.default_rng(seed)
     length = int(rng.integers(1, 60))
     # Small vocabulary with many EOS tokens, including runs of EOS and EOS at the start.
@@ -86,7 +96,7 @@ def test_hash_matches_reference_on_random_sequences_with_eos(small_spec, real_sp
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_hash_chunked_with_context_equals_whole(small_spec, seed):
+def test_hash_chunked_with_context_equals_whole(small_spec, seed, hashing):
     rng = np.random.default_rng(100 + seed)
     tokens = rng.choice([EOS, 5, 6, 7, 8, 9], size=200).astype(np.int64)
     whole = row_ids(tokens, small_spec)
@@ -96,15 +106,32 @@ def test_hash_chunked_with_context_equals_whole(small_spec, seed):
     assert np.array_equal(np.concatenate(pieces), whole)
 
 
-def test_hash_context_of_one_token_pads_with_eos(small_spec):
+def test_hash_context_of_one_token_pads_with_eos(small_spec, hashing):
     tokens = [11, 12, 13]
     assert np.array_equal(row_ids(tokens[1:], small_spec, context=[11]), row_ids(tokens, small_spec)[1:])
 
 
-def test_hash_request_starts_equal_separate_requests(small_spec):
+def test_hash_request_starts_equal_separate_requests(small_spec, hashing):
     rng = np.random.default_rng(7)
     requests = [rng.choice([EOS, 1, 2, 3], size=n) for n in (1, 5, 2, 1, 9)]
     starts = np.cumsum([0] + [len(r) for r in requests[:-1]])
     batched = mixed_values(np.concatenate(requests), small_spec, request_starts=starts)
     separate = np.concatenate([mixed_values(r, small_spec) for r in requests])
     assert np.array_equal(batched, separate)
+
+
+@pytest.mark.needs_helper
+@pytest.mark.parametrize("seed", range(5))
+def test_hash_compiled_and_numpy_agree_on_batches_with_context_and_starts(small_spec, monkeypatch, seed):
+    rng = np.random.default_rng(200 + seed)
+    tokens = rng.choice([EOS, 0, 1, 2, 248319, 77], size=int(rng.integers(0, 400)))
+    context = rng.choice([EOS, 3, 4], size=int(rng.integers(0, 4)))
+    starts = np.unique(rng.integers(0, len(tokens) + 3, size=int(rng.integers(0, 30))))
+    compiled = mixed_columns(tokens, small_spec, context, starts)
+    monkeypatch.setattr(ngram_module, "_native", None)
+    assert np.array_equal(compiled, mixed_columns(tokens, small_spec, context, starts))
+
+
+def test_hash_refuses_unsorted_request_starts(small_spec, hashing):
+    with pytest.raises(ValueError, match="sorted"):
+        mixed_values([1, 2, 3, 4], small_spec, request_starts=np.array([2, 1]))

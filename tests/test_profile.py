@@ -1,18 +1,22 @@
 """Profiling prompts: counts equal the hash's rows, shards merge to one run, inputs are checked."""
 from __future__ import annotations
 
+import hashlib
 import json
 
 import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+import ple_prep.ngram as ngram_module
+import ple_prep.offline.profile as profile_module
 from ple_prep.converters import read_spec
 from ple_prep.core.errors import BadInput
 from ple_prep.ngram import NgramSpec, row_ids
 from ple_prep.offline.chat import render_chat
 from ple_prep.offline.profile import (
     BATCH_TOKENS,
+    PartCounts,
     Profiler,
     is_heldout,
     load_profile,
@@ -22,6 +26,19 @@ from ple_prep.offline.profile import (
 )
 
 EOS = 248044
+
+
+@pytest.fixture(params=[pytest.param("compiled", marks=pytest.mark.needs_helper), "numpy"])
+def counting(request, monkeypatch):
+    """Hashing and counting in the compiled helper (core/native/ngramcount.c) or in numpy."""
+    if request.param == "numpy":
+        without_helper(monkeypatch)
+    return request.param
+
+
+def without_helper(monkeypatch) -> None:
+    monkeypatch.setattr(ngram_module, "_native", None)
+    monkeypatch.setattr(profile_module, "_native", None)
 
 
 @pytest.fixture(scope="module")
@@ -230,3 +247,70 @@ def test_profile_piece_of_a_jsonl_names_the_file_line(fp8_checkpoint, tmp_path, 
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(BadInput, match=f"{path}:301: each line must be a JSON object"):
         profile_files(fp8_checkpoint, [path], workers=2)
+
+
+@pytest.mark.needs_helper
+def test_profile_bytes_are_the_same_without_the_compiled_helper(fp8_checkpoint, prompt_files, tmp_path,
+                                                                monkeypatch):
+    """Many small batches (merges of runs at every size) hashed and counted in C and in numpy."""
+    monkeypatch.setattr("ple_prep.offline.profile.BATCH_TOKENS", 300)
+    compiled = _saved_bytes(profile_files(fp8_checkpoint, prompt_files, workers=1), tmp_path / "c.prof")
+    without_helper(monkeypatch)
+    assert _saved_bytes(profile_files(fp8_checkpoint, prompt_files, workers=1), tmp_path / "n.prof") == compiled
+
+
+def _random_runs(rng, count: int, high: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    runs = []
+    for _ in range(count):
+        keys = np.unique(rng.integers(0, high, size=int(rng.integers(0, 3000)), dtype=np.uint64))
+        counts = rng.integers(0, 1 << 63, size=len(keys), dtype=np.uint64) >> np.uint64(rng.integers(0, 64))
+        runs.append((keys, counts))
+    return runs
+
+
+@pytest.mark.needs_helper
+@pytest.mark.parametrize("seed", range(4))
+def test_profile_merged_runs_equal_numpy_sums_with_zero_and_wrapping_counts(monkeypatch, seed):
+    from ple_prep.offline.profile import _sum_by_key, _sum_runs
+
+    rng = np.random.default_rng(seed)
+    runs = _random_runs(rng, int(rng.integers(1, 7)), 1 << int(rng.integers(4, 64)))
+    keys, counts = _sum_runs(runs)
+    expected_keys, expected_counts = _sum_by_key(np.concatenate([k for k, _ in runs]),
+                                                 np.concatenate([c for _, c in runs]))
+    assert keys.dtype == np.uint64 and np.array_equal(keys, expected_keys)
+    assert counts.dtype == np.uint64 and np.array_equal(counts, expected_counts)
+
+
+@pytest.mark.needs_helper
+@pytest.mark.parametrize("base, total_bits", [(1000, 40), (1000, 62), (20_000_000, 40)])
+def test_profile_rows_of_groups_equal_numpy_in_dense_sparse_and_huge_counts(monkeypatch, base, total_bits):
+    """Rows of counted groups: dense counting (many groups a head), sorting (few), and the sorted
+    path numpy takes when float64 sums would not be exact; zero counts included."""
+    from ple_prep.tools.fixtures import fixture_config
+
+    spec = NgramSpec.from_config(fixture_config(base=base))
+    rng = np.random.default_rng(base + total_bits)
+    groups = {}
+    for order in (2, 3):
+        keys = np.unique(rng.integers(0, 1 << 64, size=20_000, dtype=np.uint64))
+        counts = rng.integers(0, 1 << (total_bits - 15), size=len(keys), dtype=np.uint64)
+        counts[::7] = 0
+        groups[order] = (keys, counts)
+    part = PartCounts(1, 1, groups)
+    rows, hits = part.rows(spec)
+    without_helper(monkeypatch)
+    expected_rows, expected_hits = part.rows(spec)
+    assert rows.dtype == np.int64 and hits.dtype == np.uint64
+    assert np.array_equal(rows, expected_rows) and np.array_equal(hits, expected_hits)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_profile_inputs_carry_each_file_sha256(fp8_checkpoint, prompt_files, monkeypatch, workers, counting):
+    """Read once for hashing and checksum alike: the checksums are the files' own, whole files and
+    a .jsonl cut into pieces alike."""
+    monkeypatch.setattr("ple_prep.offline.profile_pool.PIECE_BYTES", 2000)
+    profile = profile_files(fp8_checkpoint, prompt_files, workers=workers)
+    assert [entry["sha256"] for entry in profile.inputs] == [
+        hashlib.sha256(path.read_bytes()).hexdigest() for path in prompt_files]
+    assert [entry["bytes"] for entry in profile.inputs] == [path.stat().st_size for path in prompt_files]

@@ -38,9 +38,14 @@ from ..core.fileio import (
     open_regular,
     parse_json,
 )
-from ..ngram import NgramSpec, mixed_values, row_of_head
+from ..ngram import NgramSpec, mixed_columns, row_of_head
 from .profile_pool import MIN_PARALLEL_BYTES, Piece, default_workers, file_sha256, pieces_of, profile_pieces
 from .prompts import PromptReader
+
+try:
+    from ..core import _native
+except ImportError:  # built without a C compiler: numpy counts the same
+    _native = None
 
 MAGIC = b"PLEPROF\x00"
 PER_ROW_ARRAYS = (".rows", ".row_counts")
@@ -78,10 +83,9 @@ class PartCounts:
     def rows_by_head(self, spec: NgramSpec) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """`rows`, one head at a time in head order (memory: one head's rows)."""
         for order, (values, group_counts) in sorted(self.groups.items()):
+            total = int(group_counts.sum(dtype=np.uint64))
             for k in range(spec.heads_per_ngram):
-                head = (order - 2) * spec.heads_per_ngram + k
-                yield _sum_in_range(row_of_head(values, order, k, spec), group_counts,
-                                    spec.head_offsets[head], spec.head_sizes[head])
+                yield _head_rows(values, group_counts, total, order, k, spec)
 
 
 @dataclasses.dataclass
@@ -122,30 +126,124 @@ def _sum_by_key(keys: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.nd
     return keys[starts], np.add.reduceat(counts, starts)
 
 
+def _sum_runs(runs: list[tuple[np.ndarray, np.ndarray]], buffers: "_Buffers | None" = None
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """`_sum_by_key` of runs of sorted distinct uint64 keys with uint64 counts: with the compiled
+    helper, merged two at a time in linear passes (core/native/ngramcount.c), into `buffers`."""
+    if _native is None:
+        if not runs:
+            return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
+        return _sum_by_key(np.concatenate([keys for keys, _ in runs]), np.concatenate([c for _, c in runs]))
+    if buffers is None:
+        buffers = _Buffers(keep=0)
+    for run in runs:
+        if not len(run[0]):
+            buffers.give(run)
+    runs = [run for run in runs if len(run[0])]
+    if not runs:
+        return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
+    while len(runs) > 1:
+        runs = [buffers.merged(*runs[i:i + 2]) if i + 1 < len(runs) else runs[i] for i in range(0, len(runs), 2)]
+    return runs[0]
+
+
+class _Buffers:
+    """Pairs of uint64 arrays (keys, counts) that merges write into, kept for reuse: a fresh array's
+    pages are zeroed on first touch, which on a virtual machine costs more than the merge itself."""
+
+    def __init__(self, keep: int = 8):
+        self.keep = keep
+        self._spare: list[tuple[np.ndarray, np.ndarray]] = []
+        self._owner: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def take(self, size: int) -> tuple[np.ndarray, np.ndarray]:
+        fitting = [n for n, (keys, _) in enumerate(self._spare) if len(keys) >= size]
+        if fitting:
+            keys, counts = self._spare.pop(min(fitting, key=lambda n: len(self._spare[n][0])))
+        else:
+            capacity = size + size // 4 if self.keep else size
+            keys, counts = np.empty(capacity, np.uint64), np.empty(capacity, np.uint64)
+        self._owner[id(keys)] = (keys, counts)
+        return keys, counts
+
+    def give(self, run: tuple[np.ndarray, np.ndarray]) -> None:
+        """Take back the pair behind `run` (views made by `run_of`), if it came from here."""
+        pair = self._owner.pop(id(run[0].base if run[0].base is not None else run[0]), None)
+        if pair is not None and self.keep:
+            self._spare.append(pair)
+            if len(self._spare) > self.keep:
+                self._spare.pop(min(range(len(self._spare)), key=lambda n: len(self._spare[n][0])))
+
+    def merged(self, first: tuple[np.ndarray, np.ndarray], second: tuple[np.ndarray, np.ndarray]
+               ) -> tuple[np.ndarray, np.ndarray]:
+        keys, counts = self.take(len(first[0]) + len(second[0]))
+        count = _native.merge_counts(*first, *second, keys, counts)
+        self.give(first)
+        self.give(second)
+        if not self.keep:  # a result to keep: its own memory, no spare room (realloc: no copy)
+            keys.resize(count, refcheck=False)
+            counts.resize(count, refcheck=False)
+            return keys, counts
+        return keys[:count], counts[:count]
+
+    def drop_spares(self) -> None:
+        self._spare.clear()
+
+
 def _sum_in_range(keys: np.ndarray, counts: np.ndarray, low: int, size: int) -> tuple[np.ndarray, np.ndarray]:
     """`_sum_by_key` for keys in [low, low + size): a dense count when the keys are many (no
     sort); float64 sums are exact while the total stays below 2**53."""
-    if len(keys) * 16 < size or int(counts.sum(dtype=np.uint64)) >= 2**53:
+    if _is_sparse(len(keys), size, int(counts.sum(dtype=np.uint64))):
         return _sum_by_key(keys, counts)
     dense = np.bincount(keys - low, weights=counts.astype(np.float64), minlength=size)
     present = np.flatnonzero(dense)
     return present + low, dense[present].astype(np.uint64)
 
 
+def _is_sparse(keys: int, size: int, total: int) -> bool:
+    return keys * 16 < size or total >= 2**53
+
+
+def _head_rows(values: np.ndarray, counts: np.ndarray, total: int, order: int, k: int,
+               spec: NgramSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Head k of `order`'s rows for groups `values` counted `counts` (summing to `total`): sorted
+    distinct rows and the tokens that read each, as `_sum_in_range` gives them."""
+    head = (order - 2) * spec.heads_per_ngram + k
+    low, size = spec.head_offsets[head], spec.head_sizes[head]
+    if _native is None:
+        return _sum_in_range(row_of_head(values, order, k, spec), counts, low, size)
+    rows, sums = np.empty(len(values), np.int64), np.empty(len(values), np.uint64)
+    count = _native.head_rows(np.ascontiguousarray(values, np.uint64), np.ascontiguousarray(counts, np.uint64),
+                              size, low, not _is_sparse(len(values), size, total), rows, sums)
+    rows.resize(count, refcheck=False)  # realloc: no copy
+    sums.resize(count, refcheck=False)
+    return rows, sums
+
+
 class _KeyCounter:
     """Counts uint64 keys arriving in batches; pending batches are merged when they outgrow the total."""
 
-    def __init__(self) -> None:
+    def __init__(self, buffers: _Buffers) -> None:
+        self.buffers = buffers
         self.keys = np.zeros(0, np.uint64)
         self.counts = np.zeros(0, np.uint64)
         self.pending: list[tuple[np.ndarray, np.ndarray]] = []
         self.pending_size = 0
 
-    def add(self, values: np.ndarray) -> None:
-        keys, counts = np.unique(values, return_counts=True)
-        self.add_counted(keys, counts.astype(np.uint64))
+    def add(self, values: np.ndarray, scratch: np.ndarray) -> None:
+        """Count `values` (uint64, contiguous; sorted in place) with `scratch`, uint64 of at least
+        their length, as working memory."""
+        if _native is None:
+            keys, counts = np.unique(values, return_counts=True)
+            self._add_run(keys, counts.astype(np.uint64))
+            return
+        values.sort()
+        count = _native.run_lengths(values, values, scratch)
+        keys, counts = self.buffers.take(count)
+        keys[:count], counts[:count] = values[:count], scratch[:count]
+        self._add_run(keys[:count], counts[:count])
 
-    def add_counted(self, keys: np.ndarray, counts: np.ndarray) -> None:
+    def _add_run(self, keys: np.ndarray, counts: np.ndarray) -> None:
         self.pending.append((keys, counts))
         self.pending_size += len(keys)
         if self.pending_size > max(len(self.keys), BATCH_TOKENS):
@@ -153,9 +251,9 @@ class _KeyCounter:
 
     def _compact(self) -> None:
         if self.pending:
-            self.keys, self.counts = _sum_by_key(
-                np.concatenate([self.keys] + [k for k, _ in self.pending]),
-                np.concatenate([self.counts] + [c for _, c in self.pending]))
+            # The pending runs first (about equal sizes), then the total once.
+            pending = _sum_runs(self.pending, self.buffers)
+            self.keys, self.counts = _sum_runs([(self.keys, self.counts), pending], self.buffers)
             self.pending, self.pending_size = [], 0
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
@@ -175,11 +273,16 @@ class Profiler:
         self.spec = spec
         self.heldout_every = heldout_every
         self.orders = tuple(range(2, spec.ngram_size + 1))
-        self._counters = {part: {order: _KeyCounter() for order in self.orders} for part in PARTS}
+        self._buffers = _Buffers()
+        self._counters = {part: {order: _KeyCounter(self._buffers) for order in self.orders} for part in PARTS}
         self._requests = {part: 0 for part in PARTS}
         self._tokens = {part: 0 for part in PARTS}
         self._buffer: dict[str, list[np.ndarray]] = {part: [] for part in PARTS}
         self._buffered = 0
+        # Working memory reused by every batch: fresh pages cost more than the hashing.
+        self._batch = np.zeros(0, np.int64)
+        self._mixed = np.zeros(0, np.uint64)
+        self._scratch = np.zeros(0, np.uint64)
 
     def add_request(self, tokens: np.ndarray) -> None:
         """One new request; empty requests read nothing and are not counted."""
@@ -203,9 +306,17 @@ class Profiler:
         history = self.spec.ngram_size - 1
         for start in range(0, len(tokens), BATCH_TOKENS):
             context = tokens[max(0, start - history):start] if start else None
-            mixed = mixed_values(tokens[start:start + BATCH_TOKENS], self.spec, context=context)
-            for column, order in enumerate(self.orders):
-                self._counters[part][order].add(mixed[:, column])
+            self._count(part, tokens[start:start + BATCH_TOKENS], context=context)
+
+    def _count(self, part: str, tokens: np.ndarray, **where: Any) -> None:
+        count = len(tokens)
+        if len(self._scratch) < count:
+            self._mixed = np.empty(len(self.orders) * count, np.uint64)
+            self._scratch = np.empty(count, np.uint64)
+        mixed = mixed_columns(tokens, self.spec, out=self._mixed[:len(self.orders) * count].reshape(-1, count),
+                              **where)
+        for column, order in enumerate(self.orders):
+            self._counters[part][order].add(mixed[column], self._scratch)
 
     def flush(self) -> None:
         for part, requests in self._buffer.items():
@@ -213,18 +324,22 @@ class Profiler:
                 continue
             lengths = np.fromiter((len(r) for r in requests), dtype=np.int64, count=len(requests))
             starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-            mixed = mixed_values(np.concatenate(requests), self.spec, request_starts=starts)
-            for column, order in enumerate(self.orders):
-                self._counters[part][order].add(mixed[:, column])
+            total = int(starts[-1] + lengths[-1])
+            if len(self._batch) < total:
+                self._batch = np.empty(total, np.int64)
+            tokens = np.concatenate(requests, out=self._batch[:total])
+            self._count(part, tokens, request_starts=starts)
             requests.clear()
         self._buffered = 0
 
     def counts(self) -> dict[str, PartCounts]:
         """What was counted so far, per part."""
         self.flush()
-        return {part: PartCounts(self._requests[part], self._tokens[part],
-                                 {order: self._counters[part][order].result() for order in self.orders})
-                for part in PARTS}
+        counts = {part: PartCounts(self._requests[part], self._tokens[part],
+                                   {order: self._counters[part][order].result() for order in self.orders})
+                  for part in PARTS}
+        self._buffers.drop_spares()
+        return counts
 
     def finish(self, *, model: str, tokenizer_sha256: str | None,
                inputs: list[dict[str, Any]]) -> Profile:
@@ -245,14 +360,15 @@ def _profile_share(model_dir: Path, spec: NgramSpec, heldout_every: int, pieces:
     per_piece = []
     for piece in pieces:
         requests = tokens = 0
-        for request in reader.requests(piece.path, piece.start, piece.stop, piece.first_line):
+        digest = hashlib.sha256() if piece.whole else None
+        for request in reader.requests(piece.path, piece.start, piece.stop, piece.first_line, digest):
             profiler.add_request(request)
             requests += bool(len(request))
             tokens += len(request)
             if progress is not None:
                 progress(len(request))
         per_piece.append({"requests": requests, "tokens": tokens,
-                          "sha256": file_sha256(piece.path, "prompt file") if piece.whole else None})
+                          "sha256": digest.hexdigest() if digest is not None else None})
     return {"parts": profiler.counts(), "pieces": per_piece}
 
 
@@ -273,7 +389,8 @@ def _read_share(folder: Path) -> dict[str, Any]:
     header = json.loads((folder / "share.json").read_text())
 
     def array(name: str) -> np.ndarray:
-        return np.load(folder / f"{name}.npy", allow_pickle=False)
+        # Mapped, not copied: they are read once, by the merge.
+        return np.load(folder / f"{name}.npy", mmap_mode="r", allow_pickle=False)
 
     parts = {part: PartCounts(requests, tokens, {order: (array(f"{part}.{order}.keys"),
                                                          array(f"{part}.{order}.counts"))
@@ -329,9 +446,7 @@ def _merged_parts(counted: list[dict[str, PartCounts]]) -> dict[str, PartCounts]
     for part in PARTS:
         groups = {}
         for order in counted[0][part].groups:
-            keys = np.concatenate([c[part].groups[order][0] for c in counted])
-            counts = np.concatenate([c[part].groups[order][1] for c in counted])
-            groups[order] = _sum_by_key(keys, counts)
+            groups[order] = _sum_runs([c[part].groups[order] for c in counted])
         parts[part] = PartCounts(sum(c[part].requests for c in counted), sum(c[part].tokens for c in counted),
                                  groups)
     return parts

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import io
 import itertools
 import math
 import os
+import re
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -85,28 +87,33 @@ class PromptReader:
         return render_chat(self.model_dir, self.tokenizer_config, messages, where)
 
     def requests(self, path: Path, start: int = 0, stop: int | None = None,
-                 first_line: int = 1) -> Iterator[np.ndarray]:
+                 first_line: int = 1, digest: Any = None) -> Iterator[np.ndarray]:
         """The requests of one prompt file, as int64 token id arrays, in file order; for a .jsonl,
         those of its lines in bytes [start, stop) (cut at line breaks), the first numbered
-        `first_line` in messages."""
+        `first_line` in messages. With `digest` (a hashlib object), the file is read whole and
+        every byte goes to it too: the file's checksum without a second read."""
         suffix = path.suffix.lower()
-        os.close(open_regular(path, "prompt file"))
+        update = digest.update if digest is not None else _ignore
         if suffix == ".npy":
-            yield self._checked(self._load_npy(path), str(path))
+            yield self._checked(self._load_npy(path, update), str(path))
         elif suffix == ".txt":
-            yield self._checked(self._encode_pieces(self._txt_pieces(path), True), str(path))
+            yield self._checked(self._encode_pieces(self._txt_pieces(path, update), True), str(path))
         elif suffix == ".jsonl":
-            yield from self._tokenised(self._jsonl_items(path, start, stop, first_line))
+            yield from self._tokenised(self._jsonl_items(path, start, stop, first_line, update))
         else:
+            os.close(open_regular(path, "prompt file"))  # a FIFO or a folder is named as such first
             raise BadInput(f"{path}: prompt files must be .txt, .jsonl or .npy, not {suffix or 'no suffix'!r}")
 
-    def _txt_pieces(self, path: Path) -> Iterator[str]:
-        """A UTF-8 file's text in pieces of about PIECE_CHARS, each cut between two words."""
+    def _txt_pieces(self, path: Path, update: Callable[[bytes], None] | None = None) -> Iterator[str]:
+        """A UTF-8 file's text in pieces of about PIECE_CHARS, each cut between two words (each
+        block read also goes to `update`)."""
+        update = update or _ignore
         decoder = codecs.getincrementaldecoder("utf-8")()
         pending = ""
         with open_input(path, "prompt file") as handle:
             while True:
                 block = handle.read(PIECE_CHARS)
+                update(block)
                 try:
                     pending += decoder.decode(block, final=not block)
                 except UnicodeDecodeError as exc:
@@ -120,20 +127,19 @@ class PromptReader:
                     break
         yield pending
 
-    def _load_npy(self, path: Path) -> np.ndarray:
+    def _load_npy(self, path: Path, update: Callable[[bytes], None]) -> np.ndarray:
+        with open_input(path, "prompt file") as handle:
+            data = handle.read()
+        update(data)
         try:
-            with open_input(path, "prompt file") as handle:
-                version = np.lib.format.read_magic(handle)
-                read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                               else np.lib.format.read_array_header_2_0)
-                shape, fortran, dtype = read_header(handle)
-                # The declared shape must match the bytes there, or numpy would allocate what it says.
-                left = os.fstat(handle.fileno()).st_size - handle.tell()
-                if dtype.hasobject or math.prod(shape) * dtype.itemsize != left:
-                    raise BadInput(f"{path}: the .npy header declares {dtype} {shape}, not the "
-                                   f"{left} bytes that follow it")
-                handle.seek(0)
-                array = np.load(handle, allow_pickle=False)
+            shape, dtype, start = _npy_header(data)
+            # The declared shape must match the bytes there, or numpy would allocate what it says.
+            left = len(data) - start
+            if dtype.hasobject or math.prod(shape) * dtype.itemsize != left:
+                raise BadInput(f"{path}: the .npy header declares {dtype} {shape}, not the "
+                               f"{left} bytes that follow it")
+            array = (np.frombuffer(data, dtype, offset=start) if len(shape) == 1 else
+                     np.load(io.BytesIO(data), allow_pickle=False))
         except (ValueError, OSError, SyntaxError) as exc:
             if isinstance(exc, BadInput):
                 raise
@@ -143,13 +149,14 @@ class PromptReader:
                            f"{array.dtype} of shape {array.shape}")
         return array
 
-    def _jsonl_items(self, path: Path, start: int = 0, stop: int | None = None,
-                     first_line: int = 1) -> Iterator[tuple[str, np.ndarray | _Text]]:
+    def _jsonl_items(self, path: Path, start: int, stop: int | None, first_line: int,
+                     update: Callable[[bytes], None]) -> Iterator[tuple[str, np.ndarray | _Text]]:
         with open_input(path, "prompt file") as handle:
             handle.seek(start)
             lines = iter(lambda: handle.readline(MAX_LINE_BYTES + 1) if stop is None or handle.tell() < stop
                          else b"", b"")
             for number, line in enumerate(lines, first_line):
+                update(line)
                 where = f"{path}:{number}"
                 if len(line) > MAX_LINE_BYTES:
                     raise BadInput(f"{where}: a line longer than {MAX_LINE_BYTES >> 20} MiB; put long "
@@ -240,6 +247,37 @@ class PromptReader:
             raise BadInput(f"{where}: token ids must be in [0, {self.spec.vocab_size}); "
                            f"found {int(tokens.min())}..{int(tokens.max())}")
         return tokens
+
+
+def _ignore(data: bytes) -> None:
+    """No checksum wanted."""
+
+
+# What np.save writes for a 1-D array of one dtype (numpy/lib/format.py), parsed without `ast`.
+_NPY_1D_HEADER = re.compile(r"\{'descr': '([<>|=]?[a-zA-Z]\d*)', 'fortran_order': (?:False|True), "
+                            r"'shape': \((\d+),\), \} *\n")
+
+
+def _npy_header(data: bytes) -> tuple[tuple[int, ...], np.dtype, int]:
+    """(shape, dtype, offset of the data) of a .npy file's bytes; ValueError if it is not one."""
+    if data[:6] != b"\x93NUMPY" or len(data) < 10:
+        return _npy_header_by_numpy(data)
+    size_bytes = 2 if data[6] == 1 else 4
+    length = int.from_bytes(data[8:8 + size_bytes], "little")
+    start = 8 + size_bytes + length
+    found = _NPY_1D_HEADER.fullmatch(data[8 + size_bytes:start].decode("latin-1"))
+    if found is None or data[6] not in (1, 2, 3):
+        return _npy_header_by_numpy(data)
+    return (int(found[2]),), np.dtype(found[1]), start
+
+
+def _npy_header_by_numpy(data: bytes) -> tuple[tuple[int, ...], np.dtype, int]:
+    handle = io.BytesIO(data)
+    version = np.lib.format.read_magic(handle)
+    read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                   else np.lib.format.read_array_header_2_0)
+    shape, _, dtype = read_header(handle)
+    return shape, dtype, handle.tell()
 
 
 def _word_boundary(text: str, limit: int) -> int:

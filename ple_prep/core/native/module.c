@@ -14,6 +14,9 @@
  *     out[k] = the low 32 bits of XXH64 of page k of `pages` (pagesums.h), for the page-sums file
  *     and the disk tier's read verification (format/pagesums.py).
  *
+ * ngram_mix, run_lengths, merge_counts, head_rows
+ *     The n-gram hash and the profile's counting (ngramcount.c).
+ *
  * The runtime's staging, thread pool and CUDA driver calls are ple_prep.runtime._native
  * (runtime/native/module.c), which builds on rows.h and buffers.h here.
  */
@@ -21,6 +24,7 @@
 
 #include "buffers.h"
 #include "guard.h"
+#include "ngramcount.h"
 #include "pagesums.h"
 #include "rows.h"
 
@@ -172,6 +176,7 @@ static PyMethodDef methods[] = {
     {"page_sums", page_sums, METH_VARARGS, "The low 32 bits of XXH64 of each page (see the module's comment)."},
     {"copy_rows", copy_rows, METH_VARARGS, "Rows at file slots into out (see the module's comment)."},
     {"slot_of", slot_of, METH_VARARGS, "File slots of row ids from the rank index."},
+    NGRAMCOUNT_METHODS
     {NULL, NULL, 0, NULL},
 };
 
