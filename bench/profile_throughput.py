@@ -1,23 +1,25 @@
-"""Profile throughput from token ids, one process against every core (target: 5M tokens/s end to
-end on this host).
+"""Profile throughput from token ids, one process against every core, this tree against an older
+one side by side (target: 5M tokens/s end to end on this host).
 
-Run: flock /tmp/ple-bench.lock python bench/profile_throughput.py
+Run: python bench/profile_throughput.py [--old-tree DIR] [--repeats N] [--work DIR]
 
-Tokens: both halves of bench/real_corpus.py (real documents, one request each). Paths, side by
-side in one run, each REPEATS times in alternating order (the host is shared: the best of each):
+Tokens: both halves of bench/real_corpus.py (real documents, one .npy file each). Paths, each
+REPEATS times in alternating order (the host is shared: best and range of each):
 - library: `Profiler.add_request` on in-memory arrays (hash, count, finish), one process;
-- npy files: `profile_files` on one .npy per document (reading, sha256 of every input, hashing),
-  with `workers=1` and with every core;
 - cli: `python -m ple_prep profile --prompts *.npy --out P` end to end (interpreter start, the
-  checkpoint's spec, writing the zstd profile) with `--workers 1` and by default (every core),
-  against the fixture checkpoint (same hash rules; only `ngram_vocab_size_base` differs, which
-  changes no per-token work).
-Tokens per second is total tokens over wall time. The profiles of one worker and of all are
-checked to be the same bytes.
+  checkpoint's spec, reading and sha256 of every input, hashing, merging, writing the zstd
+  profile) with `--workers 1` and by default (every core), against the fixture checkpoint (same
+  hash rules; only `ngram_vocab_size_base` differs, which changes no per-token work);
+- with --old-tree (a checkout of an older commit, e.g. `git worktree add /tmp/old bec157c`): the
+  same two cli runs from that tree, each right after this tree's, and their ratio per round.
+Tokens per second is total tokens over wall time; cpu is the user + system seconds of the run's
+processes. Every profile written must be the same bytes.
 """
 from __future__ import annotations
 
+import argparse
 import json
+import resource
 import shutil
 import subprocess
 import sys
@@ -26,32 +28,36 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import real_corpus  # noqa: E402
 
 from ple_prep.converters import read_spec  # noqa: E402
-from ple_prep.offline.profile import Profiler, profile_files  # noqa: E402
+from ple_prep.offline.profile import Profiler  # noqa: E402
 from ple_prep.offline.profile_pool import default_workers  # noqa: E402
 from ple_prep.tools.fixtures import make_checkpoint  # noqa: E402
 
-WORK = Path("/work/bigdata/issue3/throughput")
-REPEATS = 3
-
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--old-tree", type=Path, help="a checkout of an older ple-prep to run side by side")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--work", type=Path, default=Path("/work/bigdata/issue3/throughput"))
+    args = parser.parse_args()
     corpus = real_corpus.load()
     requests = [r.astype(np.int64) for half in ("profile", "evaluation")
                 for r in real_corpus.requests(*corpus[half])]
     tokens = sum(len(r) for r in requests)
-    shutil.rmtree(WORK, ignore_errors=True)
-    WORK.mkdir(parents=True)
-    checkpoint = make_checkpoint(WORK / "ckpt", "fp8", num_shards=4)
+    work = args.work
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    checkpoint = make_checkpoint(work / "ckpt", "fp8", num_shards=4)
     spec = read_spec(checkpoint)
     files = []
     for index, request in enumerate(requests):
-        path = WORK / "npy" / f"{index:05d}.npy"
+        path = work / "npy" / f"{index:05d}.npy"
         path.parent.mkdir(exist_ok=True)
         np.save(path, request.astype(np.int32), allow_pickle=False)
         files.append(path)
@@ -62,32 +68,43 @@ def main() -> None:
             profiler.add_request(request)
         profiler.finish(model="bench", tokenizer_sha256=None, inputs=[])
 
-    def npy_files(workers: int):
-        return lambda: profile_files(checkpoint, files, spec=spec, workers=workers)
-
-    def cli(workers: int | None):
+    def cli(tree: Path, workers: int | None, name: str):
         option = [] if workers is None else ["--workers", str(workers)]
-        out = WORK / f"p{workers or 'all'}.prof"
         return lambda: subprocess.run([sys.executable, "-m", "ple_prep", "profile", "--model", str(checkpoint),
-                                       "--prompts", *map(str, files), "--out", str(out), "--force", "--quiet",
-                                       *option], check=True, cwd=Path(__file__).resolve().parent.parent)
+                                       "--prompts", *map(str, files), "--out", str(work / f"{name}.prof"), "--force",
+                                       "--quiet", *option], check=True, cwd=tree)
 
-    paths = {"library": library, "npy_files_1_worker": npy_files(1),
-             f"npy_files_{default_workers()}_workers": npy_files(default_workers()),
-             "cli_1_worker": cli(1), "cli_default": cli(None)}
-    times: dict[str, list[float]] = {name: [] for name in paths}
-    for repeat in range(REPEATS):
+    paths = {"library": library}
+    for workers, label in ((1, "1_worker"), (None, f"{default_workers()}_workers")):
+        paths[f"cli_{label}"] = cli(ROOT, workers, f"cli_{label}")
+        if args.old_tree is not None:
+            paths[f"old_cli_{label}"] = cli(args.old_tree.resolve(), workers, f"old_cli_{label}")
+    wall: dict[str, list[float]] = {name: [] for name in paths}
+    cpu: dict[str, list[float]] = {name: [] for name in paths}
+    for repeat in range(args.repeats):
         for name in (list(paths) if repeat % 2 == 0 else list(paths)[::-1]):
-            started = time.perf_counter()
+            before, started = _cpu_seconds(), time.perf_counter()
             paths[name]()
-            times[name].append(round(time.perf_counter() - started, 2))
-    assert (WORK / "p1.prof").read_bytes() == (WORK / "pall.prof").read_bytes()
-    results = {name: {"seconds": values, "best_tokens_per_second": round(tokens / min(values))}
-               for name, values in times.items()}
-    print(json.dumps({"tokens": tokens, "requests": len(requests), "repeats": REPEATS,
-                      "workers": default_workers(), "profile_bytes": (WORK / "pall.prof").stat().st_size,
-                      **results}, indent=2))
-    shutil.rmtree(WORK)
+            wall[name].append(round(time.perf_counter() - started, 2))
+            cpu[name].append(round(_cpu_seconds() - before, 2))
+    written = {path.read_bytes() for path in work.glob("*.prof")}
+    assert len(written) == 1, "the profiles differ"
+    results = {name: {"seconds": wall[name], "cpu_seconds": cpu[name],
+                      "tokens_per_second": [round(tokens / max(wall[name])), round(tokens / min(wall[name]))]}
+               for name in paths}
+    if args.old_tree is not None:
+        for label in ("1_worker", f"{default_workers()}_workers"):
+            results[f"speedup_{label}"] = sorted(round(old / new, 2) for new, old in
+                                                 zip(wall[f"cli_{label}"], wall[f"old_cli_{label}"]))
+    print(json.dumps({"tokens": tokens, "requests": len(requests), "repeats": args.repeats,
+                      "workers": default_workers(), "profile_bytes": len(written.pop()), **results}, indent=2))
+    shutil.rmtree(work)
+
+
+def _cpu_seconds() -> float:
+    """User + system seconds of this process and its finished children."""
+    return sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+               for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
 
 
 if __name__ == "__main__":

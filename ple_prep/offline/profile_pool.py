@@ -123,7 +123,9 @@ def profile_pieces(profile_share: Callable[..., dict[str, Any]], write_share: Ca
         results = [None] * len(shares)
         context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
                                               else "spawn")
-        with tempfile.TemporaryDirectory(prefix="ple-prep-profile-") as scratch, \
+        # In memory where there is a tmpfs: the shares are read back at once, never worth a disk write.
+        scratch_root = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        with tempfile.TemporaryDirectory(prefix="ple-prep-profile-", dir=scratch_root) as scratch, \
                 concurrent.futures.ProcessPoolExecutor(min(workers, len(shares)), mp_context=context) as pool:
             folders = [Path(scratch) / str(n) for n in range(len(shares))]
             futures = {pool.submit(_share_into, profile_share, write_share, folders[n], model_dir, spec,
