@@ -196,7 +196,7 @@ def convert(model: Path, out: Path, page_size: int, profile_path: Path | None, m
     """
     from .converters import open_source
     from .offline.ranks import convert_ranks
-    from .offline.writer import WriteOptions
+    from .offline.writer import WriteOptions, warm_source
     from .offline.writer import convert as write_table
 
     if tp_rank is not None and tp_size is None:
@@ -216,8 +216,9 @@ def convert(model: Path, out: Path, page_size: int, profile_path: Path | None, m
         def layout_for(first_row: int, num_rows: int) -> Any:
             if profile is None:
                 return None
-            return plan_for_source(source, profile, page_size=page_size, map_fraction=map_fraction,
-                                   first_row=first_row, num_rows=num_rows)
+            with warm_source(source, first_row, num_rows):
+                return plan_for_source(source, profile, page_size=page_size, map_fraction=map_fraction,
+                                       first_row=first_row, num_rows=num_rows)
 
         rows = source.num_rows if tp_size is None or tp_rank is None else source.num_rows // tp_size
         with progress_bar(rows * source.row_bytes, "convert", quiet) as advance:

@@ -24,6 +24,8 @@ from ..ngram import NgramSpec
 FINGERPRINT_SAMPLE_ROWS = 256
 
 
+# Bytes per read-ahead hint: no more than the read-ahead size of common block devices.
+PREFETCH_STEP_BYTES = 512 << 10
 # Rows this close in a file are fetched by one read; rows per batch of a gather (bounds its buffer).
 GATHER_GAP_BYTES = 4096
 GATHER_BATCH = 1 << 14
@@ -143,9 +145,14 @@ class TableSource:
                 low = max(start, segment.first_row)
                 high = min(stop, segment.first_row + segment.num_rows)
                 if low < high and segment.path is not None:
-                    os.posix_fadvise(self._descriptor(segment.path),
-                                     segment.offset + (low - segment.first_row) * width,
-                                     (high - low) * width, os.POSIX_FADV_WILLNEED)
+                    descriptor = self._descriptor(segment.path)
+                    first = segment.offset + (low - segment.first_row) * width
+                    last = first + (high - low) * width
+                    # Linux reads at most the device's read-ahead size per hint (the rest of a
+                    # longer range is dropped): one hint a step.
+                    for offset in range(first, last, PREFETCH_STEP_BYTES):
+                        os.posix_fadvise(descriptor, offset, min(PREFETCH_STEP_BYTES, last - offset),
+                                         os.POSIX_FADV_WILLNEED)
 
     def gather_rows(self, ids: np.ndarray) -> np.ndarray:
         """Rows at arbitrary source ids, in request order.

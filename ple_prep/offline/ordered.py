@@ -41,6 +41,9 @@ from .direct_io import aligned_zeros, pwrite_all
 READ_AHEAD = 2
 WRITE_BEHIND = 2
 PREFETCH_AHEAD = 3
+# Chunks whose placed rows wait to be staged: the staging writes go through the page cache and
+# block when its dirty pages are throttled, so a thread of their own keeps the split running.
+STAGE_BEHIND = 4
 
 
 def _bucket_of_rank(order: RowOrder, bucket_rows: int) -> np.ndarray:
@@ -100,13 +103,13 @@ def write_access_ordered(source: TableSource, order: RowOrder, header: Header, d
     # kernel writes such pages back before a direct write of the same range, and drops them after).
     staging = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
     stages = [concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"convert-{name}")
-              for name in ("prefetch", "read", "hash", "write")]
-    prefetcher, reader, hasher, writer = stages
+              for name in ("prefetch", "read", "hash", "stage", "write")]
+    prefetcher, reader, hasher, stager, writer = stages
     sink = _PageSink(descriptor, header, pages_per_chunk, block_bytes, meeting_block, writer)
     digest = hashlib.sha256()
     try:
         held = _stream_source(source, order, header, sink, staging, bucket, chunk_rows,
-                              (prefetcher, reader, hasher), digest, progress)
+                              (prefetcher, reader, hasher, stager), digest, progress)
         del bucket
         _write_placed(order, header, sink, staging, chunk_rows, held)
         sink.finish()
@@ -124,7 +127,7 @@ def _stream_source(source: TableSource, order: RowOrder, header: Header, sink: _
                    progress: Callable[[int], None] | None) -> np.ndarray | None:
     """Step 1; returns the first chunk of unplaced rows when the placed region ends inside its
     first page (the chunk's rows from its first slot, placed ones zero), for step 2 to write."""
-    prefetcher, reader, hasher = threads
+    prefetcher, reader, hasher, stager = threads
     num_placed, num_rows, rows_per_page = order.num_placed, header.num_rows, header.rows_per_page
     first_row = header.first_row
     boundary_page, head = divmod(num_placed, rows_per_page)
@@ -154,6 +157,7 @@ def _stream_source(source: TableSource, order: RowOrder, header: Header, sink: _
     placed_so_far = 0
     reads = collections.deque(reader.submit(read, i) for i in range(min(READ_AHEAD, len(starts))))
     hashes: collections.deque[concurrent.futures.Future] = collections.deque()
+    stagings: collections.deque[concurrent.futures.Future] = collections.deque()
     for index, start in enumerate(starts):
         rows = reads.popleft().result()
         hashes.append(hasher.submit(digest.update, rows))
@@ -164,16 +168,25 @@ def _stream_source(source: TableSource, order: RowOrder, header: Header, sink: _
         placed = order.placed_mask(start, start + len(rows))
         chosen = np.flatnonzero(placed)
         if len(chosen):
-            _stage_rows(staging, rows[chosen], bucket[placed_so_far:placed_so_far + len(chosen)], cursors,
-                        header, sink.buffers[0].shape[0])
+            while len(stagings) >= STAGE_BEHIND:
+                stagings.popleft().result()
+            writes = _staged_writes(rows[chosen], bucket[placed_so_far:placed_so_far + len(chosen)], cursors,
+                                    header, sink.buffers[0].shape[0])
+            stagings.append(stager.submit(_write_staged, staging, writes))
             placed_so_far += len(chosen)
-        unplaced = rows[~placed] if len(chosen) else rows
-        while len(unplaced):
+        # Unplaced rows are copied once, straight into the page chunk being filled.
+        kept = np.flatnonzero(~placed) if len(chosen) else None
+        done, count = 0, len(rows) if kept is None else len(kept)
+        while done < count:
             capacity = min(page_stop * rows_per_page, num_rows) - page * rows_per_page
-            taken = min(capacity - filled, len(unplaced))
-            pending_rows[filled:filled + taken] = unplaced[:taken]
+            taken = min(capacity - filled, count - done)
+            if kept is None:
+                pending_rows[filled:filled + taken] = rows[done:done + taken]
+            else:
+                np.take(rows, kept[done:done + taken], axis=0, out=pending_rows[filled:filled + taken],
+                        mode="clip")  # the positions are in range; "raise" would copy twice
             filled += taken
-            unplaced = unplaced[taken:]
+            done += taken
             if filled == capacity:
                 if page == boundary_page and head:
                     held = pending_rows[:filled].copy()
@@ -183,7 +196,7 @@ def _stream_source(source: TableSource, order: RowOrder, header: Header, sink: _
                 page_stop = min(header.num_pages, page + sink.buffers[0].shape[0])
         if progress is not None:
             progress(rows.nbytes)
-    for pending in hashes:
+    for pending in (*hashes, *stagings):
         pending.result()
     return held
 
@@ -193,18 +206,26 @@ def _stage_offset(header: Header, bucket: int, pages_per_chunk: int) -> int:
     return header.data_offset + bucket * pages_per_chunk * header.page_size
 
 
-def _stage_rows(staging: int, rows: np.ndarray, buckets: np.ndarray, cursors: np.ndarray, header: Header,
-                pages_per_chunk: int) -> None:
-    """Append placed rows (ascending row order) to their buckets, packed."""
+def _staged_writes(rows: np.ndarray, buckets: np.ndarray, cursors: np.ndarray, header: Header,
+                   pages_per_chunk: int) -> list[tuple[np.ndarray, int]]:
+    """Where placed rows (ascending row order) go, appended packed to their buckets: (rows, offset)
+    pairs, the cursors advanced."""
     by_bucket = np.argsort(buckets, kind="stable")
     grouped = rows[by_bucket]
     sorted_buckets = buckets[by_bucket]
     edges = np.flatnonzero(np.diff(sorted_buckets.astype(np.int64), prepend=-1, append=-1))
+    writes = []
     for low, high in zip(edges[:-1].tolist(), edges[1:].tolist()):
         number = int(sorted_buckets[low])
         offset = _stage_offset(header, number, pages_per_chunk) + int(cursors[number]) * header.row_bytes
-        pwrite_all(staging, grouped[low:high], offset)
+        writes.append((grouped[low:high], offset))
         cursors[number] += high - low
+    return writes
+
+
+def _write_staged(staging: int, writes: list[tuple[np.ndarray, int]]) -> None:
+    for rows, offset in writes:
+        pwrite_all(staging, rows, offset)
 
 
 def _write_placed(order: RowOrder, header: Header, sink: _PageSink, staging: int, chunk_rows: int,
