@@ -6,17 +6,21 @@
 Two tables open on the same file with the direct read path: one with open_table's default host
 cache, one with none (`host_cache_bytes=0`, the plugin before the cache served StepLookup); a
 StepLookup on the CPU for each (the same C thread as on a GPU; the host does the device's part),
-its resident tier the hottest 1% of the table's rows. Each round, both sides in turn (the order
-swapped every round), each case:
-1. chunk: a 4,096-token chunk of real text (65,536 ids), cold (the file evicted from the page
-   cache, the host cache emptied), then the same chunk again (warm);
-2. decode: one token's 16 rows, for each of `--tokens` consecutive tokens of later text, cold
-   (the file evicted, the cache emptied before the first), then the same tokens again (warm);
-   p50 over the tokens.
-Timed: a step's start and finish (wall), and the service thread's own time on it (`host_ns` of
-StepLookup.stats(): the slot lookup, the host cache, the disk reads). Every step's values are
-checked against the synthetic table's bytes, decoded. Prints one JSON object: per case and side
-the rounds' figures, and the ratio with the cache over without per round.
+its resident tier the hottest 1% of the table's rows. The disk is shared and its speed drifts, so
+the two sides alternate step by step (which goes first swapped each time) and each ratio compares
+neighbours. Each round:
+1. chunk: `--chunks` 4,096-token chunks of real text (65,536 ids each): each cold (the host cache
+   emptied; O_DIRECT leaves nothing in the page cache, and the file is evicted at each round's
+   start), then at once the same chunk again (warm), one side then the other;
+2. decode: one token's 16 rows, for `--tokens` consecutive tokens of later text that have a row
+   off the resident tier, each token on one side then the other; first pass cold (the cache
+   emptied before it: what a token's rows find is what earlier tokens of the text read), second
+   pass the same tokens again (warm); p50 over the tokens.
+Timed: the service thread's own time on a step (`host_ns` of StepLookup.stats(): the slot lookup,
+the host cache, the disk reads: what a GPU would wait for) and a step's start and finish (wall,
+which adds the CPU's decode). Every step's values are checked against the synthetic table's
+bytes, decoded. Prints one JSON object: per case the ratio with the cache over without (median
+and range), and each side's figures.
 """
 from __future__ import annotations
 
@@ -69,7 +73,8 @@ def cold_start(path: Path, table) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("table", type=Path)
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--chunks", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--resident-fraction", type=float, default=0.01)
     args = parser.parse_args()
@@ -81,46 +86,53 @@ def main() -> None:
     resident = int(first.num_rows * args.resident_fraction) * first.row_bytes
     lookups = {side: StepLookup(table, device="cpu", resident_bytes=resident, max_ids=CHUNK_TOKENS * 16)
                for side, table in tables.items()}
-    text = real_text_row_ids(spec, args.rounds * (CHUNK_TOKENS + args.tokens) + CHUNK_TOKENS)
+    per_round = args.chunks * CHUNK_TOKENS + 8 * args.tokens
+    text = real_text_row_ids(spec, args.rounds * per_round)
     time.sleep(5)  # the host cache's memory faulted in (in the background, once, as a server has it)
     results = {case: {side: [] for side in tables} for case in
                ("chunk_cold", "chunk_warm", "decode_cold", "decode_warm")}
+    sides = list(tables)
+
+    def run(case: str, ids: np.ndarray, bits: np.ndarray, order: int, cold: bool) -> None:
+        for side in sides if order % 2 == 0 else sides[::-1]:
+            if cold and tables[side].host_cache is not None:
+                tables[side].host_cache.cache.clear()
+            wall, host, got = step(lookups[side], ids)
+            if not np.array_equal(got.reshape(-1), bits):
+                raise SystemExit(f"{side} {case}: values differ from the table's bytes")
+            results[case][side].append((wall, host))
+
+    resident = lookups["no_cache"].num_resident
     for round_index in range(args.rounds):
-        base = round_index * (CHUNK_TOKENS + args.tokens)
-        chunk = text[base:base + CHUNK_TOKENS].reshape(-1).copy()
-        tokens = [text[base + CHUNK_TOKENS + k].copy() for k in range(args.tokens)]
-        chunk_bits = expected_bits(first, chunk)
+        base = round_index * per_round
+        evict(path)
+        for k in range(args.chunks):
+            chunk = text[base + k * CHUNK_TOKENS:base + (k + 1) * CHUNK_TOKENS].reshape(-1).copy()
+            bits = expected_bits(first, chunk)
+            run("chunk_cold", chunk, bits, round_index + k, True)
+            run("chunk_warm", chunk, bits, round_index + k, False)
+        later = text[base + args.chunks * CHUNK_TOKENS:base + per_round]
+        tokens = [token.copy() for token in later if (first.slot_of(token) >= resident).any()][:args.tokens]
         token_bits = [expected_bits(first, token) for token in tokens]
-        sides = list(tables) if round_index % 2 == 0 else list(tables)[::-1]
         for side in sides:
-            table, lookup = tables[side], lookups[side]
-            cold_start(path, table)
-            for case in ("chunk_cold", "chunk_warm"):
-                wall, host, got = step(lookup, chunk)
-                if not np.array_equal(got.reshape(-1), chunk_bits):
-                    raise SystemExit(f"{side} {case}: values differ from the table's bytes")
-                results[case][side].append((wall, host))
-            cold_start(path, table)
-            for case in ("decode_cold", "decode_warm"):
-                walls, hosts = [], []
-                for token, bits in zip(tokens, token_bits):
-                    wall, host, got = step(lookup, token)
-                    if not np.array_equal(got.reshape(-1), bits):
-                        raise SystemExit(f"{side} {case}: values differ from the table's bytes")
-                    walls.append(wall)
-                    hosts.append(host)
-                results[case][side].append((float(np.median(walls)), float(np.median(hosts))))
-    report = {"table": str(path), "rows": first.num_rows, "resident_rows": lookups["no_cache"].num_resident,
+            if tables[side].host_cache is not None:
+                tables[side].host_cache.cache.clear()
+        for case in ("decode_cold", "decode_warm"):
+            for k, (token, bits) in enumerate(zip(tokens, token_bits)):
+                run(case, token, bits, round_index + k, False)
+    report = {"table": str(path), "rows": first.num_rows, "resident_rows": resident,
               "host_cache_bytes": first.host_cache.cache.budget_bytes, "rounds": args.rounds,
-              "decode_tokens": args.tokens, "chunk_ids": CHUNK_TOKENS * 16}
-    for case, sides in results.items():
+              "chunks_per_round": args.chunks, "decode_tokens_per_round": args.tokens, "chunk_ids": CHUNK_TOKENS * 16}
+    for case, by_side in results.items():
         entry = {}
-        for side, samples in sides.items():
-            entry[f"{side}_wall_us"] = [round(wall, 1) for wall, _ in samples]
-            entry[f"{side}_thread_us"] = [round(host, 1) for _, host in samples]
-        for index, kind in ((0, "wall"), (1, "thread")):
-            ratios = [cached[index] / plain[index] for cached, plain in zip(sides["host_cache"], sides["no_cache"])]
-            entry[f"{kind}_ratio_range"] = [round(min(ratios), 3), round(max(ratios), 3)]
+        for index, kind in ((1, "thread"), (0, "wall")):
+            ratios = [cached[index] / plain[index] for cached, plain in zip(by_side["host_cache"], by_side["no_cache"])]
+            entry[f"{kind}_ratio"] = {"median": round(float(np.median(ratios)), 3),
+                                      "range": [round(min(ratios), 3), round(max(ratios), 3)]}
+            for side, samples in by_side.items():
+                values = [sample[index] for sample in samples]
+                entry[f"{side}_{kind}_us"] = {"p50": round(float(np.median(values)), 1),
+                                              "range": [round(min(values), 1), round(max(values), 1)]}
         report[case] = entry
     report["stats"] = {side: lookup.stats() for side, lookup in lookups.items()}
     for lookup in lookups.values():

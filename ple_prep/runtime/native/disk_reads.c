@@ -29,6 +29,8 @@
 /* Low bits of a key hold the position's rank among the step's disk positions. */
 #define RANK_BITS 24
 #define MAX_DEPTH 512
+/* How far ahead of the position looked up in the host cache its words are fetched. */
+#define PREFETCH_SLOTS 16
 
 /* The pread path's reading thread: one block at a time into its own buffer, from its own
  * descriptor (a dup: the table's may be closed and its number reused while an abandoned read is
@@ -328,6 +330,9 @@ static Py_ssize_t collect(disk_reader *reader, stage_call *call, Py_ssize_t firs
     lock_cache(reader);
     for (Py_ssize_t i = 0; i < request->count && found < disk; i++) {
         int64_t slot = request->slots[i];
+        /* The cache is far larger than the CPU's: its words are fetched ahead, not waited for in turn. */
+        if (reader->cache && i + PREFETCH_SLOTS < request->count)
+            host_cache_prefetch(reader->cache, request->slots[i + PREFETCH_SLOTS]);
         if (slot < request->num_resident)
             continue;
         reader->positions[found] = i;

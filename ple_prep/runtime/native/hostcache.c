@@ -146,6 +146,11 @@ int host_cache_copy(host_cache *cache, int64_t slot, char *target, int *was_pinn
     return 1;
 }
 
+void host_cache_prefetch(const host_cache *cache, int64_t slot)
+{
+    __builtin_prefetch(cache->word + set_index(cache, slot) * cache->ways);
+}
+
 void host_cache_insert(host_cache *cache, int64_t slot, const char *row)
 {
     if (slot >= 0 && (uint64_t)slot < SLOT_MASK)

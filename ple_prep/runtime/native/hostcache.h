@@ -19,6 +19,8 @@ void host_cache_unlock(host_cache *cache);
 /* Copy the row of `slot` to `target` if the cache holds it (marked referenced, its pin taken):
  * 1 (a hit, counted; *was_pinned says whether read-ahead had brought it) or 0 (a miss, counted). */
 int host_cache_copy(host_cache *cache, int64_t slot, char *target, int *was_pinned);
+/* Fetch the words of `slot`'s set toward the CPU's cache (a lookup of it comes soon). */
+void host_cache_prefetch(const host_cache *cache, int64_t slot);
 /* Admit `row` for `slot` (unpinned) unless cached or its set holds only pinned entries. */
 void host_cache_insert(host_cache *cache, int64_t slot, const char *row);
 
