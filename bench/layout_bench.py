@@ -1,7 +1,7 @@
 """Disk page reads per 1,000 tokens: access-ordered layout against the checkpoint's own layout.
 
 Run: flock /tmp/ple-bench.lock python bench/layout_bench.py [--map-fraction F] [--base B] [--duplicates]
-(F: most RAM the row-order map's lookup index may cost, as a fraction of the table, default 0.005;
+(F: most RAM the row-order map's lookup index may cost, as a fraction of the table, default 0.015;
 B: `ngram_vocab_size_base`, 20,000,000 for the real geometry, 2,500,000 for 1/8 of it.)
 
 Corpus: bench/real_corpus.py (real documents, split by document into a profile half and a disjoint

@@ -74,20 +74,32 @@ def max_placed_rows(num_rows: int, row_bytes: int, map_fraction: float = DEFAULT
     return max(0, min(num_rows, allowed // 4))
 
 
+def _summed(pieces: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """One order's groups from several parts (each part's keys distinct): the first part's keys,
+    then the others' new ones, counts summed (uint64). A lookup into the first part's keys, not a
+    sort of them all: planning is the memory peak of a convert."""
+    values, counts = pieces[0]
+    if len(pieces) > 1:
+        counts = counts.astype(np.uint64)  # a copy: the sums must not write into the profile
+    for other_values, other_counts in pieces[1:]:
+        if len(values) > 1 and np.any(values[1:] < values[:-1]):
+            by_key = np.argsort(values, kind="stable")
+            values, counts = values[by_key], counts[by_key]
+        where = np.minimum(np.searchsorted(values, other_values), max(len(values) - 1, 0))
+        found = values[where] == other_values if len(values) else np.zeros(len(other_values), dtype=bool)
+        counts[where[found]] += other_counts[found].astype(np.uint64)
+        values = np.concatenate([values, other_values[~found]])
+        counts = np.concatenate([counts, other_counts[~found].astype(np.uint64)])
+    return values, counts
+
+
 def _hot_groups(profile: Profile, parts: tuple[str, ...] = ("train",)) -> tuple[np.ndarray, np.ndarray]:
     """The groups of these parts of the profile, their counts summed, hottest first (ties: lower
     order, then hash): their mixed hashes (uint64) and orders (uint8)."""
     keys, counts, orders = [], [], []
     for order in sorted({order for part in parts for order in profile.parts[part].groups}):
-        pieces = [profile.parts[part].groups[order] for part in parts if order in profile.parts[part].groups]
-        values = np.concatenate([values for values, _ in pieces])
-        group_counts = np.concatenate([group_counts for _, group_counts in pieces]).astype(np.uint64)
-        if len(pieces) > 1:
-            # Each part's keys are distinct: a key in several parts sums its counts.
-            by_key = np.argsort(values, kind="stable")
-            values, group_counts = values[by_key], group_counts[by_key]
-            starts = np.flatnonzero(np.concatenate([[True], values[1:] != values[:-1]]))
-            values, group_counts = values[starts], np.add.reduceat(group_counts, starts)
+        values, group_counts = _summed([profile.parts[part].groups[order] for part in parts
+                                        if order in profile.parts[part].groups])
         keys.append(values)
         counts.append(group_counts)
         orders.append(np.full(len(values), order, dtype=np.uint8))
