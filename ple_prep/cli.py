@@ -196,12 +196,13 @@ def convert(model: Path, out: Path, page_size: int, profile_path: Path | None, m
     """
     from .converters import open_source
     from .offline.ranks import convert_ranks
-    from .offline.writer import WriteOptions, warm_source
+    from .offline.writer import WriteOptions, bound_heap, warm_source
     from .offline.writer import convert as write_table
 
     if tp_rank is not None and tp_size is None:
         raise BadInput("--tp-rank needs --tp-size")
     started = time.perf_counter()
+    bound_heap()
     profile = None
     if profile_path is not None:
         from .offline.planner import check_map_fraction, plan_for_source

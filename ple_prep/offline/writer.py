@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import glob
@@ -68,6 +69,23 @@ FREE_SPACE_MARGIN = 16 << 20
 # share of the memory the kernel reports available that the warmed head may take.
 WARM_STEP_BYTES = 64 << 20
 WARM_SHARE_OF_AVAILABLE = 4
+# glibc's mallopt: blocks of at least this many bytes get a mapping of their own (`bound_heap`).
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def bound_heap() -> None:
+    """Have malloc give every block of MMAP_THRESHOLD_BYTES or more a mapping of its own, unmapped
+    when freed. glibc's default threshold rises to the largest block freed so far (up to 32 MiB):
+    after the planner frees its first large arrays, the next ones of a few MB land in the heap,
+    whose freed middle is never returned, and the peak grows with the run's history. A no-op
+    where the C library has no mallopt."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
 
 
 def _available_memory() -> int:
