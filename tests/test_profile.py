@@ -149,6 +149,21 @@ def test_profile_batches_split_requests_like_single_calls(spec, monkeypatch):
     assert BATCH_TOKENS > 64
 
 
+def test_profile_counts_so_far_stay_put_while_counting_goes_on(spec, monkeypatch, counting):
+    monkeypatch.setattr("ple_prep.offline.profile.BATCH_TOKENS", 64)
+    rng = np.random.default_rng(10)
+    profiler = Profiler(spec)
+    snapshots = []
+    for _ in range(6):
+        for _ in range(40):
+            profiler.add_request(rng.choice([EOS, *range(300)], size=int(rng.integers(1, 30))))
+        counts = profiler.counts()["train"].groups[3]
+        snapshots.append((counts, counts[0].copy(), counts[1].copy()))
+    for (keys, counts), keys_then, counts_then in snapshots:
+        assert np.array_equal(keys, keys_then) and np.array_equal(counts, counts_then)
+    assert len(snapshots[-1][1]) > len(snapshots[0][1])
+
+
 def test_profile_heldout_is_about_a_tenth_and_by_content():
     rng = np.random.default_rng(0)
     requests = [rng.integers(0, 1000, size=20) for _ in range(5000)]

@@ -127,68 +127,45 @@ def _sum_by_key(keys: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.nd
     return keys[starts], np.add.reduceat(counts, starts)
 
 
-def _sum_runs(runs: list[tuple[np.ndarray, np.ndarray]], buffers: "_Buffers | None" = None
-              ) -> tuple[np.ndarray, np.ndarray]:
+def _sum_runs(runs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
     """`_sum_by_key` of runs of sorted distinct uint64 keys with uint64 counts: with the compiled
-    helper, merged two at a time in linear passes (core/native/ngramcount.c), into `buffers`."""
-    if _native is None:
-        if not runs:
-            return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
-        return _sum_by_key(np.concatenate([keys for keys, _ in runs]), np.concatenate([c for _, c in runs]))
-    if buffers is None:
-        buffers = _Buffers(keep=0)
-    for run in runs:
-        if not len(run[0]):
-            buffers.give(run)
+    helper, merged two at a time in linear passes (core/native/ngramcount.c)."""
     runs = [run for run in runs if len(run[0])]
     if not runs:
         return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
+    if _native is None:
+        return _sum_by_key(np.concatenate([keys for keys, _ in runs]), np.concatenate([c for _, c in runs]))
     while len(runs) > 1:
-        runs = [buffers.merged(*runs[i:i + 2]) if i + 1 < len(runs) else runs[i] for i in range(0, len(runs), 2)]
+        runs = [_merged(*runs[i:i + 2]) if i + 1 < len(runs) else runs[i] for i in range(0, len(runs), 2)]
     return runs[0]
 
 
-class _Buffers:
-    """Pairs of uint64 arrays (keys, counts) that merges write into, kept for reuse: a fresh array's
-    pages are zeroed on first touch, which on a virtual machine costs more than the merge itself."""
+def _merged(first: tuple[np.ndarray, np.ndarray], second: tuple[np.ndarray, np.ndarray]
+            ) -> tuple[np.ndarray, np.ndarray]:
+    size = len(first[0]) + len(second[0])
+    keys, counts = np.empty(size, np.uint64), np.empty(size, np.uint64)
+    count = _native.merge_counts(*first, *second, keys, counts)
+    keys.resize(count, refcheck=False)  # realloc: no copy
+    counts.resize(count, refcheck=False)
+    return keys, counts
 
-    def __init__(self, keep: int = 8):
-        self.keep = keep
-        self._spare: list[tuple[np.ndarray, np.ndarray]] = []
-        self._owner: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
-    def take(self, size: int) -> tuple[np.ndarray, np.ndarray]:
-        fitting = [n for n, (keys, _) in enumerate(self._spare) if len(keys) >= size]
-        if fitting:
-            keys, counts = self._spare.pop(min(fitting, key=lambda n: len(self._spare[n][0])))
-        else:
-            capacity = size + size // 4 if self.keep else size
-            keys, counts = np.empty(capacity, np.uint64), np.empty(capacity, np.uint64)
-        self._owner[id(keys)] = (keys, counts)
-        return keys, counts
+class _Pair:
+    """A keys and a counts array (uint64) of one capacity, reused from batch to batch: a fresh
+    array's pages are zeroed on first touch, which on a virtual machine costs more than a merge."""
 
-    def give(self, run: tuple[np.ndarray, np.ndarray]) -> None:
-        """Take back the pair behind `run` (views made by `run_of`), if it came from here."""
-        pair = self._owner.pop(id(run[0].base if run[0].base is not None else run[0]), None)
-        if pair is not None and self.keep:
-            self._spare.append(pair)
-            if len(self._spare) > self.keep:
-                self._spare.pop(min(range(len(self._spare)), key=lambda n: len(self._spare[n][0])))
+    def __init__(self) -> None:
+        self.keys = self.counts = np.zeros(0, np.uint64)
 
-    def merged(self, first: tuple[np.ndarray, np.ndarray], second: tuple[np.ndarray, np.ndarray]
-               ) -> tuple[np.ndarray, np.ndarray]:
-        keys, counts = self.take(len(first[0]) + len(second[0]))
-        count = _native.merge_counts(*first, *second, keys, counts)
-        self.give(first)
-        self.give(second)
-        if not self.keep:  # a result to keep: its own memory, no spare room (realloc: no copy)
-            keys.resize(count, refcheck=False)
-            counts.resize(count, refcheck=False)
-            return keys, counts
-        return keys[:count], counts[:count]
+    def room(self, size: int, keep: int = 0) -> None:
+        """At least `size` items, the first `keep` kept."""
+        if len(self.keys) < size:
+            keys, counts = np.empty(size + size // 2, np.uint64), np.empty(size + size // 2, np.uint64)
+            keys[:keep], counts[:keep] = self.keys[:keep], self.counts[:keep]
+            self.keys, self.counts = keys, counts
 
-    def drop_spares(self) -> None:
-        self._spare.clear()
+    def run(self, bounds: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        return self.keys[bounds[0]:bounds[1]], self.counts[bounds[0]:bounds[1]]
 
 
 def _sum_in_range(keys: np.ndarray, counts: np.ndarray, low: int, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -222,44 +199,73 @@ def _head_rows(values: np.ndarray, counts: np.ndarray, total: int, order: int, k
 
 
 class _KeyCounter:
-    """Counts uint64 keys arriving in batches; pending batches are merged when they outgrow the total."""
+    """Counts uint64 keys arriving in batches: each batch sorted and counted into a run, pending runs
+    merged into the total when they outgrow it (with the compiled helper, in reused memory)."""
 
-    def __init__(self, buffers: _Buffers) -> None:
-        self.buffers = buffers
-        self.keys = np.zeros(0, np.uint64)
-        self.counts = np.zeros(0, np.uint64)
-        self.pending: list[tuple[np.ndarray, np.ndarray]] = []
+    def __init__(self) -> None:
+        self.size = 0
+        self.total, self.spare, self.arena, self.other = _Pair(), _Pair(), _Pair(), _Pair()
+        self.runs: list[tuple[int, int]] = []  # pending runs laid end to end in the arena
+        self.pending: list[tuple[np.ndarray, np.ndarray]] = []  # pending runs without the helper
         self.pending_size = 0
+        self.handed_out = False
 
     def add(self, values: np.ndarray, scratch: np.ndarray) -> None:
         """Count `values` (uint64, contiguous; sorted in place) with `scratch`, uint64 of at least
         their length, as working memory."""
         if _native is None:
             keys, counts = np.unique(values, return_counts=True)
-            self._add_run(keys, counts.astype(np.uint64))
-            return
-        values.sort()
-        count = _native.run_lengths(values, values, scratch)
-        keys, counts = self.buffers.take(count)
-        keys[:count], counts[:count] = values[:count], scratch[:count]
-        self._add_run(keys[:count], counts[:count])
-
-    def _add_run(self, keys: np.ndarray, counts: np.ndarray) -> None:
-        self.pending.append((keys, counts))
-        self.pending_size += len(keys)
-        if self.pending_size > max(len(self.keys), BATCH_TOKENS):
+            self.pending.append((keys, counts.astype(np.uint64)))
+            count = len(keys)
+        else:
+            values.sort()
+            count = _native.run_lengths(values, values, scratch)
+            end = self.pending_size + count
+            self.arena.room(end, keep=self.pending_size)
+            self.arena.keys[self.pending_size:end] = values[:count]
+            self.arena.counts[self.pending_size:end] = scratch[:count]
+            self.runs.append((self.pending_size, end))
+        self.pending_size += count
+        if self.pending_size > max(self.size, BATCH_TOKENS):
             self._compact()
 
     def _compact(self) -> None:
         if self.pending:
-            # The pending runs first (about equal sizes), then the total once.
-            pending = _sum_runs(self.pending, self.buffers)
-            self.keys, self.counts = _sum_runs([(self.keys, self.counts), pending], self.buffers)
-            self.pending, self.pending_size = [], 0
+            self.total.keys, self.total.counts = _sum_runs([self.result_arrays(), *self.pending])
+            self.size, self.pending = len(self.total.keys), []
+        elif self.runs:
+            # The pending runs (about equal sizes) merged two at a time between the arena and
+            # `other`, then the total once.
+            source, target, runs = self.arena, self.other, self.runs
+            while len(runs) > 1:
+                target.room(runs[-1][1])
+                merged, at = [], 0
+                for first, second in zip(runs[::2], runs[1::2] + [None]):
+                    if second is None:
+                        count = first[1] - first[0]
+                        target.keys[at:at + count], target.counts[at:at + count] = source.run(first)
+                    else:
+                        count = _native.merge_counts(*source.run(first), *source.run(second),
+                                                     target.keys[at:], target.counts[at:])
+                    merged.append((at, at + count))
+                    at += count
+                runs, source, target = merged, target, source
+            self.spare.room(self.size + runs[0][1] - runs[0][0])
+            self.size = _native.merge_counts(*self.result_arrays(), *source.run(runs[0]), self.spare.keys,
+                                             self.spare.counts)
+            # A total handed out (`result`) is never written into again: not kept as the spare.
+            self.total, self.spare = self.spare, _Pair() if self.handed_out else self.total
+            self.runs, self.handed_out = [], False
+        self.pending_size = 0
+
+    def result_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.total.keys[:self.size], self.total.counts[:self.size]
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """The keys counted so far and their counts (views: the counter never writes them again)."""
         self._compact()
-        return self.keys, self.counts
+        self.handed_out = True
+        return self.result_arrays()
 
 
 def is_heldout(tokens: np.ndarray, every: int = HELDOUT_EVERY) -> bool:
@@ -274,8 +280,7 @@ class Profiler:
         self.spec = spec
         self.heldout_every = heldout_every
         self.orders = tuple(range(2, spec.ngram_size + 1))
-        self._buffers = _Buffers()
-        self._counters = {part: {order: _KeyCounter(self._buffers) for order in self.orders} for part in PARTS}
+        self._counters = {part: {order: _KeyCounter() for order in self.orders} for part in PARTS}
         self._requests = {part: 0 for part in PARTS}
         self._tokens = {part: 0 for part in PARTS}
         self._buffer: dict[str, list[np.ndarray]] = {part: [] for part in PARTS}
@@ -339,7 +344,6 @@ class Profiler:
         counts = {part: PartCounts(self._requests[part], self._tokens[part],
                                    {order: self._counters[part][order].result() for order in self.orders})
                   for part in PARTS}
-        self._buffers.drop_spares()
         return counts
 
     def finish(self, *, model: str, tokenizer_sha256: str | None,

@@ -2,8 +2,9 @@
 the counts merged exactly (sums of integer counts, in any order).
 
 Pieces are whole files, except that a large .jsonl is cut at line boundaries (so one big log file
-still uses every core). Each worker hashes its share with one `Profiler` and hands back its
-counts; the parent adds them up. Tokenizing happens in the workers too (each loads the tokenizer
+still uses every core). Each worker hashes one share (pieces of about equal bytes) with one
+`Profiler`, reusing its working memory throughout, and hands back its counts; the parent adds
+them up. Tokenizing happens in the workers too (each loads the tokenizer
 once). Workers are forked: they start in milliseconds and inherit the imported modules, and the
 parent has started no tokenizer threads before forking.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import gc
 import hashlib
 import multiprocessing
 import os
@@ -27,8 +29,8 @@ from ..ngram import NgramSpec
 PIECE_BYTES = 32 << 20
 # Less input than this is profiled in the calling process: starting workers would cost more.
 MIN_PARALLEL_BYTES = 8 << 20
-# Shares per worker: more shares even out unequal pieces and let progress advance between them.
-SHARES_PER_WORKER = 2
+# How often the progress of the workers is read.
+PROGRESS_SECONDS = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,26 +121,39 @@ def profile_pieces(profile_share: Callable[..., dict[str, Any]], write_share: Ca
         results = [profile_share(model_dir, spec, heldout_every, pieces, progress)]
         digests = {path: file_sha256(path, "prompt file") for path in split_files}
     else:
-        shares = _shares(pieces, workers * SHARES_PER_WORKER)
+        shares = _shares(pieces, workers)
         results = [None] * len(shares)
         context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
                                               else "spawn")
+        # Tokens done per share, written by the share's worker alone, read here for the progress.
+        done = context.RawArray("q", len(shares))
         # In memory where there is a tmpfs: the shares are read back at once, never worth a disk write.
         scratch_root = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-        with tempfile.TemporaryDirectory(prefix="ple-prep-profile-", dir=scratch_root) as scratch, \
-                concurrent.futures.ProcessPoolExecutor(min(workers, len(shares)), mp_context=context) as pool:
-            folders = [Path(scratch) / str(n) for n in range(len(shares))]
-            futures = {pool.submit(_share_into, profile_share, write_share, folders[n], model_dir, spec,
-                                   heldout_every, [pieces[i] for i in share]): n
-                       for n, share in enumerate(shares)}
-            # The files cut into pieces are hashed whole here while the workers run.
-            digests = {path: file_sha256(path, "prompt file") for path in split_files}
-            for future in concurrent.futures.as_completed(futures):
-                number = futures[future]
-                future.result()
-                results[number] = read_share(folders[number])
-                if progress is not None:
-                    progress(sum(entry["tokens"] for entry in results[number]["pieces"]))
+        # Objects the workers inherit are left out of their garbage collector's passes, which would
+        # otherwise write to (and so copy) every page of them.
+        gc.freeze()
+        try:
+            with tempfile.TemporaryDirectory(prefix="ple-prep-profile-", dir=scratch_root) as scratch, \
+                    concurrent.futures.ProcessPoolExecutor(len(shares), mp_context=context, initializer=_inherit,
+                                                           initargs=(done,)) as pool:
+                folders = [Path(scratch) / str(n) for n in range(len(shares))]
+                futures = {pool.submit(_share_into, profile_share, write_share, folders[n], n, model_dir, spec,
+                                       heldout_every, [pieces[i] for i in share]): n
+                           for n, share in enumerate(shares)}
+                # The files cut into pieces are hashed whole here while the workers run.
+                digests = {path: file_sha256(path, "prompt file") for path in split_files}
+                reported, waiting = 0, set(futures)
+                while waiting:
+                    finished, waiting = concurrent.futures.wait(waiting, PROGRESS_SECONDS,
+                                                                concurrent.futures.FIRST_COMPLETED)
+                    for future in finished:
+                        future.result()
+                        results[futures[future]] = read_share(folders[futures[future]])
+                    if progress is not None:
+                        progress(sum(done) - reported)
+                        reported = sum(done)
+        finally:
+            gc.unfreeze()
     for share, result in zip(shares, results):
         for index, entry in zip(share, result["pieces"]):
             if entry["sha256"] is None:
@@ -146,8 +161,22 @@ def profile_pieces(profile_share: Callable[..., dict[str, Any]], write_share: Ca
     return results
 
 
+_done: Any = None
+
+
+def _inherit(done: Any) -> None:
+    """In a worker, at its start: the shared progress counts."""
+    global _done
+    _done = done
+
+
 def _share_into(profile_share: Callable[..., dict[str, Any]], write_share: Callable[[dict[str, Any], Path], None],
-                folder: Path, *args: Any) -> None:
-    """In a worker: one share profiled and written into `folder`."""
+                folder: Path, number: int, *args: Any) -> None:
+    """In a worker: share `number` profiled and written into `folder`, its tokens counted in the
+    shared progress as they go."""
+
+    def advance(tokens: int) -> None:
+        _done[number] += tokens
+
     folder.mkdir()
-    write_share(profile_share(*args), folder)
+    write_share(profile_share(*args, advance), folder)
