@@ -160,7 +160,8 @@ class _Pair:
     def room(self, size: int, keep: int = 0) -> None:
         """At least `size` items, the first `keep` kept."""
         if len(self.keys) < size:
-            keys, counts = np.empty(size + size // 2, np.uint64), np.empty(size + size // 2, np.uint64)
+            # Twice the size: untouched pages cost nothing, each growth pages in a fresh array.
+            keys, counts = np.empty(2 * size, np.uint64), np.empty(2 * size, np.uint64)
             keys[:keep], counts[:keep] = self.keys[:keep], self.counts[:keep]
             self.keys, self.counts = keys, counts
 
@@ -301,10 +302,10 @@ class Profiler:
         if len(tokens) > BATCH_TOKENS:
             self._add_long(part, tokens)
             return
+        if self._buffered + len(tokens) > BATCH_TOKENS:  # batches stay within the working memory
+            self.flush()
         self._buffer[part].append(tokens)
         self._buffered += len(tokens)
-        if self._buffered >= BATCH_TOKENS:
-            self.flush()
 
     def _add_long(self, part: str, tokens: np.ndarray) -> None:
         """A request longer than a batch, hashed a batch at a time: each window gets the tokens
@@ -316,9 +317,9 @@ class Profiler:
 
     def _count(self, part: str, tokens: np.ndarray, **where: Any) -> None:
         count = len(tokens)
-        if len(self._scratch) < count:
-            self._mixed = np.empty(len(self.orders) * count, np.uint64)
-            self._scratch = np.empty(count, np.uint64)
+        if len(self._scratch) < count:  # once: batches hold at most BATCH_TOKENS
+            self._mixed = np.empty(len(self.orders) * max(count, BATCH_TOKENS), np.uint64)
+            self._scratch = np.empty(max(count, BATCH_TOKENS), np.uint64)
         mixed = mixed_columns(tokens, self.spec, out=self._mixed[:len(self.orders) * count].reshape(-1, count),
                               **where)
         for column, order in enumerate(self.orders):
@@ -332,7 +333,7 @@ class Profiler:
             starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
             total = int(starts[-1] + lengths[-1])
             if len(self._batch) < total:
-                self._batch = np.empty(total, np.int64)
+                self._batch = np.empty(max(total, BATCH_TOKENS), np.int64)
             tokens = np.concatenate(requests, out=self._batch[:total])
             self._count(part, tokens, request_starts=starts)
             requests.clear()
