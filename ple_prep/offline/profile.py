@@ -25,6 +25,7 @@ import hashlib
 import io
 import json
 import os
+import stat
 import struct
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -421,27 +422,40 @@ def profile_files(model: str | Path, prompt_files: Iterable[str | Path], *,
     paths = [Path(p) for p in prompt_files]
     if not paths:
         raise BadInput("give at least one prompt file")
-    # Only absent paths here: PromptReader refuses a FIFO or a folder by name (core/fileio.open_regular).
-    missing = [str(p) for p in paths if not os.path.lexists(p)]
-    if missing:
-        raise BadInput(f"prompt file{'s' if len(missing) > 1 else ''} not found: {', '.join(missing)}")
-    for path in paths:
-        os.close(open_regular(path, "prompt file"))
-    pieces = pieces_of(paths)
+    sizes = _regular_sizes(paths)
+    pieces = pieces_of(paths, sizes)
     if workers is None:
-        small = sum(path.stat().st_size for path in paths) < MIN_PARALLEL_BYTES
-        workers = 1 if small else default_workers()
+        workers = 1 if sum(sizes) < MIN_PARALLEL_BYTES else default_workers()
     shares = profile_pieces(_profile_share, _write_share, _read_share, model_dir, spec, HELDOUT_EVERY, pieces,
                             workers, progress)
     parts = _merged_parts([share["parts"] for share in shares])
-    inputs = [{"name": path.name, "bytes": path.stat().st_size, "sha256": None, "requests": 0, "tokens": 0}
-              for path in paths]
+    inputs = [{"name": path.name, "bytes": size, "sha256": None, "requests": 0, "tokens": 0}
+              for path, size in zip(paths, sizes)]
     for piece, entry in zip(pieces, (entry for share in shares for entry in share["pieces"])):
         found = inputs[piece.file]
         found["sha256"] = entry["sha256"]
         found["requests"] += entry["requests"]
         found["tokens"] += entry["tokens"]
     return Profile(spec, tokenizer_fingerprint(model_dir), model_dir.name, inputs, parts, HELDOUT_EVERY)
+
+
+def _regular_sizes(paths: list[Path]) -> list[int]:
+    """Each prompt file's size: one stat a file; BadInput naming the absent ones, then the first
+    that is not a regular file (core/fileio.open_regular says what it is)."""
+    found = []
+    for path in paths:
+        try:
+            found.append(os.stat(path))
+        except OSError:
+            found.append(None)
+    missing = [str(path) for path, status in zip(paths, found) if status is None and not os.path.lexists(path)]
+    if missing:
+        raise BadInput(f"prompt file{'s' if len(missing) > 1 else ''} not found: {', '.join(missing)}")
+    for number, (path, status) in enumerate(zip(paths, found)):
+        if status is None or not stat.S_ISREG(status.st_mode):
+            os.close(open_regular(path, "prompt file"))
+            found[number] = os.stat(path)
+    return [status.st_size for status in found]
 
 
 def _merged_parts(counted: list[dict[str, PartCounts]]) -> dict[str, PartCounts]:

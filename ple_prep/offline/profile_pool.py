@@ -36,10 +36,11 @@ PROGRESS_SECONDS = 0.5
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """One prompt file (the `file`-th given), or the lines of a .jsonl in bytes [start, stop)
-    (`first_line` numbered)."""
+    (`first_line` numbered); `size` bytes either way."""
 
     path: Path
     file: int
+    size: int
     start: int = 0
     stop: int | None = None
     first_line: int = 1
@@ -57,13 +58,13 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
-def pieces_of(paths: list[Path]) -> list[Piece]:
-    """Every file whole, a large .jsonl cut at the first line break after each PIECE_BYTES."""
+def pieces_of(paths: list[Path], sizes: list[int]) -> list[Piece]:
+    """Every file (of `sizes` bytes) whole, a large .jsonl cut at the first line break after each
+    PIECE_BYTES."""
     pieces = []
-    for file, path in enumerate(paths):
-        size = path.stat().st_size
+    for file, (path, size) in enumerate(zip(paths, sizes)):
         if path.suffix.lower() != ".jsonl" or size <= PIECE_BYTES:
-            pieces.append(Piece(path, file))
+            pieces.append(Piece(path, file, size))
             continue
         start, line = 0, 1
         with open_input(path, "prompt file") as handle:
@@ -71,7 +72,7 @@ def pieces_of(paths: list[Path]) -> list[Piece]:
                 handle.seek(start + PIECE_BYTES)
                 handle.readline()
                 stop = min(size, handle.tell())
-                pieces.append(Piece(path, file, start, stop, line))
+                pieces.append(Piece(path, file, stop - start, start, stop, line))
                 handle.seek(start)
                 line += _count_lines(handle, stop - start)
                 start = stop
@@ -91,8 +92,7 @@ def _count_lines(handle, length: int) -> int:
 
 def _shares(pieces: list[Piece], count: int) -> list[list[int]]:
     """Piece indices split into `count` runs of about equal bytes (pieces keep their order)."""
-    sizes = np.array([(p.stop if p.stop is not None else p.path.stat().st_size) - p.start for p in pieces],
-                     dtype=np.float64)
+    sizes = np.array([p.size for p in pieces], dtype=np.float64)
     bounds = np.searchsorted(np.cumsum(sizes), np.linspace(0, sizes.sum(), count + 1)[1:-1], side="right")
     edges = [0, *sorted(set(bounds.tolist())), len(pieces)]
     return [list(range(a, b)) for a, b in zip(edges[:-1], edges[1:]) if b > a]
