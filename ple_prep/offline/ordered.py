@@ -111,7 +111,7 @@ def write_access_ordered(source: TableSource, order: RowOrder, header: Header, d
         held = _stream_source(source, order, header, sink, staging, bucket, chunk_rows,
                               (prefetcher, reader, hasher, stager), digest, progress)
         del bucket
-        _write_placed(order, header, sink, staging, chunk_rows, held)
+        _write_placed(order, header, sink, staging, chunk_rows, held, reader)
         sink.finish()
         os.fsync(descriptor)
     finally:
@@ -229,20 +229,31 @@ def _write_staged(staging: int, writes: list[tuple[np.ndarray, int]]) -> None:
 
 
 def _write_placed(order: RowOrder, header: Header, sink: _PageSink, staging: int, chunk_rows: int,
-                  held: np.ndarray | None) -> None:
-    """Step 2: each bucket in slot order, written over its staged bytes as pages."""
+                  held: np.ndarray | None, reader: concurrent.futures.Executor) -> None:
+    """Step 2: each bucket in slot order, written over its staged bytes as pages; the next
+    bucket's staged bytes are read on `reader` meanwhile (a bucket's staging lies in its own pages,
+    which no other bucket's write touches)."""
     num_placed, row_bytes = order.num_placed, header.row_bytes
     pages_per_chunk = sink.buffers[0].shape[0]
-    staged = np.empty((chunk_rows, row_bytes), dtype=np.uint8)
+    staged = [np.empty((chunk_rows, row_bytes), dtype=np.uint8) for _ in range(2)]
     in_slot_order = np.empty((chunk_rows, row_bytes), dtype=np.uint8)
-    for start in range(0, num_placed, chunk_rows):
-        count = min(chunk_rows, num_placed - start)
-        bucket = start // chunk_rows
-        read_exactly(staging, memoryview(staged[:count]).cast("B"),
-                     _stage_offset(header, bucket, pages_per_chunk), "table")
+    starts = range(0, num_placed, chunk_rows)
+
+    def read(bucket: int) -> np.ndarray:
+        count = min(chunk_rows, num_placed - starts[bucket])
+        rows = staged[bucket % 2][:count]
+        read_exactly(staging, memoryview(rows).cast("B"), _stage_offset(header, bucket, pages_per_chunk), "table")
+        return rows
+
+    ahead = reader.submit(read, 0) if len(starts) else None
+    for bucket, start in enumerate(starts):
+        rows = ahead.result()
+        if bucket + 1 < len(starts):
+            ahead = reader.submit(read, bucket + 1)
+        count = len(rows)
         # The bucket's rows arrived in ascending row order: the k-th smallest row of its slots.
         by_row = np.argsort(order.slot_rows[start:start + count], kind="stable")
-        in_slot_order[by_row] = staged[:count]
+        in_slot_order[by_row] = rows
         if start + count == num_placed and held is not None:
             # The first unplaced rows share the last placed page: one chunk from here on.
             first = count % header.rows_per_page
