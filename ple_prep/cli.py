@@ -6,6 +6,7 @@ exception nobody expected: one line naming it, the traceback with --debug or PLE
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -196,7 +197,7 @@ def convert(model: Path, out: Path, page_size: int, profile_path: Path | None, m
     """
     from .converters import open_source
     from .offline.ranks import convert_ranks
-    from .offline.writer import WriteOptions, bound_heap, warm_source
+    from .offline.writer import WriteOptions, bound_heap
     from .offline.writer import convert as write_table
 
     if tp_rank is not None and tp_size is None:
@@ -217,15 +218,15 @@ def convert(model: Path, out: Path, page_size: int, profile_path: Path | None, m
         def layout_for(first_row: int, num_rows: int) -> Any:
             if profile is None:
                 return None
-            with warm_source(source, first_row, num_rows):
-                return plan_for_source(source, profile, page_size=page_size, map_fraction=map_fraction,
-                                       first_row=first_row, num_rows=num_rows)
+            return plan_for_source(source, profile, page_size=page_size, map_fraction=map_fraction,
+                                   first_row=first_row, num_rows=num_rows)
 
         rows = source.num_rows if tp_size is None or tp_rank is None else source.num_rows // tp_size
         with progress_bar(rows * source.row_bytes, "convert", quiet) as advance:
             if tp_size is None:
-                written = [(out, write_table(source, out, options, layout=layout_for(0, source.num_rows),
-                                             progress=advance))]
+                # The plan runs inside the writer, which reads and hashes the source meanwhile.
+                plan = None if profile is None else functools.partial(layout_for, 0, source.num_rows)
+                written = [(out, write_table(source, out, options, plan=plan, progress=advance))]
             else:
                 written = convert_ranks(source, out, tp_size, None if tp_rank is None else [tp_rank], options,
                                         progress=advance, layout_for=layout_for)

@@ -18,3 +18,48 @@ def test_convert_gather_returns_source_bytes(variant, request, tmp_path):
     with open_table(tmp_path / "t.bin") as table:
         ids = np.random.default_rng(1).permutation(table.num_rows)
         assert np.array_equal(table.gather(ids), expected[ids])
+
+
+@pytest.mark.parametrize("head_steps", [0, 3, None])
+def test_convert_planned_while_hashing_writes_the_same_table(fp8_checkpoint, tmp_path, monkeypatch, head_steps):
+    """A plan run inside convert (the source's head hashed meanwhile, here `head_steps` reads of a
+    few rows, or the whole table) writes the bytes and checksums of the same layout given ready."""
+    import hashlib
+    import threading
+
+    from ple_prep.format.layout import TableLayout
+    from ple_prep.format.order import RowOrder
+    from ple_prep.offline import writer
+
+    monkeypatch.setattr(writer, "WARM_STEP_BYTES", 7 * 160)
+    with open_source(fp8_checkpoint) as source:
+        rng = np.random.default_rng(5)
+        layout = TableLayout(RowOrder.from_placed(rng.permutation(source.num_rows)[:source.num_rows // 3],
+                                                  source.num_rows))
+        given = convert(source, tmp_path / "given.bin", layout=layout)
+        rows = source.read_rows(0, source.num_rows)
+        steps = -(-source.num_rows // 7) if head_steps is None else head_steps
+        reads, enough = [0], threading.Event()
+        read_rows = source.read_rows
+
+        def counted(*args, **kwargs):
+            out = read_rows(*args, **kwargs)
+            if threading.current_thread().name == "convert-head":
+                reads[0] += 1
+                if reads[0] >= steps:
+                    enough.set()
+            return out
+
+        monkeypatch.setattr(source, "read_rows", counted)
+
+        def plan():
+            assert steps == 0 or enough.wait(30)
+            return layout
+
+        planned = convert(source, tmp_path / "planned.bin", plan=plan)
+    assert reads[0] >= steps
+    expected = hashlib.sha256(rows.tobytes()).hexdigest()
+    assert planned["source"]["table_sha256"] == given["source"]["table_sha256"] == expected
+    assert planned["checksums"]["blocks"] == given["checksums"]["blocks"]
+    offset = given["data_offset"]
+    assert (tmp_path / "planned.bin").read_bytes()[offset:] == (tmp_path / "given.bin").read_bytes()[offset:]

@@ -139,20 +139,30 @@ class TableSource:
         A streaming reader calls it for the chunk after the one it reads next, so the disk always
         has a request queued while the reader and its consumers are busy.
         """
+        for segment, first, length in self._byte_ranges(start, stop):
+            descriptor = self._descriptor(segment.path)
+            # Linux reads at most the device's read-ahead size per hint (the rest of a longer
+            # range is dropped): one hint a step.
+            for offset in range(first, first + length, PREFETCH_STEP_BYTES):
+                os.posix_fadvise(descriptor, offset, min(PREFETCH_STEP_BYTES, first + length - offset),
+                                 os.POSIX_FADV_WILLNEED)
+
+    def _byte_ranges(self, start: int, stop: int):
+        """(segment, offset, length) of the file bytes holding rows [start, stop), clipped to the
+        table; padding segments (no file) left out."""
         start, stop = max(0, start), min(stop, self.num_rows)
         for part, width in zip(self.parts, self.part_bytes):
             for segment in part:
                 low = max(start, segment.first_row)
                 high = min(stop, segment.first_row + segment.num_rows)
                 if low < high and segment.path is not None:
-                    descriptor = self._descriptor(segment.path)
-                    first = segment.offset + (low - segment.first_row) * width
-                    last = first + (high - low) * width
-                    # Linux reads at most the device's read-ahead size per hint (the rest of a
-                    # longer range is dropped): one hint a step.
-                    for offset in range(first, last, PREFETCH_STEP_BYTES):
-                        os.posix_fadvise(descriptor, offset, min(PREFETCH_STEP_BYTES, last - offset),
-                                         os.POSIX_FADV_WILLNEED)
+                    yield segment, segment.offset + (low - segment.first_row) * width, (high - low) * width
+
+    def drop_cached(self, start: int, stop: int) -> None:
+        """Tell the kernel rows [start, stop) are not needed again soon (their clean pages may
+        go from the page cache); only a hint."""
+        for segment, offset, length in self._byte_ranges(start, stop):
+            os.posix_fadvise(self._descriptor(segment.path), offset, length, os.POSIX_FADV_DONTNEED)
 
     def gather_rows(self, ids: np.ndarray) -> np.ndarray:
         """Rows at arbitrary source ids, in request order.

@@ -26,7 +26,7 @@ import hashlib
 import os
 import zlib
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -91,10 +91,12 @@ class _PageSink:
 
 def write_access_ordered(source: TableSource, order: RowOrder, header: Header, descriptor: int,
                          path: Path, pages_per_chunk: int, block_bytes: int,
-                         progress: Callable[[int], None] | None) -> tuple[dict[int, int], str]:
+                         progress: Callable[[int], None] | None,
+                         head: tuple[Any, int] | None = None) -> tuple[dict[int, int], str]:
     """Write the data region of `header`'s file (its header and map already written through
     `descriptor`, the file at `path`, as long as the header says); returns the CRC of every checksum
-    block of `block_bytes` and the SHA-256 of the rows in source order."""
+    block of `block_bytes` and the SHA-256 of the rows in source order (continuing `head`, a SHA-256
+    already fed that many of the first rows, where given)."""
     chunk_rows = pages_per_chunk * header.rows_per_page
     boundary_page = order.num_placed // header.rows_per_page
     meeting_block = min(boundary_page, header.num_pages - 1) * header.page_size // block_bytes
@@ -106,10 +108,10 @@ def write_access_ordered(source: TableSource, order: RowOrder, header: Header, d
               for name in ("prefetch", "read", "hash", "stage", "write")]
     prefetcher, reader, hasher, stager, writer = stages
     sink = _PageSink(descriptor, header, pages_per_chunk, block_bytes, meeting_block, writer)
-    digest = hashlib.sha256()
+    digest, hashed_rows = head or (hashlib.sha256(), 0)
     try:
         held = _stream_source(source, order, header, sink, staging, bucket, chunk_rows,
-                              (prefetcher, reader, hasher, stager), digest, progress)
+                              (prefetcher, reader, hasher, stager), (digest, hashed_rows), progress)
         del bucket
         _write_placed(order, header, sink, staging, chunk_rows, held, reader)
         sink.finish()
@@ -123,11 +125,12 @@ def write_access_ordered(source: TableSource, order: RowOrder, header: Header, d
 
 
 def _stream_source(source: TableSource, order: RowOrder, header: Header, sink: _PageSink, staging: int,
-                   bucket: np.ndarray, chunk_rows: int, threads, digest,
+                   bucket: np.ndarray, chunk_rows: int, threads, hashing,
                    progress: Callable[[int], None] | None) -> np.ndarray | None:
     """Step 1; returns the first chunk of unplaced rows when the placed region ends inside its
     first page (the chunk's rows from its first slot, placed ones zero), for step 2 to write."""
     prefetcher, reader, hasher, stager = threads
+    digest, hashed_rows = hashing
     num_placed, num_rows, rows_per_page = order.num_placed, header.num_rows, header.rows_per_page
     first_row = header.first_row
     boundary_page, head = divmod(num_placed, rows_per_page)
@@ -160,7 +163,8 @@ def _stream_source(source: TableSource, order: RowOrder, header: Header, sink: _
     stagings: collections.deque[concurrent.futures.Future] = collections.deque()
     for index, start in enumerate(starts):
         rows = reads.popleft().result()
-        hashes.append(hasher.submit(digest.update, rows))
+        if start + len(rows) > hashed_rows:
+            hashes.append(hasher.submit(digest.update, rows[max(0, hashed_rows - start):]))
         while len(hashes) > 2:
             hashes.popleft().result()
         if index + READ_AHEAD < len(starts):

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import ctypes
 import dataclasses
 import errno
@@ -16,7 +15,7 @@ import threading
 import uuid
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
@@ -65,9 +64,9 @@ WRITE_BEHIND = 2
 PREFETCH_AHEAD = 3
 # Slack beyond the file size so the free-space check does not pass with zero bytes to spare.
 FREE_SPACE_MARGIN = 16 << 20
-# Source bytes the kernel is asked for per step while a layout is planned (`warm_source`), and the
-# share of the memory the kernel reports available that the warmed head may take.
-WARM_STEP_BYTES = 64 << 20
+# Source bytes read and hashed per step while a layout is planned (`_HeadHasher`), and the share
+# of the memory the kernel reports available that the rows kept in the page cache may take.
+WARM_STEP_BYTES = 8 << 20
 WARM_SHARE_OF_AVAILABLE = 4
 # glibc's mallopt: blocks of at least this many bytes get a mapping of their own (`bound_heap`).
 M_MMAP_THRESHOLD = -3
@@ -89,7 +88,7 @@ def bound_heap() -> None:
 
 
 def _available_memory() -> int:
-    """MemAvailable of /proc/meminfo (0 where there is none: then nothing is warmed)."""
+    """MemAvailable of /proc/meminfo (0 where there is none: then nothing is kept cached)."""
     try:
         with open("/proc/meminfo") as handle:
             for line in handle:
@@ -100,29 +99,47 @@ def _available_memory() -> int:
     return 0
 
 
-@contextlib.contextmanager
-def warm_source(source: TableSource, first_row: int, num_rows: int) -> Iterator[None]:
-    """While the block runs (a layout being planned: CPU only), have the kernel read the head of
-    rows [first_row, first_row + num_rows) into the page cache, which the write then reads without
-    waiting for the disk. A thread asks for one step at a time and stops when the block ends or
-    at a quarter of the memory available (a hint: pages evicted again are read again)."""
-    budget = min(num_rows * source.row_bytes, _available_memory() // WARM_SHARE_OF_AVAILABLE)
-    rows_per_step = max(1, WARM_STEP_BYTES // max(1, source.row_bytes))
-    stop = threading.Event()
+class _HeadHasher:
+    """While a layout is planned (CPU only, the disk idle), a thread reads rows from `first_row`
+    on in source order and folds them into the table's SHA-256, so the write hashes only the rest.
+    The first rows, up to a quarter of the memory available, stay in the page cache for the write
+    to read again without the disk; later ones are dropped once hashed (a hint either way)."""
 
-    def warm() -> None:
-        for start in range(first_row, first_row + budget // max(1, source.row_bytes), rows_per_step):
-            if stop.is_set():
-                return
-            source.prefetch(start, min(start + rows_per_step, first_row + num_rows))
+    def __init__(self, source: TableSource, first_row: int, num_rows: int):
+        self.source, self.first_row, self.num_rows = source, first_row, num_rows
+        self.digest, self.rows = hashlib.sha256(), 0
+        self.cached_rows = _available_memory() // WARM_SHARE_OF_AVAILABLE // max(1, source.row_bytes)
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="convert-head", daemon=True)
 
-    thread = threading.Thread(target=warm, name="convert-warm", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
+    def __enter__(self) -> "_HeadHasher":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        step = max(1, WARM_STEP_BYTES // max(1, self.source.row_bytes))
+        buffer = np.empty((step, self.source.row_bytes), dtype=np.uint8)
+        try:
+            while self.rows < self.num_rows and not self._stop.is_set():
+                start = self.first_row + self.rows
+                stop = min(start + step, self.first_row + self.num_rows)
+                self.source.prefetch(stop, stop + step)
+                self.digest.update(self.source.read_rows(start, stop, out=buffer[:stop - start]))
+                if self.rows >= self.cached_rows:
+                    self.source.drop_cached(start, stop)
+                self.rows += stop - start
+        except BaseException as exc:  # the write reads and reports the source itself
+            self._error = exc
+
+    def hashed(self) -> tuple[Any, int]:
+        """(the running SHA-256, rows folded into it); call after the block. Nothing is kept
+        where the thread failed: the write reads the source again and raises there."""
+        return (hashlib.sha256(), 0) if self._error is not None else (self.digest, self.rows)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -222,9 +239,11 @@ class RowRange:
 
 def convert(source: TableSource, out: str | Path, options: WriteOptions | None = None, *,
             layout: TableLayout | None = None, rows: RowRange | None = None,
-            progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+            progress: Callable[[int], None] | None = None,
+            plan: Callable[[], TableLayout] | None = None) -> dict[str, Any]:
     """Write `rows` of `source` (all by default) to `out` and its manifest, in `layout`'s order
-    (source order by default). Returns the manifest.
+    (source order by default), or in the order `plan()` returns: the source's head is then read
+    and hashed while it plans. Returns the manifest.
 
     Both files appear at their names only when complete (temporary names, fsync, rename); on any
     failure nothing is left behind, and a rerun removes what a killed run left. With
@@ -234,8 +253,16 @@ def convert(source: TableSource, out: str | Path, options: WriteOptions | None =
     out = Path(out)
     manifest_out = manifest_path(out)
     check_outputs(source, (out, manifest_out))
+    head = None
+    if plan is not None:
+        if layout is not None:
+            raise ValueError("convert takes a layout or a plan, not both")
+        num_rows = source.num_rows - rows.first_row if rows.num_rows is None else rows.num_rows
+        with _HeadHasher(source, rows.first_row, num_rows) as hasher:
+            layout = plan()
+        head = hasher.hashed()
     with output_lock(out):
-        return _convert_locked(source, out, manifest_out, options, layout, rows, progress)
+        return _convert_locked(source, out, manifest_out, options, layout, rows, progress, head)
 
 
 def _is_ple_prep_output(path: Path) -> bool:
@@ -265,7 +292,7 @@ def check_outputs(source: TableSource, targets: tuple[Path, ...]) -> None:
 
 def _convert_locked(source: TableSource, out: Path, manifest_out: Path, options: WriteOptions,
                     layout: TableLayout | None, rows: RowRange,
-                    progress: Callable[[int], None] | None) -> dict[str, Any]:
+                    progress: Callable[[int], None] | None, head: tuple[Any, int] | None) -> dict[str, Any]:
     resumable = _find_resumable(out) if options.resume else None
     for final in (out, manifest_out, progress_name(out)):
         remove_stale_partials(final, keep=resumable and (resumable.data, resumable.journal))
@@ -318,7 +345,7 @@ def _convert_locked(source: TableSource, out: Path, manifest_out: Path, options:
             os.rename(resumable.journal, temporary_journal)
         output = _Output(temporary_data, temporary_journal, header, prefix, run, resumable)
         del prefix  # the output holds it until the head is written
-        checksums, table_sha256 = _write_data(source, layout.order, output, progress)
+        checksums, table_sha256 = _write_data(source, layout.order, output, progress, head)
         manifest = _manifest(source, header, checksums, table_sha256, out.name, layout, fingerprint)
         if rows.tp_size is not None:
             manifest["tensor_parallel"] = {"rank": rows.tp_rank, "size": rows.tp_size}
@@ -391,7 +418,8 @@ class _ChunkReader:
 
 
 def _write_data(source: TableSource, order: RowOrder, output: _Output,
-                progress: Callable[[int], None] | None) -> tuple[dict[str, Any], str]:
+                progress: Callable[[int], None] | None,
+                head: tuple[Any, int] | None = None) -> tuple[dict[str, Any], str]:
     """Stream the rows into the partial file; returns the checksums and the sha256 of the rows read.
 
     Four stages overlap, each on its own thread so each stays in order: reading runs up to
@@ -405,13 +433,15 @@ def _write_data(source: TableSource, order: RowOrder, output: _Output,
 
     Each finished checksum block is fsynced and then listed in the progress journal, so that
     `resume` can continue after the blocks a killed run wrote (they are re-read and re-checked).
+    `head`, a SHA-256 already fed the first rows and their count, is continued by an access-ordered
+    write (a source-order one hashes from the start).
     """
     header = output.header
     pages_per_block = CHECKSUM_BLOCK_BYTES // header.page_size
     pages_per_chunk = max(1, pages_per_block // CHUNKS_PER_CHECKSUM_BLOCK)
     header_crc = zlib.crc32(output.prefix)
     if order.num_placed:
-        return _write_access_ordered(source, order, output, header_crc, pages_per_chunk, progress)
+        return _write_access_ordered(source, order, output, header_crc, pages_per_chunk, progress, head)
     block_crcs, table_digest = _verified_blocks(output, header_crc, progress)
     first_slot, _ = rows_in_block(header, len(block_crcs), CHECKSUM_BLOCK_BYTES)
     rows_per_chunk = pages_per_chunk * header.rows_per_page
@@ -468,7 +498,8 @@ def _write_data(source: TableSource, order: RowOrder, output: _Output,
 
 
 def _write_access_ordered(source: TableSource, order: RowOrder, output: _Output, header_crc: int,
-                          pages_per_chunk: int, progress: Callable[[int], None] | None) -> tuple[dict[str, Any], str]:
+                          pages_per_chunk: int, progress: Callable[[int], None] | None,
+                          head: tuple[Any, int] | None) -> tuple[dict[str, Any], str]:
     """`_write_data` for a table with placed rows: one pass over the source (offline/ordered.py).
     Its journal names the run but lists no block, so a resume starts afresh."""
     header = output.header
@@ -478,7 +509,7 @@ def _write_access_ordered(source: TableSource, order: RowOrder, output: _Output,
         output.prefix = None
         os.ftruncate(descriptor, header.file_size)
         crcs, table_digest = write_access_ordered(source, order, header, descriptor, output.path,
-                                                  pages_per_chunk, CHECKSUM_BLOCK_BYTES, progress)
+                                                  pages_per_chunk, CHECKSUM_BLOCK_BYTES, progress, head)
     finally:
         os.close(descriptor)
         journal.close()
