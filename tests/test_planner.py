@@ -9,7 +9,7 @@ from ple_prep.core.errors import BadInput
 from ple_prep.format.header import ORDER_BYTES_PER_PLACED
 from ple_prep.format.order import lookup_index_bytes
 from ple_prep.ngram import rows_of_mixed
-from ple_prep.offline.planner import _pack, max_placed_rows, plan_for_source, plan_order, residency_hints
+from ple_prep.offline.planner import _hot_groups, _pack, max_placed_rows, plan_for_source, plan_order, residency_hints
 from ple_prep.offline.profile import Profiler, profile_files
 from ple_prep.offline.writer import convert
 from ple_prep.runtime import open_table
@@ -182,6 +182,19 @@ def test_convert_places_the_heldout_parts_groups_and_hints_come_from_a_plan_with
     train_only = plan_order(profile, source.num_rows, 25, max_placed=source.num_rows).order
     assert list(layout.residency) == residency_hints(train_only, profile, row_bytes=160, rows_per_page=25,
                                                      page_size=4096)
+
+
+def test_groups_of_both_parts_rank_by_their_summed_counts(source_and_profile):
+    _, profile = source_and_profile
+    summed = {}
+    for part in profile.parts.values():
+        for order, (keys, counts) in part.groups.items():
+            for key, count in zip(keys.tolist(), counts.tolist()):
+                summed[order, key] = summed.get((order, key), 0) + count
+    assert len(summed) > len(profile.parts["train"].groups[2][0]) + len(profile.parts["train"].groups[3][0])
+    expected = sorted(summed, key=lambda group: (-summed[group], group[0], group[1]))
+    keys, orders = _hot_groups(profile, ("train", "heldout"))
+    assert list(zip(orders.tolist(), keys.tolist())) == expected
 
 
 def _merged_groups(profile):
