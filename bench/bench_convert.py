@@ -18,9 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -51,12 +53,30 @@ def build_checkpoint(folder: Path, base: int, num_files: int) -> Path:
     return checkpoint
 
 
-def run_timed(command: list[str], stdout=subprocess.DEVNULL) -> tuple[float, int, bytes]:
-    """(seconds, peak RSS bytes, stdout) of one child process, measured on that child alone."""
+def run_timed(command: list[str], stdout=subprocess.DEVNULL,
+              min_free: tuple[Path, int] | None = None) -> tuple[float, int, bytes]:
+    """(seconds, peak RSS bytes, stdout) of one child process, measured on that child alone. With
+    `min_free` (folder, bytes), the child is killed when the folder's disk has less free space
+    (the disk is shared: a benchmark must never fill it)."""
     started = time.perf_counter()
     process = subprocess.Popen(command, stdout=stdout, stderr=subprocess.PIPE, cwd=REPO)
+    done, starved = threading.Event(), threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.5):
+            if shutil.disk_usage(min_free[0]).free < min_free[1]:
+                starved.set()
+                process.kill()
+                return
+
+    watcher = threading.Thread(target=watch, daemon=True) if min_free else None
+    if watcher is not None:
+        watcher.start()
     _, status, usage = os.wait4(process.pid, 0)
     seconds = time.perf_counter() - started
+    done.set()
+    if starved.is_set():
+        raise SystemExit(f"{command[0]} killed: less than {min_free[1] / 2**30:.1f} GiB free on {min_free[0]}")
     process.returncode = os.waitstatus_to_exitcode(status)
     error = process.stderr.read()
     if process.returncode:

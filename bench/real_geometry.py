@@ -41,11 +41,24 @@ from ple_prep.tools.fixtures import fixture_config  # noqa: E402
 
 CLI = [sys.executable, "-m", "ple_prep"]
 ROW_BYTES = 90  # IQ4_NL: 5 blocks of 18 bytes
+# The disk is shared: a step that writes needs its file's size and this much more free before it
+# starts, and is killed (its files removed) when free space falls below the floor while it runs.
+SPARE_BYTES = 4 << 30
+FLOOR_BYTES = 1 << 30
 
 
-def step(name: str, command: list[str], results: dict, stdout=subprocess.DEVNULL) -> None:
-    """Run one child; its seconds and peak RSS (the largest process of its tree) into results."""
-    seconds, rss, _ = run_timed(command, stdout=stdout)
+def check_room(folder: Path, needed: int) -> None:
+    free = shutil.disk_usage(folder).free
+    if free < needed + SPARE_BYTES:
+        raise SystemExit(f"{folder}: {free / 2**30:.1f} GiB free, a step needs {needed / 2**30:.1f} GiB "
+                         f"and {SPARE_BYTES / 2**30:.0f} GiB to spare; nothing written")
+
+
+def step(name: str, command: list[str], results: dict, stdout=subprocess.DEVNULL,
+         watch: Path | None = None) -> None:
+    """Run one child; its seconds and peak RSS (the largest process of its tree) into results.
+    `watch`: a folder whose disk must keep FLOOR_BYTES free while it runs."""
+    seconds, rss, _ = run_timed(command, stdout=stdout, min_free=(watch, FLOOR_BYTES) if watch else None)
     results[name] = {"seconds": round(seconds, 2), "peak_rss_mib": round(rss / 2**20, 1)}
     print(f"{name}: {seconds:.1f} s, peak RSS {rss / 2**20:.0f} MiB", file=sys.stderr)
 
@@ -120,10 +133,15 @@ def main() -> None:
         order = ("copy", "convert") if index % 2 == 0 or index == args.rounds - 1 else ("convert", "copy")
         for name in order:
             evict(model)
+            check_room(args.dir, model.stat().st_size)
             if name == "copy":
                 with open(copy, "wb") as handle:
                     started = time.perf_counter()
-                    run_timed(["cat", str(model)], stdout=handle)
+                    try:
+                        run_timed(["cat", str(model)], stdout=handle, min_free=(args.dir, FLOOR_BYTES))
+                    except SystemExit:
+                        copy.unlink()
+                        raise
                     os.fsync(handle.fileno())
                     pair["copy_s"] = round(time.perf_counter() - started, 2)
                 evict(copy)
@@ -131,8 +149,14 @@ def main() -> None:
             else:
                 last = index == args.rounds - 1
                 measured: dict = {}
-                step("convert", CLI + ["convert", "--model", str(model), "--profile", str(profile), "--out", str(table),
-                                       "--map-fraction", str(args.map_fraction), "--force", "--quiet"], measured)
+                try:
+                    step("convert", CLI + ["convert", "--model", str(model), "--profile", str(profile), "--out",
+                                           str(table), "--map-fraction", str(args.map_fraction), "--force", "--quiet"],
+                         measured, watch=args.dir)
+                except SystemExit:
+                    for partial in args.dir.glob(f".{table.name}*.partial"):
+                        partial.unlink()
+                    raise
                 pair["convert_s"], pair["convert_peak_rss_mib"] = (measured["convert"]["seconds"],
                                                                    measured["convert"]["peak_rss_mib"])
                 if not last:

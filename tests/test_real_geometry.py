@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -44,3 +46,14 @@ def test_real_geometry_script_at_one_eighth_of_the_model(tmp_path):
     results = _run(tmp_path, "--base", "2500000", "--keep")
     assert results["convert"]["layout"]["num_placed"] >= 1_000_000
     _check(results, tmp_path)
+
+
+def test_a_benchmark_step_is_killed_when_its_disk_runs_short(tmp_path):
+    sys.path.insert(0, str(SCRIPT.parent))
+    from bench_convert import run_timed
+
+    free = shutil.disk_usage(tmp_path).free
+    started = time.perf_counter()
+    with pytest.raises(SystemExit, match="killed: less than"):
+        run_timed(["sleep", "60"], min_free=(tmp_path, free + (1 << 40)))
+    assert time.perf_counter() - started < 30
