@@ -54,7 +54,9 @@ def verify(path: str | Path, model: str | Path | None = None, *, sample: int | N
     # No table at all (missing, a folder, a FIFO) is bad input, not a failed check.
     os.close(open_regular(path, "table"))
     try:
-        table = open_table(path)
+        # Each row is read once: a host cache (populated up front, runtime/hostcache.py) would
+        # only add its budget to this process's memory.
+        table = open_table(path, host_cache_bytes=0)
     except BadInput as exc:
         # The manifest is sound but the data file is refused (a damaged header or order map, a
         # wrong size): that is a failed check of the file, reported with the header's checksum.
