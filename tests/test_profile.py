@@ -243,7 +243,7 @@ def _saved_bytes(profile, path) -> bytes:
     return path.read_bytes()
 
 
-@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("workers", [2, 3, 4])
 def test_profile_on_several_workers_equals_one_process(fp8_checkpoint, prompt_files, tmp_path, monkeypatch,
                                                        workers):
     """Files shared among worker processes, the .jsonl cut into line-aligned pieces: the same

@@ -20,6 +20,7 @@ and each input file (name, bytes, sha256, requests, tokens).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -128,16 +129,20 @@ def _sum_by_key(keys: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.nd
     return keys[starts], np.add.reduceat(counts, starts)
 
 
-def _sum_runs(runs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+def _sum_runs(runs: list[tuple[np.ndarray, np.ndarray]], pool: concurrent.futures.Executor | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
     """`_sum_by_key` of runs of sorted distinct uint64 keys with uint64 counts: with the compiled
-    helper, merged two at a time in linear passes (core/native/ngramcount.c)."""
+    helper, merged two at a time in linear passes (core/native/ngramcount.c), each round's merges
+    on `pool` when given."""
     runs = [run for run in runs if len(run[0])]
     if not runs:
         return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
     if _native is None:
         return _sum_by_key(np.concatenate([keys for keys, _ in runs]), np.concatenate([c for _, c in runs]))
     while len(runs) > 1:
-        runs = [_merged(*runs[i:i + 2]) if i + 1 < len(runs) else runs[i] for i in range(0, len(runs), 2)]
+        pairs = [runs[i:i + 2] for i in range(0, len(runs), 2)]
+        runs = list((pool.map if pool is not None else map)(lambda pair: _merged(*pair) if len(pair) > 1 else pair[0],
+                                                            pairs))
     return runs[0]
 
 
@@ -462,13 +467,17 @@ def _merged_parts(counted: list[dict[str, PartCounts]]) -> dict[str, PartCounts]
     """The sum of several counts of disjoint requests: exactly what one count of them all gives."""
     if len(counted) == 1:
         return counted[0]
-    parts = {}
-    for part in PARTS:
-        groups = {}
-        for order in counted[0][part].groups:
-            groups[order] = _sum_runs([c[part].groups[order] for c in counted])
-        parts[part] = PartCounts(sum(c[part].requests for c in counted), sum(c[part].tokens for c in counted),
-                                 groups)
+    # The merges of one round are independent: threads (the helper releases the GIL) where there
+    # are several shares, as on a machine with many cores.
+    threads = min(len(counted) // 2, default_workers())
+    with concurrent.futures.ThreadPoolExecutor(threads) if threads > 1 else contextlib.nullcontext() as pool:
+        parts = {}
+        for part in PARTS:
+            groups = {}
+            for order in counted[0][part].groups:
+                groups[order] = _sum_runs([c[part].groups[order] for c in counted], pool)
+            parts[part] = PartCounts(sum(c[part].requests for c in counted),
+                                     sum(c[part].tokens for c in counted), groups)
     return parts
 
 
