@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
+import torch
 
 from ple_prep.integrations.vllm import traffic
+from ple_prep.integrations.vllm.backend import PrefetchedRows
 from ple_prep.integrations.vllm.settings import Settings
 from ple_prep.ngram import NgramSpec, row_ids
 from ple_prep.offline.profile import load_profile
@@ -79,3 +82,24 @@ def test_read_ahead_off_feeds_nothing(served):
     traffic.serve(served, 0, Settings("/t.bin", read_ahead=False), record=False)
     traffic.on_schedule(Schedule([NewRequest("r1", list(range(200)))], {"r1": 10}))
     assert traffic._SERVED.worker is None and traffic._SERVED.jobs == {}
+
+
+@pytest.mark.needs_helper
+def test_a_failed_step_is_raised_by_the_next_schedule(served):
+    """A FULL CUDA graph replays the lookup without calling the plugin: the schedule's update raises
+    the failed step's error (naming the id) in vLLM's worker, once, and the next schedule passes."""
+    table = served
+    rows = PrefetchedRows(table, device="cpu", resident_bytes=0, max_tokens=4, heads=16)
+    try:
+        traffic.watch(rows)
+        ids = torch.from_numpy(np.arange(16, dtype=np.int64).reshape(1, 16) + table.first_row)
+        ids[0, 3] = table.first_row + table.num_rows + 5
+        rows.start(ids)  # no finish: a graph replay's Python calls are none
+        deadline = time.monotonic() + 30
+        while rows.pending_error() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(IndexError, match=f"row id {table.first_row + table.num_rows + 5} is outside"):
+            traffic.on_schedule(Schedule([], {}))
+        traffic.on_schedule(Schedule([], {}))
+    finally:
+        rows.close()

@@ -121,6 +121,12 @@ class PrefetchedRows:
         """The error of a failed step not raised yet (StepLookup.pending_error)."""
         return self.source.pending_error() if self.graph_safe else None
 
+    def check(self) -> None:
+        """Raise the error of a failed step not raised yet (StepLookup.check); without the helper
+        `finish` raises its errors itself."""
+        if self.graph_safe:
+            self.source.check()
+
     def close(self) -> None:
         self.source.close()
 

@@ -101,7 +101,7 @@ class StatsLog:
     """Every `seconds`, the lookup's counts since the last time: a log line (when there were steps)
     and the Prometheus counters; `flush` does it now. A failed step is logged within
     ERROR_POLL_SECONDS, naming its cause, whether or not the caller has been told yet (in a FULL
-    CUDA graph no call of the plugin runs until the next step that is not one)."""
+    CUDA graph no call of the plugin runs: the next step's schedule raises it, traffic.py)."""
 
     def __init__(self, prefix: str, rows, seconds: float):
         # A weak reference: the thread must not keep the lookup (its buffers, its reader) alive.

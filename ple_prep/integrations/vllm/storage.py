@@ -145,6 +145,7 @@ class PreparedTableEmbedding(Qwen4ExpPLEEmbedding):
         # Read-ahead and recording fed from the schedule (traffic.py); one process records a replica's traffic.
         traffic.serve(table, self.rows.source.num_resident, settings,
                       record=self.tp_rank == 0 and data_parallel_rank == 0)
+        traffic.watch(self.rows)
         self.quant_method = _CheckedAfterLoading(embedding_method)
         self._output_dim = num_ngram_heads * embedding_dim
         self._shard_rows_dropped = 0

@@ -4,7 +4,8 @@ The seam: `GPUModelRunner._update_states(scheduler_output)` of vLLM 0.33.0
 (vllm/v1/worker/gpu_model_runner.py), which every worker runs once per step before the model runs.
 `install` wraps it (once, in each worker process, when vLLM imports that module: the plugin's
 import hook in __init__.py) to call `on_schedule` first; nothing else of vLLM is changed, and with
-no table configured nothing is registered and the wrapper only returns. From the scheduler's
+no table configured nothing is registered and the wrapper only returns. It also raises there the
+error of a lookup's failed step (`watch`), which FULL graph replays cannot raise. From the scheduler's
 output it reads `scheduled_new_reqs` (each new request's `prompt_token_ids` and
 `num_computed_tokens`, what a prefix-cache hit already holds), `num_scheduled_tokens` (the size of
 the first chunk, which runs now) and `finished_req_ids`.
@@ -26,6 +27,7 @@ import concurrent.futures
 import hashlib
 import logging
 import os
+import weakref
 from typing import Any
 
 import numpy as np
@@ -45,6 +47,8 @@ class _Served:
         self.recorder: TrafficRecorder | None = None
         self.jobs: dict[str, list] = {}
         self.worker: concurrent.futures.ThreadPoolExecutor | None = None
+        # The storages' lookups, whose failed steps each schedule raises (`watch`).
+        self.lookups: weakref.WeakSet = weakref.WeakSet()
 
 
 _SERVED = _Served()
@@ -82,9 +86,19 @@ def _tokenizer_sha256() -> str | None:
     return digest.hexdigest()
 
 
+def watch(rows) -> None:
+    """Raise the error of a failed step of `rows` (PrefetchedRows) at the next schedule: a run of
+    FULL CUDA graphs replays the lookup with no call of the plugin, which would otherwise raise it
+    only at the next step that is not one. Raised there, it fails vLLM's step with the cause."""
+    _SERVED.lookups.add(rows)
+
+
 def on_schedule(scheduler_output: Any) -> None:
-    """One step's schedule: read ahead the new requests' later chunks; record; cancel finished ones."""
+    """One step's schedule: raise a failed lookup's error; read ahead the new requests' later
+    chunks; record; cancel finished ones."""
     served = _SERVED
+    for rows in list(served.lookups):
+        rows.check()
     if served.spec is None:
         return
     for request_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
