@@ -2,11 +2,12 @@
 the counts merged exactly (sums of integer counts, in any order).
 
 Pieces are whole files, except that a large .jsonl is cut at line boundaries (so one big log file
-still uses every core). Each worker hashes one share (pieces of about equal bytes) with one
-`Profiler`, reusing its working memory throughout, and hands back its counts; the parent adds
-them up. Tokenizing happens in the workers too (each loads the tokenizer
-once). Workers are forked: they start in milliseconds and inherit the imported modules, and the
-parent has started no tokenizer threads before forking.
+still uses every core). The pieces are cut into shares of about equal bytes, one a core: the
+calling process hashes the first, a worker process each other one, each with one `Profiler`
+reusing its working memory throughout; the workers hand back their counts and the parent adds
+them up. Tokenizing happens in each process (each loads the tokenizer once). Workers are forked
+before the parent's own share begins: they start in milliseconds and inherit the imported
+modules, and the parent has started no tokenizer threads yet.
 """
 from __future__ import annotations
 
@@ -111,17 +112,16 @@ def profile_pieces(profile_share: Callable[..., dict[str, Any]], write_share: Ca
                    heldout_every: int, pieces: list[Piece], workers: int,
                    progress: Callable[[int], None] | None) -> list[dict[str, Any]]:
     """The results of `profile_share(model_dir, spec, heldout_every, pieces[, progress])` over
-    shares of the pieces, in piece order, each piece's sha256 filled in; `workers` processes (1:
-    this process). A worker hands its result back through `write_share` into a folder that
-    `read_share` reads (plain data: the counts never travel pickled). The three functions must be
-    module-level (the workers import them)."""
+    `workers` shares of the pieces, in piece order, each piece's sha256 filled in: the first share
+    in this process, each other in a worker process of its own. A worker hands its result back
+    through `write_share` into a folder that `read_share` reads (plain data: the counts never
+    travel pickled). The three functions must be module-level (the workers import them)."""
     split_files = sorted({p.path for p in pieces if not p.whole})
-    if workers <= 1 or len(pieces) == 1:
-        shares = [list(range(len(pieces)))]
+    shares = _shares(pieces, workers) if workers > 1 else [list(range(len(pieces)))]
+    if len(shares) == 1:
         results = [profile_share(model_dir, spec, heldout_every, pieces, progress)]
         digests = {path: file_sha256(path, "prompt file") for path in split_files}
     else:
-        shares = _shares(pieces, workers)
         results = [None] * len(shares)
         context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
                                               else "spawn")
@@ -134,24 +134,34 @@ def profile_pieces(profile_share: Callable[..., dict[str, Any]], write_share: Ca
         gc.freeze()
         try:
             with tempfile.TemporaryDirectory(prefix="ple-prep-profile-", dir=scratch_root) as scratch, \
-                    concurrent.futures.ProcessPoolExecutor(len(shares), mp_context=context, initializer=_inherit,
-                                                           initargs=(done,)) as pool:
+                    concurrent.futures.ProcessPoolExecutor(len(shares) - 1, mp_context=context, initializer=_inherit,
+                                                           initargs=(done,)) as pool, \
+                    concurrent.futures.ThreadPoolExecutor(1) as hashing:
                 folders = [Path(scratch) / str(n) for n in range(len(shares))]
                 futures = {pool.submit(_share_into, profile_share, write_share, folders[n], n, model_dir, spec,
                                        heldout_every, [pieces[i] for i in share]): n
-                           for n, share in enumerate(shares)}
-                # The files cut into pieces are hashed whole here while the workers run.
-                digests = {path: file_sha256(path, "prompt file") for path in split_files}
-                reported, waiting = 0, set(futures)
+                           for n, share in enumerate(shares) if n}
+                # The files cut into pieces are hashed whole on a thread (hashlib releases the GIL),
+                # share 0 is profiled here, while the workers profile the others.
+                digests = hashing.submit(lambda: {path: file_sha256(path, "prompt file") for path in split_files})
+                reported = 0
+
+                def advance(tokens: int) -> None:
+                    nonlocal reported
+                    if progress is not None:
+                        progress(tokens + sum(done) - reported)
+                        reported = sum(done)
+
+                results[0] = profile_share(model_dir, spec, heldout_every, [pieces[i] for i in shares[0]], advance)
+                waiting = set(futures)
                 while waiting:
                     finished, waiting = concurrent.futures.wait(waiting, PROGRESS_SECONDS,
                                                                 concurrent.futures.FIRST_COMPLETED)
                     for future in finished:
                         future.result()
                         results[futures[future]] = read_share(folders[futures[future]])
-                    if progress is not None:
-                        progress(sum(done) - reported)
-                        reported = sum(done)
+                    advance(0)
+                digests = digests.result()
         finally:
             gc.unfreeze()
     for share, result in zip(shares, results):
