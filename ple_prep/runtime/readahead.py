@@ -104,12 +104,13 @@ class CachedDiskTier:
         """Counts since open: rows looked up in the cache (`host_cache_hits` + `host_cache_misses`),
         rows and pages demand reads took from the disk, rows read ahead, and `read_ahead_coverage`,
         the share of rows looked up that read-ahead had brought."""
-        cache = self.cache
-        looked_up = cache.hits + cache.misses
-        return {"host_cache_hits": cache.hits, "host_cache_misses": cache.misses, "disk_rows_read": self.rows_read,
-                "disk_pages_read": self.pages_read, "read_ahead_rows_read": self.ahead_rows_read,
-                "read_ahead_hits": cache.read_ahead_hits, "host_cache_pinned": cache.pinned,
-                "read_ahead_coverage": cache.read_ahead_hits / looked_up if looked_up else 0.0}
+        cache = self.cache.counts()  # one consistent reading
+        looked_up = cache["hits"] + cache["misses"]
+        return {"host_cache_hits": cache["hits"], "host_cache_misses": cache["misses"],
+                "disk_rows_read": self.rows_read, "disk_pages_read": self.pages_read,
+                "read_ahead_rows_read": self.ahead_rows_read, "read_ahead_hits": cache["read_ahead_hits"],
+                "host_cache_pinned": cache["pinned"],
+                "read_ahead_coverage": cache["read_ahead_hits"] / looked_up if looked_up else 0.0}
 
     def gather_slots(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """uint8 `(len(slots), row_bytes)`: the rows at these file slots, in request order."""
