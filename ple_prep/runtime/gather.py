@@ -170,9 +170,7 @@ class Gatherer:
             self.direct.close()
             self.direct = None
         self._units = None
-        # The row order's arrays are views of the mapping: held, they would keep the file mapped
-        # (and its read pages pinned in the page cache) after the table's close.
-        self._order = None
+        self._order = None  # its arrays are views of the mapping, which they would keep open
         self._mapping = None
         self._view = None
         if self._pool is not None:
