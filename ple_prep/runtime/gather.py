@@ -169,10 +169,8 @@ class Gatherer:
         if self.direct is not None:
             self.direct.close()
             self.direct = None
-        self._units = None
-        self._order = None  # its arrays are views of the mapping, which they would keep open
-        self._mapping = None
-        self._view = None
+        # The row order's arrays are views of the mapping, which they would keep open.
+        self._units = self._order = self._mapping = self._view = None
         if self._pool is not None:
             self._pool.shutdown()
             self._pool, self._pool_threads = None, 0
