@@ -5,7 +5,8 @@
 
 Two tables open on the same file with the direct read path: one with open_table's default host
 cache, one with none (`host_cache_bytes=0`, the plugin before the cache served StepLookup); a
-StepLookup on the CPU for each (the same C thread as on a GPU; the host does the device's part),
+StepLookup on the CPU for each (the same C thread as on a GPU; the host does the device's part;
+`--device cuda` runs it on a GPU),
 its resident tier the hottest 1% of the table's rows. The disk is shared and its speed drifts, so
 the two sides alternate step by step (which goes first swapped each time) and each ratio compares
 neighbours. The file is evicted from the page cache once, then the slots of every id the run
@@ -60,12 +61,14 @@ def expected_bits(table, ids: np.ndarray) -> np.ndarray:
 def step(lookup: StepLookup, ids: np.ndarray) -> tuple[float, float, np.ndarray]:
     """(wall us, the service thread's us, the values' bf16 bits) of one step of `ids`."""
     before = lookup.stats()["host_ns"]
-    tensor = torch.from_numpy(ids)
+    tensor = torch.from_numpy(ids).to(lookup.device)
     started = time.perf_counter_ns()
     lookup.start(tensor)
     values = lookup.finish()
+    if lookup.device.type == "cuda":
+        torch.cuda.synchronize(lookup.device)
     wall = (time.perf_counter_ns() - started) / 1e3
-    return wall, (lookup.stats()["host_ns"] - before) / 1e3, values.view(torch.int16).numpy()
+    return wall, (lookup.stats()["host_ns"] - before) / 1e3, values.view(torch.int16).cpu().numpy()
 
 
 def main() -> None:
@@ -75,6 +78,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--resident-fraction", type=float, default=0.01)
+    parser.add_argument("--device", default="cpu", help="cuda: the same steps on a GPU (the wall then adds its copy)")
     args = parser.parse_args()
     path = args.table
     tables = {"host_cache": open_table(path, read_path="direct"),
@@ -82,7 +86,7 @@ def main() -> None:
     first = tables["host_cache"]
     spec = NgramSpec.from_json(first.manifest["ngram"])
     resident = int(first.num_rows * args.resident_fraction) * first.row_bytes
-    lookups = {side: StepLookup(table, device="cpu", resident_bytes=resident, max_ids=CHUNK_TOKENS * 16)
+    lookups = {side: StepLookup(table, device=args.device, resident_bytes=resident, max_ids=CHUNK_TOKENS * 16)
                for side, table in tables.items()}
     per_round = args.chunks * CHUNK_TOKENS + 8 * args.tokens
     text = real_text_row_ids(spec, args.rounds * per_round)
@@ -122,7 +126,7 @@ def main() -> None:
         for case in ("decode_cold", "decode_warm"):
             for k, (token, bits) in enumerate(zip(tokens, token_bits)):
                 run(case, token, bits, round_index + k, False)
-    report = {"table": str(path), "rows": first.num_rows, "resident_rows": resident,
+    report = {"table": str(path), "device": args.device, "rows": first.num_rows, "resident_rows": resident,
               "host_cache_bytes": first.host_cache.cache.budget_bytes, "rounds": args.rounds,
               "chunks_per_round": args.chunks, "decode_tokens_per_round": args.tokens, "chunk_ids": CHUNK_TOKENS * 16}
     for case, by_side in results.items():

@@ -23,6 +23,7 @@ from ple_prep.tools.benchmark import cached_fraction, evict  # noqa: E402
 
 pytestmark = pytest.mark.skipif(steps._native is None, reason="needs the compiled helper")
 TIERS = ("rows_resident", "rows_page_cache", "rows_host_cache", "rows_disk")
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.fixture(scope="module")
@@ -59,21 +60,27 @@ def token_ids(reference, tokens: int, seed: int) -> np.ndarray:
 
 
 def poison(lookup) -> None:
+    """Every buffer a step rewrites: the output, the staged rows on both sides, the ids' pinned copy."""
     buffers = lookup.buffers
     lookup.output.fill_(float("nan"))
     buffers.host_rows[1:].fill(0xFF)
+    buffers.tiers[lookup.num_resident + 1:].fill_(0xFF)
     lookup.host_ids.fill(-1)
 
 
 def serve(lookup, ids: np.ndarray) -> torch.Tensor:
     poison(lookup)
-    lookup.start(torch.from_numpy(ids.reshape(-1).copy()))
-    return lookup.finish()
+    lookup.start(torch.from_numpy(ids.reshape(-1).copy()).to(lookup.device))
+    values = lookup.finish()
+    if lookup.device.type == "cuda":
+        torch.cuda.synchronize()
+    return values
 
 
-def test_rows_read_once_are_served_from_the_host_cache_on_the_next_step(reference, cold_copy):
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_read_once_are_served_from_the_host_cache_on_the_next_step(reference, cold_copy, device):
     with open_direct(cold_copy, 4 << 20) as table:
-        lookup = steps.StepLookup(table, device="cpu", resident_bytes=500 * table.row_bytes, max_ids=300 * 16)
+        lookup = steps.StepLookup(table, device=device, resident_bytes=500 * table.row_bytes, max_ids=300 * 16)
         try:
             ids = token_ids(reference, 300, 1)
             assert np.array_equal(bits(serve(lookup, ids)), expected_bits(reference, ids))
@@ -93,9 +100,10 @@ def test_rows_read_once_are_served_from_the_host_cache_on_the_next_step(referenc
             lookup.close()
 
 
-def test_read_ahead_fills_the_cache_the_step_service_reads(reference, cold_copy):
+@pytest.mark.parametrize("device", DEVICES)
+def test_read_ahead_fills_the_cache_the_step_service_reads(reference, cold_copy, device):
     with open_direct(cold_copy, 4 << 20) as table:
-        lookup = steps.StepLookup(table, device="cpu", resident_bytes=500 * table.row_bytes, max_ids=200 * 16)
+        lookup = steps.StepLookup(table, device=device, resident_bytes=500 * table.row_bytes, max_ids=200 * 16)
         try:
             chunks = [token_ids(reference, 200, seed) for seed in (11, 12, 13)]
             job = table.read_ahead([chunk.reshape(-1) for chunk in chunks], skip_slots=lookup.num_resident)
