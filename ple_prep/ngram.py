@@ -1,8 +1,7 @@
 """The model's n-gram hash: token ids to the 16 table rows each token reads (docs/MODEL.md).
 
-numpy (and the compiled helper of core/native/ where built) and no file formats (each converter reads
-its own metadata into an `NgramSpec`), so a
-serving stack can hash with the runtime alone.
+numpy (and the compiled helper of core/native/ where built) and no file formats (each converter
+reads its own metadata into an `NgramSpec`), so a serving stack can hash with the runtime alone.
 """
 from __future__ import annotations
 
