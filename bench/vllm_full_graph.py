@@ -21,6 +21,7 @@ replay, the two graphs alternating in blocks; p50 and p90 of each and their rati
   drive, every time; StepLookup's thread reads them itself, runtime/native/disk_reads.c), one
   step at a time (the host clock around a replay and a synchronize), alternating with today's eager
   path (`EmbeddingSource`: start with the device ids, the same other work, finish) on the same ids;
+  then the same with each side's table keeping open_table's default host cache (cold_host_cache);
 - exact: warm, cold and mixed (half the pages cached) steps with every buffer poisoned before each;
 - host: how long `start` and `finish` hold the host while the GPU has >= 50 ms of queued work, and
   a replay's launch;
@@ -177,12 +178,15 @@ def slot_pool_of(table, host_ids: list[np.ndarray]) -> torch.Tensor:
 
 
 def cold_section(path: Path, resident: int, decode: list[np.ndarray], chunks: list[np.ndarray], other: OtherWork,
-                 steps: int, chunk_steps: int) -> dict:
-    """Cold (O_DIRECT) FULL-graph steps against today's eager path on the same ids, one at a time."""
-    table = open_table(path, read_path="direct", host_cache_bytes=0)  # each side reads every disk row
+                 steps: int, chunk_steps: int, host_cache_bytes: int | None) -> dict:
+    """Cold (O_DIRECT) FULL-graph steps against today's eager path on the same ids, one at a time.
+    Each side opens the table itself: with a host cache (None: open_table's default budget) each
+    has its own, which keeps what that side read before and never what the other read."""
+    options = {"read_path": "direct"} | ({} if host_cache_bytes is None else {"host_cache_bytes": host_cache_bytes})
+    table, eager_table = open_table(path, **options), open_table(path, **options)
     evict(path)
     lookup = StepLookup(table, device="cuda", resident_bytes=resident, max_ids=CHUNK_TOKENS * 16)
-    eager = EmbeddingSource(table, device="cuda", resident_bytes=resident, max_ids=CHUNK_TOKENS * 16)
+    eager = EmbeddingSource(eager_table, device="cuda", resident_bytes=resident, max_ids=CHUNK_TOKENS * 16)
     report = {}
     for name, requests in (("decode", decode[:steps]), ("chunk", chunks[:chunk_steps])):
         before = lookup.stats()
@@ -225,6 +229,7 @@ def cold_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
     lookup.close()
     eager.close()
     table.close()
+    eager_table.close()
     return report
 
 
@@ -432,7 +437,10 @@ def main() -> None:
     other = OtherWork(args.layer_ms)
     chunk_other = OtherWork(args.chunk_layer_ms)
     print("cold", flush=True, file=sys.stderr)
-    report["cold"] = cold_section(args.table, resident, decode, chunks, other, args.cold_steps, args.cold_chunks)
+    report["cold"] = cold_section(args.table, resident, decode, chunks, other, args.cold_steps, args.cold_chunks, 0)
+    print("cold, host cache", flush=True)
+    report["cold_host_cache"] = cold_section(args.table, resident, decode, chunks, other, args.cold_steps,
+                                             args.cold_chunks, None)
     print(json.dumps(report["cold"]), flush=True, file=sys.stderr)
     print("warm", flush=True, file=sys.stderr)
     report["warm"] = warm_section(args.table, resident, decode, chunks, other, chunk_other, args)
