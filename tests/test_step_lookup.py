@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from support.bf16_bits import bits, expected_bits  # noqa: E402
+from support.step_calls import poison, serve, token_ids  # noqa: E402
 
 from ple_prep.format.manifest import manifest_path  # noqa: E402
 from ple_prep.ngram import row_ids  # noqa: E402
@@ -54,25 +55,7 @@ def page_cache(request, table, tmp_path):
         yield opened
 
 
-def token_ids(table, tokens: int, seed: int) -> np.ndarray:
-    return row_ids(np.random.default_rng(seed).integers(0, 5000, tokens), table.spec)
 
-
-def poison(lookup) -> None:
-    """Every buffer a step rewrites: the output, the staged rows on both sides, the ids' pinned copy."""
-    buffers = lookup.buffers
-    lookup.output.fill_(float("nan"))
-    buffers.host_rows[1:].fill(0xFF)
-    buffers.tiers[lookup.num_resident + 1:].fill_(0xFF)
-    lookup.host_ids.fill(-1)
-
-
-def serve(lookup, ids: np.ndarray) -> torch.Tensor:
-    lookup.start(torch.from_numpy(ids.reshape(-1).copy()).to(lookup.device))
-    values = lookup.finish()
-    if lookup.device.type == "cuda":
-        torch.cuda.synchronize()
-    return values
 
 
 @pytest.mark.parametrize("device", DEVICES)

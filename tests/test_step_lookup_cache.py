@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from support.bf16_bits import bits, expected_bits  # noqa: E402
+from support.step_calls import poison, serve, token_ids  # noqa: E402
 
 from ple_prep.core.errors import BadInput  # noqa: E402
 from ple_prep.format.manifest import manifest_path  # noqa: E402
@@ -55,26 +56,13 @@ def open_direct(path, host_cache_bytes: int):
         pytest.skip(str(error))
 
 
-def token_ids(reference, tokens: int, seed: int) -> np.ndarray:
-    return row_ids(np.random.default_rng(seed).integers(0, 5000, tokens), reference.spec)
-
-
-def poison(lookup) -> None:
-    """Every buffer a step rewrites: the output, the staged rows on both sides, the ids' pinned copy."""
-    buffers = lookup.buffers
-    lookup.output.fill_(float("nan"))
-    buffers.host_rows[1:].fill(0xFF)
-    buffers.tiers[lookup.num_resident + 1:].fill_(0xFF)
-    lookup.host_ids.fill(-1)
-
-
-def serve(lookup, ids: np.ndarray) -> torch.Tensor:
+def serve_poisoned(lookup, ids: np.ndarray) -> torch.Tensor:
+    """A step with every buffer it rewrites poisoned first."""
     poison(lookup)
-    lookup.start(torch.from_numpy(ids.reshape(-1).copy()).to(lookup.device))
-    values = lookup.finish()
-    if lookup.device.type == "cuda":
-        torch.cuda.synchronize()
-    return values
+    return serve(lookup, ids)
+
+
+
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -83,11 +71,11 @@ def test_rows_read_once_are_served_from_the_host_cache_on_the_next_step(referenc
         lookup = steps.StepLookup(table, device=device, resident_bytes=500 * table.row_bytes, max_ids=300 * 16)
         try:
             ids = token_ids(reference, 300, 1)
-            assert np.array_equal(bits(serve(lookup, ids)), expected_bits(reference, ids))
+            assert np.array_equal(bits(serve_poisoned(lookup, ids)), expected_bits(reference, ids))
             first = lookup.stats()
             assert first["rows_disk"] > 0 and first["rows_host_cache"] < first["rows_disk"]
             assert first["bytes_read"] == first["pages_read"] * max(4096, table.page_size)
-            assert np.array_equal(bits(serve(lookup, ids)), expected_bits(reference, ids))
+            assert np.array_equal(bits(serve_poisoned(lookup, ids)), expected_bits(reference, ids))
             lookup.check()
             second = lookup.stats()
             window = {key: second[key] - first[key] for key in second}
@@ -109,7 +97,7 @@ def test_read_ahead_fills_the_cache_the_step_service_reads(reference, cold_copy,
             job = table.read_ahead([chunk.reshape(-1) for chunk in chunks], skip_slots=lookup.num_resident)
             assert job.wait(30) and job.error is None and job.rows_read > 0
             for chunk in chunks:
-                assert np.array_equal(bits(serve(lookup, chunk)), expected_bits(reference, chunk))
+                assert np.array_equal(bits(serve_poisoned(lookup, chunk)), expected_bits(reference, chunk))
             lookup.check()
             stats = lookup.stats()
             assert stats["rows_disk"] == 0 and stats["pages_read"] == 0
@@ -158,7 +146,7 @@ def test_a_cache_far_smaller_than_a_step_evicted_by_other_threads_never_yields_w
                 thread.start()
             for step in range(60):
                 ids = token_ids(reference, 300 if step % 3 else 1, step % 7)  # repeats: hits in a tiny cache
-                if not np.array_equal(bits(serve(lookup, ids)), expected_bits(reference, ids)):
+                if not np.array_equal(bits(serve_poisoned(lookup, ids)), expected_bits(reference, ids)):
                     errors.append(f"step {step}")
             lookup.check()
             stats = lookup.stats()
@@ -181,7 +169,7 @@ def test_a_step_lookup_on_a_table_without_a_host_cache_reads_every_cold_row(refe
             assert lookup.host_cache is None
             ids = token_ids(reference, 50, 3)
             for _ in range(2):
-                assert np.array_equal(bits(serve(lookup, ids)), expected_bits(reference, ids))
+                assert np.array_equal(bits(serve_poisoned(lookup, ids)), expected_bits(reference, ids))
             stats = lookup.stats()
             assert stats["rows_host_cache"] == 0 and stats["rows_disk"] == stats["ids"]
         finally:
