@@ -350,7 +350,6 @@ static Py_ssize_t collect(disk_reader *reader, stage_call *call, Py_ssize_t firs
     }
     unlock_cache(reader);
     qsort(reader->keys, (size_t)missed, sizeof(uint64_t), compare_keys);
-    reader->misses = missed;
     return missed;
 }
 

@@ -22,9 +22,9 @@ typedef struct {
     int64_t *positions;      /* the step's disk positions */
     uint64_t blocks_read;    /* since the reader was opened */
     host_cache *cache;       /* the table's host cache (hostcache.h), or NULL */
-    /* The last step's disk positions served by the host cache, of those the ones read-ahead had
-     * brought (pinned), and the positions read from the file. */
-    Py_ssize_t cache_hits, read_ahead_hits, misses;
+    /* The last step's disk positions served by the host cache, and of those the ones read-ahead
+     * had brought (pinned). */
+    Py_ssize_t cache_hits, read_ahead_hits;
 } disk_reader;
 
 /* disk_reader_stage's result for a read that ended before its block did, inside the table. */
