@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from tokenizers import Tokenizer
 
 import ple_prep.ngram as ngram_module
 import ple_prep.offline.profile as profile_module
+import ple_prep.offline.profile_pool as profile_pool
 from ple_prep.converters import read_spec
 from ple_prep.core.errors import BadInput
 from ple_prep.ngram import NgramSpec, row_ids
@@ -252,6 +254,24 @@ def test_profile_on_several_workers_equals_one_process(fp8_checkpoint, prompt_fi
     one = profile_files(fp8_checkpoint, prompt_files, workers=1)
     several = profile_files(fp8_checkpoint, prompt_files, workers=workers)
     assert several.inputs == one.inputs
+    assert _saved_bytes(several, tmp_path / "several.prof") == _saved_bytes(one, tmp_path / "one.prof")
+
+
+def test_worker_results_go_to_disk_where_the_memory_folder_lacks_room(fp8_checkpoint, prompt_files, tmp_path,
+                                                                     monkeypatch):
+    """The workers' results go to the memory folder only where it has room for them (a container's
+    small /dev/shm would fail the run), else to disk, with the same profile either way."""
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    monkeypatch.setattr("ple_prep.offline.profile_pool.SHM_FOLDER", str(folder))
+    room = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
+    assert profile_pool.scratch_folder(1000) == str(folder)
+    assert profile_pool.scratch_folder(room) is None
+    monkeypatch.setattr("ple_prep.offline.profile_pool.SHM_FOLDER", str(tmp_path / "missing"))
+    assert profile_pool.scratch_folder(1000) is None
+    monkeypatch.setattr("ple_prep.offline.profile_pool.PIECE_BYTES", 2000)
+    one = profile_files(fp8_checkpoint, prompt_files, workers=1)
+    several = profile_files(fp8_checkpoint, prompt_files, workers=2)
     assert _saved_bytes(several, tmp_path / "several.prof") == _saved_bytes(one, tmp_path / "one.prof")
 
 

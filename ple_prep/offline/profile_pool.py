@@ -32,6 +32,11 @@ PIECE_BYTES = 32 << 20
 MIN_PARALLEL_BYTES = 8 << 20
 # How often the progress of the workers is read.
 PROGRESS_SECONDS = 0.5
+# Where the workers' results go when it has room: a tmpfs, read back at once, never worth a disk write.
+SHM_FOLDER = "/dev/shm"
+# The most a share's result takes per byte of its input (a token is at least 4 input bytes, and adds
+# at most two n-gram keys and their counts, 32 bytes), for the room asked of SHM_FOLDER.
+RESULT_BYTES_PER_INPUT_BYTE = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +104,19 @@ def _shares(pieces: list[Piece], count: int) -> list[list[int]]:
     return [list(range(a, b)) for a, b in zip(edges[:-1], edges[1:]) if b > a]
 
 
+def scratch_folder(input_bytes: int) -> str | None:
+    """SHM_FOLDER where it is writable and has room for the results of `input_bytes` of input (a
+    small tmpfs, a container's 64 MB /dev/shm say, would fail the run), else None: the temporary
+    folder on disk."""
+    try:
+        room = os.statvfs(SHM_FOLDER)
+    except OSError:
+        return None
+    if not os.access(SHM_FOLDER, os.W_OK) or room.f_bavail * room.f_frsize < RESULT_BYTES_PER_INPUT_BYTE * input_bytes:
+        return None
+    return SHM_FOLDER
+
+
 def file_sha256(path: Path, what: str) -> str:
     digest = hashlib.sha256()
     with open_input(path, what) as handle:
@@ -127,8 +145,7 @@ def profile_pieces(profile_share: Callable[..., dict[str, Any]], write_share: Ca
                                               else "spawn")
         # Tokens done per share, written by the share's worker alone, read here for the progress.
         done = context.RawArray("q", len(shares))
-        # In memory where there is a tmpfs: the shares are read back at once, never worth a disk write.
-        scratch_root = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        scratch_root = scratch_folder(sum(p.size for p in pieces))
         # Objects the workers inherit are left out of their garbage collector's passes, which would
         # otherwise write to (and so copy) every page of them.
         gc.freeze()
