@@ -3,6 +3,7 @@
 raise their cause; on a GPU, one CUDA graph replayed with new ids."""
 from __future__ import annotations
 
+import os
 import shutil
 import time
 
@@ -16,7 +17,7 @@ from support.step_calls import poison, serve, token_ids  # noqa: E402
 
 from ple_prep.format.manifest import manifest_path  # noqa: E402
 from ple_prep.ngram import row_ids  # noqa: E402
-from ple_prep.runtime import open_table  # noqa: E402
+from ple_prep.runtime import diskreader, open_table  # noqa: E402
 from ple_prep.runtime.device import steps  # noqa: E402
 from ple_prep.runtime.device.dequant import decoder_for  # noqa: E402
 from ple_prep.tools.benchmark import cached_fraction, evict  # noqa: E402
@@ -233,3 +234,24 @@ def test_start_and_finish_return_while_the_device_has_queued_work(table):
         torch.cuda.synchronize()
     finally:
         lookup.close()
+
+
+def test_the_service_reads_with_aio_on_a_block_file_system_however_fast_the_disk(fp8_table):
+    """A disk fast enough to complete the probe's reads the moment io_submit returns (a virtual disk
+    answering from its host's cache) does not send the service to one pread at a time on ext4, xfs,
+    btrfs or f2fs, whose native AIO is asynchronous."""
+    descriptor = os.open(fp8_table, os.O_RDONLY)
+    try:
+        kind = diskreader.file_system_type(descriptor)
+    finally:
+        os.close(descriptor)
+    if kind not in diskreader.BLOCK_FILE_SYSTEMS:
+        pytest.skip(f"the test folder is on file system type {kind!r}, not a block device's")
+    with open_table(fp8_table, read_path="direct") as opened:
+        for _ in range(20):
+            lookup = steps.StepLookup(opened, device="cpu", resident_bytes=0, max_ids=16)
+            try:
+                assert lookup.reads_async
+            finally:
+                lookup.close()
+

@@ -66,6 +66,7 @@ def test_a_hung_pread_fails_its_step_within_the_timeout_and_the_next_step_is_exa
         lookup = steps.StepLookup(table, device="cpu", resident_bytes=0, max_ids=512)
         try:
             assert lookup.read_timeout == TIMEOUT  # the table's own
+            assert not lookup.reads_async  # FUSE completes O_DIRECT reads inside io_submit
             ids = spread_ids(table, 256, 1)
             pages = table.slot_of(ids) // table.rows_per_page
             start = table.header.data_offset + int(pages.min()) * table.page_size

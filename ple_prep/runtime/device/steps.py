@@ -324,6 +324,12 @@ class StepLookup:
                 "late_host_ns": counters["late_host_ns"], "host_ns": counters["host_ns"],
                 "copied_bytes": counters["copied_bytes"]}
 
+    @property
+    def reads_async(self) -> bool:
+        """Whether the service thread reads cold rows with native AIO, many in flight; False: one
+        pread at a time on a worker (native AIO refused, or reads completing inside io_submit: FUSE)."""
+        return bool(_native.step_service_stats(self._service)["async_reads"])
+
     def close(self) -> None:
         """Stop the service thread (after the device's queued steps, which it still serves)."""
         if self._cuda:

@@ -66,6 +66,7 @@ typedef struct {
     int32_t *flags;
     disk_reader reader;
     int has_reader;
+    int async_reads;            /* the reader's reads go through native AIO (not one pread at a time) */
     PyObject *cache;            /* the host cache's capsule (held), or NULL */
     int failure;                /* FAILED_*, under stats_lock */
     long long failure_value;    /* the id, errno (SHORT_READ), count or CUDA error */
@@ -363,6 +364,7 @@ PyObject *step_service(PyObject *self, PyObject *args)
             return NULL;
         }
         server->has_reader = 1;
+        server->async_reads = server->reader.context != 0;
         server->reader.cache = rows_cache;
         if (rows_cache) {
             Py_INCREF(cache);
@@ -420,13 +422,13 @@ PyObject *step_service_stats(PyObject *self, PyObject *args)
     pthread_mutex_lock(&server->stats_lock);
     step_stats stats = server->stats;
     pthread_mutex_unlock(&server->stats_lock);
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "steps", stats.steps, "ids", stats.ids,
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsi}", "steps", stats.steps, "ids", stats.ids,
                          "disk_positions", stats.disk_positions, "cached_positions", stats.cached_positions,
                          "host_cache_positions", stats.host_cache_positions, "read_ahead_positions",
                          stats.read_ahead_positions, "cold_steps", stats.cold_steps, "failed_steps",
                          stats.failed_steps, "late_steps", stats.late_steps, "host_ns", stats.host_ns,
                          "late_host_ns", stats.late_host_ns, "copied_bytes", stats.copied_bytes, "blocks_read",
-                         stats.blocks_read, "bytes_read", stats.bytes_read);
+                         stats.blocks_read, "bytes_read", stats.bytes_read, "async_reads", server->async_reads);
 }
 
 /* step_service_error(service, take) -> None or (kind, value, offset): the first failure since the
