@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
+from support.file_systems import skip_unless_on_a_block_file_system
 
 from ple_prep.converters import open_source
 from ple_prep.core.errors import BadInput
@@ -14,7 +15,7 @@ from ple_prep.format.layout import TableLayout
 from ple_prep.format.manifest import manifest_path
 from ple_prep.format.order import RowOrder
 from ple_prep.offline.writer import WriteOptions, convert
-from ple_prep.runtime import direct, diskreader, open_table
+from ple_prep.runtime import direct, open_table
 from ple_prep.runtime.gather import Gatherer
 from ple_prep.tools.benchmark import cached_fraction, evict
 
@@ -197,13 +198,7 @@ def test_the_default_path_reads_with_o_direct_on_a_block_file_system_however_fas
     """A fast disk (a virtual disk answering from its host's cache) can complete the probe's reads the
     moment io_submit returns, as FUSE does: on ext4, xfs, btrfs or f2fs AIO is asynchronous all the
     same, and the default stays O_DIRECT at every open."""
-    descriptor = os.open(ordered_table, os.O_RDONLY)
-    try:
-        kind = diskreader.file_system_type(descriptor)
-    finally:
-        os.close(descriptor)
-    if kind not in diskreader.BLOCK_FILE_SYSTEMS:
-        pytest.skip(f"the test folder is on file system type {kind!r}, not a block device's")
+    skip_unless_on_a_block_file_system(ordered_table)
     paths = set()
     for _ in range(40):
         with open_table(ordered_table) as table:

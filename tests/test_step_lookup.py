@@ -3,7 +3,6 @@
 raise their cause; on a GPU, one CUDA graph replayed with new ids."""
 from __future__ import annotations
 
-import os
 import shutil
 import time
 
@@ -13,11 +12,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from support.bf16_bits import bits, expected_bits  # noqa: E402
+from support.file_systems import skip_unless_on_a_block_file_system  # noqa: E402
 from support.step_calls import poison, serve, token_ids  # noqa: E402
 
 from ple_prep.format.manifest import manifest_path  # noqa: E402
 from ple_prep.ngram import row_ids  # noqa: E402
-from ple_prep.runtime import diskreader, open_table  # noqa: E402
+from ple_prep.runtime import open_table  # noqa: E402
 from ple_prep.runtime.device import steps  # noqa: E402
 from ple_prep.runtime.device.dequant import decoder_for  # noqa: E402
 from ple_prep.tools.benchmark import cached_fraction, evict  # noqa: E402
@@ -240,13 +240,7 @@ def test_the_service_reads_with_aio_on_a_block_file_system_however_fast_the_disk
     """A disk fast enough to complete the probe's reads the moment io_submit returns (a virtual disk
     answering from its host's cache) does not send the service to one pread at a time on ext4, xfs,
     btrfs or f2fs, whose native AIO is asynchronous."""
-    descriptor = os.open(fp8_table, os.O_RDONLY)
-    try:
-        kind = diskreader.file_system_type(descriptor)
-    finally:
-        os.close(descriptor)
-    if kind not in diskreader.BLOCK_FILE_SYSTEMS:
-        pytest.skip(f"the test folder is on file system type {kind!r}, not a block device's")
+    skip_unless_on_a_block_file_system(fp8_table)
     with open_table(fp8_table, read_path="direct") as opened:
         for _ in range(20):
             lookup = steps.StepLookup(opened, device="cpu", resident_bytes=0, max_ids=16)
