@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from ..dequant import decode
+from ..diskreader import BLOCK_FILE_SYSTEMS, file_system_type
 from ..readcheck import DEFAULT_READ_TIMEOUT, ReadTimeout, check_timeout
 from ..table import Table
 from .buffers import DeviceBuffers
@@ -145,7 +146,8 @@ class StepLookup:
         self.host_cache = tier.cache if tier is not None and tier.cache.handle is not None else None
         disk = (self._descriptor, header.data_offset, header.data_offset + header.num_pages * header.page_size,
                 header.page_size, READ_DEPTH, self.read_timeout,
-                None if self.host_cache is None else self.host_cache.handle)
+                None if self.host_cache is None else self.host_cache.handle,
+                file_system_type(self._descriptor) in BLOCK_FILE_SYSTEMS)
         arguments = table._gatherer._stage_arguments(self.host_ids, table.order, table.first_row, self.num_resident,
                                                      self._slots, self._host_index, buffers.host_rows,
                                                      LOOKUP_THREADS)

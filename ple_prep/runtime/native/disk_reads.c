@@ -20,7 +20,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
-#include <sys/vfs.h>
 #include <unistd.h>
 
 #include "../../core/native/rows.h"
@@ -195,18 +194,6 @@ static int completes_inside_submit(disk_reader *reader)
     return 1;
 }
 
-/* Whether `fd` is on a block device's file system (statfs f_type: ext2/3/4, xfs, btrfs, f2fs), whose
- * native AIO is asynchronous: the probe above is skipped there, since a disk fast enough (a virtual
- * disk answering from its host's cache) completes its reads the moment io_submit returns. */
-static int on_block_file_system(int fd)
-{
-    struct statfs about;
-    if (fstatfs(fd, &about) != 0)
-        return 0;
-    unsigned long type = (unsigned long)about.f_type & 0xFFFFFFFFUL;
-    return type == 0xEF53UL || type == 0x58465342UL || type == 0x9123683EUL || type == 0xF2F52010UL;
-}
-
 /* Leave the AIO context and buffer to the reads still in flight (never freed: the kernel may still
  * write into the buffer) and take new ones; without them, the worker's preads. */
 static void abandon_reads(disk_reader *reader)
@@ -224,7 +211,7 @@ static void abandon_reads(disk_reader *reader)
 }
 
 int disk_reader_open(disk_reader *reader, int fd, off_t data_offset, off_t file_end, Py_ssize_t page_size,
-                     Py_ssize_t capacity, int depth, double timeout)
+                     Py_ssize_t capacity, int depth, double timeout, int probe)
 {
     depth = depth < MAX_DEPTH ? depth : MAX_DEPTH;
     *reader = (disk_reader){.fd = fd, .data_offset = data_offset, .file_end = file_end, .depth = depth};
@@ -255,7 +242,7 @@ int disk_reader_open(disk_reader *reader, int fd, off_t data_offset, off_t file_
     aio_context_t context = 0;
     if (syscall(SYS_io_setup, depth, &context) == 0) {
         reader->context = context;
-        int synchronous = on_block_file_system(fd) ? 0 : completes_inside_submit(reader);
+        int synchronous = probe ? completes_inside_submit(reader) : 0;
         if (synchronous == -2)
             abandon_reads(reader);
         if (synchronous != 0 && reader->context) {

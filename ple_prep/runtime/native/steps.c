@@ -275,9 +275,10 @@ static void service_destroy(PyObject *capsule)
 /* step_service(flags, disk, poison_row, (threads, part_ids), device, *the arguments of stage) -> service
  * A step's stage is split over up to `threads` threads, parts of at least part_ids ids. `disk`:
  * None (rows not in the page cache fail their step) or (fd, data_offset, file_end, page_size,
- * depth, timeout, cache) for disk_reads.c (a read wait of `timeout` seconds with no progress fails
- * the step; `cache`: a host cache of hostcache_new for the table's rows, or None), the descriptor
- * held open by the caller until the service is stopped.
+ * depth, timeout, cache, aio_asynchronous) for disk_reads.c (a read wait of `timeout` seconds with
+ * no progress fails the step; `cache`: a host cache of hostcache_new for the table's rows, or None;
+ * `aio_asynchronous`: the file system is known to serve native AIO asynchronously, no probe), the
+ * descriptor held open by the caller until the service is stopped.
  * `device`: None (the thread stores READY) or (context, stream, span_address): the device address
  * of `out`'s first byte, the staged rows and index following it as in the pinned buffer. */
 PyObject *step_service(PyObject *self, PyObject *args)
@@ -293,14 +294,15 @@ PyObject *step_service(PyObject *self, PyObject *args)
     if (PyErr_Occurred() || !PyArg_ParseTuple(PyTuple_GET_ITEM(args, 3), "nn;threads must be (threads, part_ids)",
                                               &threads, &part_ids))
         return NULL;
-    int fd = -1, depth = 0;
+    int fd = -1, depth = 0, aio_asynchronous = 0;
     long long data_offset = 0, file_end = 0;
     Py_ssize_t page_size = 0;
     double timeout = 0;
     PyObject *cache = Py_None;
     if (disk != Py_None
-        && !PyArg_ParseTuple(disk, "iLLnidO;disk must be (fd, data_offset, file_end, page_size, depth, timeout, cache)",
-                             &fd, &data_offset, &file_end, &page_size, &depth, &timeout, &cache))
+        && !PyArg_ParseTuple(disk, "iLLnidOp;disk must be (fd, data_offset, file_end, page_size, depth, timeout, cache, "
+                             "aio_asynchronous)", &fd, &data_offset, &file_end, &page_size, &depth, &timeout, &cache,
+                             &aio_asynchronous))
         return NULL;
     host_cache *rows_cache = cache == Py_None ? NULL : host_cache_of(cache);
     if (cache != Py_None && !rows_cache)
@@ -356,7 +358,7 @@ PyObject *step_service(PyObject *self, PyObject *args)
     server->flags = server->flags_view.buf;
     if (fd >= 0) {
         if (disk_reader_open(&server->reader, fd, (off_t)data_offset, (off_t)file_end, page_size, server->capacity,
-                             depth, timeout) != 0) {
+                             depth, timeout, !aio_asynchronous) != 0) {
             PyErr_SetFromErrno(PyExc_OSError);
             free_stage_call(call);
             PyBuffer_Release(&server->flags_view);
