@@ -30,6 +30,7 @@ import weakref
 
 import numpy as np
 
+from ..core.fileio import on_block_file_system
 from ..format.pages import row_offsets
 from .readcheck import DEFAULT_READ_TIMEOUT, PageCheck, ReadTimeout, check_timeout, read_error
 
@@ -185,17 +186,16 @@ class DirectReader:
         self._row_type = np.dtype((np.void, header.row_bytes))
         self._new_buffer()
         self.page_check = None if page_sums is None else PageCheck(page_sums, header, self._block, self.name)
-        try:
-            self.synchronous = self._completes_inside_submit()
+        try:  # no probe where the file system's AIO is known to be asynchronous (core/fileio.py)
+            self.synchronous = not on_block_file_system(self._descriptor) and self._completes_inside_submit()
         except OSError as exc:  # a file system that opens with O_DIRECT but cannot read with it
             self.close()
             raise DirectUnavailable(exc.errno or errno.EIO, f"O_DIRECT read refused: {exc.strerror}") from None
         self.timeout = timeout
 
     def _completes_inside_submit(self) -> bool:
-        """Whether O_DIRECT reads complete inside io_submit here (FUSE, some network file systems: one
-        at a time, a hung one out of the timeout's reach): two reads of the first block each found
-        complete the moment io_submit returns (a disk's read takes tens of microseconds)."""
+        """Whether O_DIRECT reads complete inside io_submit here (FUSE, some network file systems: one at a
+        time, a hung one out of the timeout's reach): two reads of the first block done as io_submit returns."""
         with self._locked_context():
             context = self._context
             self._iocbs["offset"][0] = 0

@@ -3,7 +3,6 @@
 to the second, where the caller let the default choose, on a file system that cannot serve it."""
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import numpy as np
@@ -11,23 +10,6 @@ import numpy as np
 from ..core.errors import BadInput
 from .direct import DirectReader, DirectUnavailable
 from .pread import PREAD_THREADS, PreadReader
-
-# statfs f_type of file systems on block devices (ext2/3/4, xfs, btrfs, f2fs), whose native AIO is
-# asynchronous: their O_DIRECT reads are never served inside io_submit, which a device fast enough
-# (a virtual disk answering from its host's cache) can make the probe of DirectReader believe.
-BLOCK_FILE_SYSTEMS = frozenset({0xEF53, 0x58465342, 0x9123683E, 0xF2F52010})
-
-
-def file_system_type(descriptor: int) -> int | None:
-    """statfs's f_type of the file open at `descriptor`, or None where fstatfs cannot tell."""
-    try:
-        fstatfs = ctypes.CDLL(None, use_errno=True).fstatfs
-    except (OSError, AttributeError):
-        return None
-    result = ctypes.create_string_buffer(256)  # struct statfs: 120 bytes on 64-bit Linux, f_type first
-    if fstatfs(descriptor, result) != 0:
-        return None
-    return ctypes.c_long.from_buffer(result).value & 0xFFFFFFFF
 
 
 def open_disk_reader(read_path: str, may_fall_back: bool, descriptor: int, path: Path, header, queue_depth: int,
@@ -46,8 +28,7 @@ def open_disk_reader(read_path: str, may_fall_back: bool, descriptor: int, path:
                                f"open it with read_path='pread'") from None
             note = f"O_DIRECT unavailable ({exc.strerror}): rows are read with pread"
             read_path = "pread"
-        if direct is not None and direct.synchronous and may_fall_back \
-                and file_system_type(descriptor) not in BLOCK_FILE_SYSTEMS:
+        if direct is not None and direct.synchronous and may_fall_back:
             direct.close()
             direct = None
             note = ("O_DIRECT reads complete inside io_submit on this file system (one at a time, out of reach "

@@ -5,15 +5,15 @@ import os
 
 import pytest
 
-from ple_prep.runtime import diskreader
+from ple_prep.core import fileio
 
 
 def skip_unless_on_a_block_file_system(path) -> None:
     """Skip unless `path` is on ext4, xfs, btrfs or f2fs (native AIO asynchronous however fast the disk)."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
-        kind = diskreader.file_system_type(descriptor)
+        kind = fileio.file_system_type(descriptor)
     finally:
         os.close(descriptor)
-    if kind not in diskreader.BLOCK_FILE_SYSTEMS:
+    if kind not in fileio.BLOCK_FILE_SYSTEMS:
         pytest.skip(f"the test folder is on file system type {kind!r}, not a block device's")

@@ -40,8 +40,8 @@ import weakref
 import numpy as np
 import torch
 
+from ...core.fileio import on_block_file_system
 from ..dequant import decode
-from ..diskreader import BLOCK_FILE_SYSTEMS, file_system_type
 from ..readcheck import DEFAULT_READ_TIMEOUT, ReadTimeout, check_timeout
 from ..table import Table
 from .buffers import DeviceBuffers
@@ -147,7 +147,7 @@ class StepLookup:
         disk = (self._descriptor, header.data_offset, header.data_offset + header.num_pages * header.page_size,
                 header.page_size, READ_DEPTH, self.read_timeout,
                 None if self.host_cache is None else self.host_cache.handle,
-                file_system_type(self._descriptor) in BLOCK_FILE_SYSTEMS)
+                on_block_file_system(self._descriptor))
         arguments = table._gatherer._stage_arguments(self.host_ids, table.order, table.first_row, self.num_resident,
                                                      self._slots, self._host_index, buffers.host_rows,
                                                      LOOKUP_THREADS)
