@@ -30,6 +30,7 @@ def test_convert_planned_while_hashing_writes_the_same_table(fp8_checkpoint, tmp
     from ple_prep.format.layout import TableLayout
     from ple_prep.format.order import RowOrder
     from ple_prep.offline import writer
+    from ple_prep.offline.direct_io import DirectRows
 
     monkeypatch.setattr(writer, "WARM_STEP_BYTES", 7 * 160)
     with open_source(fp8_checkpoint) as source:
@@ -40,17 +41,17 @@ def test_convert_planned_while_hashing_writes_the_same_table(fp8_checkpoint, tmp
         rows = source.read_rows(0, source.num_rows)
         steps = -(-source.num_rows // 7) if head_steps is None else head_steps
         reads, enough = [0], threading.Event()
-        read_rows = source.read_rows
+        read = DirectRows.read
 
-        def counted(*args, **kwargs):
-            out = read_rows(*args, **kwargs)
-            if threading.current_thread().name == "convert-head":
+        def counted(self, *args, **kwargs):
+            out = read(self, *args, **kwargs)
+            if threading.current_thread().name.startswith("convert-head"):
                 reads[0] += 1
                 if reads[0] >= steps:
                     enough.set()
             return out
 
-        monkeypatch.setattr(source, "read_rows", counted)
+        monkeypatch.setattr(DirectRows, "read", counted)
 
         def plan():
             assert steps == 0 or enough.wait(30)

@@ -8,12 +8,16 @@ page cache and the write is retried.
 """
 from __future__ import annotations
 
+import bisect
 import errno
 import fcntl
 import mmap
 import os
 
 import numpy as np
+
+from ..core.errors import BadInput
+from ..core.fileio import open_regular
 
 DIRECT_IO_ALIGNMENT = 4096
 O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -63,3 +67,77 @@ def pwrite_all(descriptor: int, data: np.ndarray, offset: int) -> None:
                 continue
             raise
         view, offset = view[written:], offset + written
+
+
+class DirectRows:
+    """Rows of a source table read with O_DIRECT into page-aligned buffers, as views of them.
+
+    Reading through the page cache costs the kernel more CPU than hashing the bytes on a virtio
+    disk (BENCHMARKS.md, "Convert speed and memory"), and a source larger than RAM only churns the
+    cache. A read covers its rows' bytes widened to DIRECT_IO_ALIGNMENT at both ends, so the rows
+    start a little into the buffer. Rows that one file does not hold in one run (split-head
+    tables, a read across two segments, rows no file holds) and files that refuse O_DIRECT are
+    read by the source itself, through the page cache.
+    """
+
+    def __init__(self, source):
+        self.source = source
+        self.row_bytes = source.row_bytes
+        self.segments = list(source.parts[0]) if len(source.parts) == 1 else []
+        self.direct = bool(O_DIRECT) and bool(self.segments)
+        self._starts = [segment.first_row for segment in self.segments]
+        self._descriptors: dict = {}
+
+    def __enter__(self) -> "DirectRows":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for descriptor in self._descriptors.values():
+            os.close(descriptor)
+        self._descriptors.clear()
+
+    def buffer(self, rows: int) -> np.ndarray:
+        """A buffer that `read` can fill with up to `rows` rows."""
+        return aligned_zeros(rows * self.row_bytes + 2 * DIRECT_IO_ALIGNMENT)
+
+    def read(self, start: int, stop: int, buffer: np.ndarray) -> np.ndarray:
+        """Rows [start, stop) in source order, uint8 `(stop - start, row_bytes)`, a view of `buffer`."""
+        count = stop - start
+        if self.direct and count:
+            segment = self.segments[bisect.bisect_right(self._starts, start) - 1]
+            if segment.path is not None and stop <= segment.first_row + segment.num_rows:
+                rows = self._read_direct(segment, start, count, buffer)
+                if rows is not None:
+                    return rows
+        out = buffer[:count * self.row_bytes].reshape(count, self.row_bytes)
+        return self.source.read_rows(start, stop, out=out)
+
+    def _read_direct(self, segment, start: int, count: int, buffer: np.ndarray) -> np.ndarray | None:
+        offset = segment.offset + (start - segment.first_row) * self.row_bytes
+        skew = offset % DIRECT_IO_ALIGNMENT
+        needed = skew + count * self.row_bytes
+        view = memoryview(buffer)[:-(-needed // DIRECT_IO_ALIGNMENT) * DIRECT_IO_ALIGNMENT]
+        descriptor = self._descriptor(segment.path)
+        got = 0
+        while got < needed:
+            try:
+                read = os.preadv(descriptor, [view[got:]], offset - skew + got)
+            except OSError as exc:
+                # A file system that takes the flag but not the read: the page cache from here on.
+                if exc.errno == errno.EINVAL:
+                    self.direct = False
+                    return None
+                raise
+            if read <= 0:
+                raise BadInput(f"{segment.path.name} ended early at byte {offset - skew + got}: "
+                               f"the file was truncated")
+            got += read
+        return buffer[skew:needed].reshape(count, self.row_bytes)
+
+    def _descriptor(self, path) -> int:
+        if path not in self._descriptors:
+            descriptor = open_regular(path, "source file")
+            if not set_direct(descriptor, True):
+                self.direct = False
+            self._descriptors[path] = descriptor
+        return self._descriptors[path]

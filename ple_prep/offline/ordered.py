@@ -35,7 +35,7 @@ from ..core.fileio import read_exactly
 from ..format.header import Header
 from ..format.order import RANK_BUILD_ROWS, RowOrder
 from ..format.pages import pack_rows
-from .direct_io import aligned_zeros, pwrite_all
+from .direct_io import DirectRows, aligned_zeros, pwrite_all
 
 # Source chunks read ahead of the thread that splits them, and page chunks written behind it.
 READ_AHEAD = 2
@@ -78,11 +78,15 @@ class _PageSink:
             self.pending.popleft().result()
         pages = pack_rows(rows, self.buffers[self.count % len(self.buffers)], self.header.rows_per_page)
         self.count += 1
+        self.pending.append(self.writer.submit(self._checksum_and_write, first_page, pages))
+
+    def _checksum_and_write(self, first_page: int, pages: np.ndarray) -> None:
+        """On the writer's one thread, so the CRCs of a block's chunks fold in file order; the CRC
+        takes the CPU there rather than on the thread splitting the source."""
         block = first_page // self.pages_per_block
         if block != self.skip_block:
             self.crcs[block] = zlib.crc32(pages, self.crcs.get(block, 0))
-        offset = self.header.data_offset + first_page * self.header.page_size
-        self.pending.append(self.writer.submit(pwrite_all, self.descriptor, pages, offset))
+        pwrite_all(self.descriptor, pages, self.header.data_offset + first_page * self.header.page_size)
 
     def finish(self) -> None:
         while self.pending:
@@ -110,8 +114,9 @@ def write_access_ordered(source: TableSource, order: RowOrder, header: Header, d
     sink = _PageSink(descriptor, header, pages_per_chunk, block_bytes, meeting_block, writer)
     digest, hashed_rows = head or (hashlib.sha256(), 0)
     try:
-        held = _stream_source(source, order, header, sink, staging, bucket, chunk_rows,
-                              (prefetcher, reader, hasher, stager), (digest, hashed_rows), progress)
+        with DirectRows(source) as direct:
+            held = _stream_source(source, direct, order, header, sink, staging, bucket, chunk_rows,
+                                  (prefetcher, reader, hasher, stager), (digest, hashed_rows), progress)
         del bucket
         _write_placed(order, header, sink, staging, chunk_rows, held, reader)
         sink.finish()
@@ -124,8 +129,8 @@ def write_access_ordered(source: TableSource, order: RowOrder, header: Header, d
     return sink.crcs, digest.hexdigest()
 
 
-def _stream_source(source: TableSource, order: RowOrder, header: Header, sink: _PageSink, staging: int,
-                   bucket: np.ndarray, chunk_rows: int, threads, hashing,
+def _stream_source(source: TableSource, direct: DirectRows, order: RowOrder, header: Header, sink: _PageSink,
+                   staging: int, bucket: np.ndarray, chunk_rows: int, threads, hashing,
                    progress: Callable[[int], None] | None) -> np.ndarray | None:
     """Step 1; returns the first chunk of unplaced rows when the placed region ends inside its
     first page (the chunk's rows from its first slot, placed ones zero), for step 2 to write."""
@@ -138,16 +143,17 @@ def _stream_source(source: TableSource, order: RowOrder, header: Header, sink: _
     # Source chunks of half a write chunk: the read-ahead ring is the largest of the buffers.
     read_rows = max(1, chunk_rows // 2)
     starts = range(0, num_rows, read_rows)
-    buffers = [np.empty((read_rows, row_bytes), dtype=np.uint8) for _ in range(READ_AHEAD + 2)]
+    buffers = [direct.buffer(read_rows) for _ in range(READ_AHEAD + 2)]
 
     def read(index: int) -> np.ndarray:
         ahead = index + PREFETCH_AHEAD
-        if ahead < len(starts):
+        if ahead < len(starts) and not direct.direct:
+            # Read-ahead hints are for the page cache: a direct read bypasses it.
             prefetcher.submit(source.prefetch, first_row + starts[ahead],
                               first_row + min(starts[ahead] + read_rows, num_rows))
         start = starts[index]
         stop = min(start + read_rows, num_rows)
-        return source.read_rows(first_row + start, first_row + stop, out=buffers[index % len(buffers)][:stop - start])
+        return direct.read(first_row + start, first_row + stop, buffers[index % len(buffers)])
 
     # The page chunk being filled: pages [page, page_stop), `filled` of its rows set. The first one
     # starts at the page the placed region ends in, its first `head` slots left to step 2.

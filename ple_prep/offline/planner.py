@@ -34,7 +34,7 @@ MAX_MAP_FRACTION = 0.02
 BUDGETS_GIB = (0.25, 0.5, 1, 2, 4, 8, 16)
 BUDGETS_PERCENT = (1, 2, 5, 10, 20)
 # Groups hashed into rows per step (bounds the temporaries: 8 int64 rows a group).
-GROUP_CHUNK = 1 << 16
+GROUP_CHUNK = 1 << 14
 # Pieces turned into slot positions per step.
 PIECE_CHUNK = 1 << 18
 
@@ -135,20 +135,38 @@ def _new_rows(keys: np.ndarray, orders: np.ndarray, spec, first_row: int,
         rows = _group_rows(keys[start:start + GROUP_CHUNK], orders[start:start + GROUP_CHUNK], spec,
                            first_row, num_rows)
         flat = rows.reshape(-1)
-        inside = flat >= 0
-        bit = np.zeros(len(flat), dtype=np.uint64)
-        bit[inside] = (taken[flat[inside] >> 6] >> (flat[inside] & 63).astype(np.uint64)) & np.uint64(1)
-        candidates = np.flatnonzero(inside & (bit == 0))
-        # A row read by two groups of this chunk is new to the hotter one (the earlier position).
-        _, first_seen = np.unique(flat[candidates], return_index=True)
+        inside = np.flatnonzero(flat >= 0)
+        inside_rows = flat[inside]
+        held = (taken[inside_rows >> 6] >> (inside_rows & 63).astype(np.uint64)) & np.uint64(1)
+        candidates = inside[held == 0]
+        # A row read by two groups of this chunk is new to the hotter one (the earlier position):
+        # one sort of row and position packed in an int64 puts each row's first position first
+        # (a stable argsort of the rows, as np.unique does, costs several times more).
+        # Local rows are below 2**32 and a step's positions far below 2**31: the key fits.
+        position_bits = max(1, (len(flat) - 1).bit_length())
+        keyed = np.sort((flat[candidates] << position_bits) | candidates)
+        ascending = keyed >> position_bits
+        first = np.ones(len(keyed), dtype=bool)
+        np.not_equal(ascending[1:], ascending[:-1], out=first[1:])
         is_new = np.zeros(len(flat), dtype=bool)
-        is_new[candidates[first_seen]] = True
+        is_new[keyed[first] & ((1 << position_bits) - 1)] = True
+        _mark_taken(taken, ascending[first])
         fresh = flat[is_new]
-        np.bitwise_or.at(taken, fresh >> 6, np.uint64(1) << (fresh & 63).astype(np.uint64))
         new_rows[filled:filled + len(fresh)] = fresh
         filled += len(fresh)
-        new_per_group[start:start + len(rows)] = is_new.reshape(rows.shape).sum(axis=1)
+        new_per_group[start:start + len(rows)] = np.count_nonzero(is_new.reshape(rows.shape), axis=1)
     return new_rows[:filled], new_per_group
+
+
+def _mark_taken(taken: np.ndarray, rows: np.ndarray) -> None:
+    """Set the bits of `rows` (distinct, ascending) in the bitmap `taken`: the bits of one word
+    OR-ed together first, so each word is written once (ufunc.at is many times slower)."""
+    if not len(rows):
+        return
+    words = rows >> 6
+    bits = np.left_shift(np.uint64(1), (rows & 63).astype(np.uint64))
+    starts = np.flatnonzero(np.diff(words, prepend=-1))
+    taken[words[starts]] |= np.bitwise_or.reduceat(bits, starts)
 
 
 def _pack(sizes: np.ndarray, capacity: int, spare: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -46,7 +46,7 @@ from ..format.layout import TableLayout
 from ..format.manifest import MANIFEST_FORMAT, manifest_path, spec_digest, write_manifest
 from ..format.order import RowOrder
 from ..format.pages import pack_rows, rows_in_block
-from .direct_io import DIRECT_IO_ALIGNMENT, aligned_zeros, set_direct, write_all
+from .direct_io import DIRECT_IO_ALIGNMENT, DirectRows, aligned_zeros, set_direct, write_all
 from .ordered import write_access_ordered
 from .progress import Journal, Resumable, progress_name, truncate_after, verify_prefix
 from .progress import identity as run_identity
@@ -102,8 +102,10 @@ def _available_memory() -> int:
 class _HeadHasher:
     """While a layout is planned (CPU only, the disk idle), a thread reads rows from `first_row`
     on in source order and folds them into the table's SHA-256, so the write hashes only the rest.
-    The first rows, up to a quarter of the memory available, stay in the page cache for the write
-    to read again without the disk; later ones are dropped once hashed (a hint either way)."""
+    It reads with O_DIRECT where the source allows (`DirectRows`), as the write does: reading again
+    from the disk costs less CPU than the page cache would. Otherwise the first rows, up to a
+    quarter of the memory available, stay in the page cache for the write to read again; later
+    ones are dropped once hashed (a hint either way)."""
 
     def __init__(self, source: TableSource, first_row: int, num_rows: int):
         self.source, self.first_row, self.num_rows = source, first_row, num_rows
@@ -123,16 +125,34 @@ class _HeadHasher:
 
     def _run(self) -> None:
         step = max(1, WARM_STEP_BYTES // max(1, self.source.row_bytes))
-        buffer = np.empty((step, self.source.row_bytes), dtype=np.uint8)
+        end = self.first_row + self.num_rows
         try:
-            while self.rows < self.num_rows and not self._stop.is_set():
-                start = self.first_row + self.rows
-                stop = min(start + step, self.first_row + self.num_rows)
-                self.source.prefetch(stop, stop + step)
-                self.digest.update(self.source.read_rows(start, stop, out=buffer[:stop - start]))
-                if self.rows >= self.cached_rows:
-                    self.source.drop_cached(start, stop)
-                self.rows += stop - start
+            with DirectRows(self.source) as direct:
+                buffers = [direct.buffer(step) for _ in range(2)]
+
+                def read(start: int) -> np.ndarray:
+                    stop = min(start + step, end)
+                    if not direct.direct:
+                        self.source.prefetch(stop, stop + step)
+                    return direct.read(start, stop, buffers[(start - self.first_row) // step % 2])
+
+                # The next step is read on a thread of its own while this one is hashed: a direct
+                # read has no kernel read-ahead to overlap it. It stops before the files close.
+                reader = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                               thread_name_prefix="convert-head-read")
+                try:
+                    ahead = reader.submit(read, self.first_row)
+                    while self.rows < self.num_rows and not self._stop.is_set():
+                        rows = ahead.result()
+                        start, following = self.first_row + self.rows, self.first_row + self.rows + len(rows)
+                        if following < end:
+                            ahead = reader.submit(read, following)  # into the other buffer
+                        self.digest.update(rows)
+                        if not direct.direct and self.rows >= self.cached_rows:
+                            self.source.drop_cached(start, following)
+                        self.rows += len(rows)
+                finally:
+                    reader.shutdown(wait=True, cancel_futures=True)
         except BaseException as exc:  # the write reads and reports the source itself
             self._error = exc
 
