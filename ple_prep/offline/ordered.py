@@ -35,15 +35,18 @@ from ..core.fileio import read_exactly
 from ..format.header import Header
 from ..format.order import RANK_BUILD_ROWS, RowOrder
 from ..format.pages import pack_rows
-from .direct_io import DirectRows, aligned_zeros, pwrite_all
+from .direct_io import DIRECT_IO_ALIGNMENT, DirectRows, aligned_zeros, pwrite_all, set_direct
 
 # Source chunks read ahead of the thread that splits them, and page chunks written behind it.
 READ_AHEAD = 2
 WRITE_BEHIND = 2
 PREFETCH_AHEAD = 3
-# Chunks whose placed rows wait to be staged: the staging writes go through the page cache and
-# block when its dirty pages are throttled, so a thread of their own keeps the split running.
+# Chunks whose placed rows wait to be staged on the staging thread, which copies them into their
+# buckets' buffers and writes the full ones (the split goes on meanwhile).
 STAGE_BEHIND = 4
+# The buckets' staging buffers together (`_Staging`), and the most one bucket's may take.
+STAGE_BUFFER_BYTES = 32 << 20
+STAGE_BUFFER_MAX = 1 << 20
 
 
 def _bucket_of_rank(order: RowOrder, bucket_rows: int) -> np.ndarray:
@@ -105,9 +108,11 @@ def write_access_ordered(source: TableSource, order: RowOrder, header: Header, d
     boundary_page = order.num_placed // header.rows_per_page
     meeting_block = min(boundary_page, header.num_pages - 1) * header.page_size // block_bytes
     bucket = _bucket_of_rank(order, chunk_rows)
-    # Staged rows are small writes at any offset: through the page cache, not O_DIRECT (the
-    # kernel writes such pages back before a direct write of the same range, and drops them after).
+    # A descriptor of its own for staging (its writes and reads are aligned, so O_DIRECT where the
+    # page size allows): the page cache would take every staged byte, written once and read once.
     staging = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+    if _staging_alignment(header) > 1:
+        set_direct(staging, True)
     stages = [concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"convert-{name}")
               for name in ("prefetch", "read", "hash", "stage", "write")]
     prefetcher, reader, hasher, stager, writer = stages
@@ -162,7 +167,7 @@ def _stream_source(source: TableSource, direct: DirectRows, order: RowOrder, hea
     page_stop = min(header.num_pages, (page // sink.buffers[0].shape[0] + 1) * sink.buffers[0].shape[0])
     filled = head
     held = None
-    cursors = np.zeros(-(-num_placed // chunk_rows), dtype=np.int64)
+    staged = _Staging(staging, header, sink.buffers[0].shape[0], -(-num_placed // chunk_rows))
     placed_so_far = 0
     reads = collections.deque(reader.submit(read, i) for i in range(min(READ_AHEAD, len(starts))))
     hashes: collections.deque[concurrent.futures.Future] = collections.deque()
@@ -180,9 +185,10 @@ def _stream_source(source: TableSource, direct: DirectRows, order: RowOrder, hea
         if len(chosen):
             while len(stagings) >= STAGE_BEHIND:
                 stagings.popleft().result()
-            writes = _staged_writes(rows[chosen], bucket[placed_so_far:placed_so_far + len(chosen)], cursors,
-                                    header, sink.buffers[0].shape[0])
-            stagings.append(stager.submit(_write_staged, staging, writes))
+            # Grouped by bucket here (the read buffer is reused), appended on the staging thread.
+            buckets = bucket[placed_so_far:placed_so_far + len(chosen)]
+            by_bucket = np.argsort(buckets, kind="stable")
+            stagings.append(stager.submit(staged.append, rows[chosen[by_bucket]], buckets[by_bucket]))
             placed_so_far += len(chosen)
         # Unplaced rows are copied once, straight into the page chunk being filled.
         kept = np.flatnonzero(~placed) if len(chosen) else None
@@ -206,6 +212,7 @@ def _stream_source(source: TableSource, direct: DirectRows, order: RowOrder, hea
                 page_stop = min(header.num_pages, page + sink.buffers[0].shape[0])
         if progress is not None:
             progress(rows.nbytes)
+    stagings.append(stager.submit(staged.finish))
     for pending in (*hashes, *stagings):
         pending.result()
     return held
@@ -216,26 +223,55 @@ def _stage_offset(header: Header, bucket: int, pages_per_chunk: int) -> int:
     return header.data_offset + bucket * pages_per_chunk * header.page_size
 
 
-def _staged_writes(rows: np.ndarray, buckets: np.ndarray, cursors: np.ndarray, header: Header,
-                   pages_per_chunk: int) -> list[tuple[np.ndarray, int]]:
-    """Where placed rows (ascending row order) go, appended packed to their buckets: (rows, offset)
-    pairs, the cursors advanced."""
-    by_bucket = np.argsort(buckets, kind="stable")
-    grouped = rows[by_bucket]
-    sorted_buckets = buckets[by_bucket]
-    edges = np.flatnonzero(np.diff(sorted_buckets.astype(np.int64), prepend=-1, append=-1))
-    writes = []
-    for low, high in zip(edges[:-1].tolist(), edges[1:].tolist()):
-        number = int(sorted_buckets[low])
-        offset = _stage_offset(header, number, pages_per_chunk) + int(cursors[number]) * header.row_bytes
-        writes.append((grouped[low:high], offset))
-        cursors[number] += high - low
-    return writes
+def _staging_alignment(header: Header) -> int:
+    """What staged writes and reads are rounded to: O_DIRECT's block where pages are whole blocks
+    (a bucket's pages then end on one), else nothing (the bytes past a bucket's rows may be the next
+    region's)."""
+    return DIRECT_IO_ALIGNMENT if header.page_size % DIRECT_IO_ALIGNMENT == 0 else 1
 
 
-def _write_staged(staging: int, writes: list[tuple[np.ndarray, int]]) -> None:
-    for rows, offset in writes:
-        pwrite_all(staging, rows, offset)
+class _Staging:
+    """Placed rows appended, packed back to back, to their buckets' staging (`_stage_offset`),
+    through a buffer a bucket: a full buffer is one aligned write, so staging takes a few large
+    writes instead of one small write per bucket per chunk. `finish` writes what the buffers hold,
+    rounded up to `_staging_alignment`: the bytes past a bucket's rows lie in its own pages, which
+    step 2 writes whole. Runs on the staging thread alone."""
+
+    def __init__(self, descriptor: int, header: Header, pages_per_chunk: int, buckets: int):
+        self.descriptor, self.header, self.pages_per_chunk = descriptor, header, pages_per_chunk
+        share = STAGE_BUFFER_BYTES // max(1, buckets) // DIRECT_IO_ALIGNMENT * DIRECT_IO_ALIGNMENT
+        self.capacity = min(STAGE_BUFFER_MAX, max(DIRECT_IO_ALIGNMENT, share))
+        self.buffers = aligned_zeros(max(1, buckets) * self.capacity).reshape(max(1, buckets), self.capacity)
+        self.filled = [0] * buckets   # bytes in each bucket's buffer
+        self.written = [0] * buckets  # bytes of each bucket already in the file
+
+    def append(self, rows: np.ndarray, buckets: np.ndarray) -> None:
+        """Rows grouped by bucket (ascending row order within each), with their buckets."""
+        edges = np.flatnonzero(np.diff(buckets.astype(np.int64), prepend=-1, append=-1)).tolist()
+        data = rows.reshape(-1)
+        row_bytes = self.header.row_bytes
+        for low, high in zip(edges[:-1], edges[1:]):
+            number, piece = int(buckets[low]), data[low * row_bytes:high * row_bytes]
+            while len(piece):
+                filled = self.filled[number]
+                taken = min(self.capacity - filled, len(piece))
+                self.buffers[number, filled:filled + taken] = piece[:taken]
+                piece = piece[taken:]
+                self.filled[number] = filled + taken
+                if filled + taken == self.capacity:
+                    self._flush(number, self.capacity)
+
+    def finish(self) -> None:
+        for number, filled in enumerate(self.filled):
+            if filled:
+                align = _staging_alignment(self.header)
+                self._flush(number, -(-filled // align) * align)
+
+    def _flush(self, number: int, length: int) -> None:
+        offset = _stage_offset(self.header, number, self.pages_per_chunk) + self.written[number]
+        pwrite_all(self.descriptor, self.buffers[number, :length], offset)
+        self.written[number] += self.filled[number]
+        self.filled[number] = 0
 
 
 def _write_placed(order: RowOrder, header: Header, sink: _PageSink, staging: int, chunk_rows: int,
@@ -245,15 +281,18 @@ def _write_placed(order: RowOrder, header: Header, sink: _PageSink, staging: int
     which no other bucket's write touches)."""
     num_placed, row_bytes = order.num_placed, header.row_bytes
     pages_per_chunk = sink.buffers[0].shape[0]
-    staged = [np.empty((chunk_rows, row_bytes), dtype=np.uint8) for _ in range(2)]
+    # Read back into aligned buffers, rounded as the staging wrote them.
+    align = _staging_alignment(header)
+    staged = [aligned_zeros(-(-chunk_rows * row_bytes // align) * align) for _ in range(2)]
     in_slot_order = np.empty((chunk_rows, row_bytes), dtype=np.uint8)
     starts = range(0, num_placed, chunk_rows)
 
     def read(bucket: int) -> np.ndarray:
         count = min(chunk_rows, num_placed - starts[bucket])
-        rows = staged[bucket % 2][:count]
-        read_exactly(staging, memoryview(rows).cast("B"), _stage_offset(header, bucket, pages_per_chunk), "table")
-        return rows
+        length = -(-count * row_bytes // align) * align
+        buffer = staged[bucket % 2]
+        read_exactly(staging, memoryview(buffer)[:length], _stage_offset(header, bucket, pages_per_chunk), "table")
+        return buffer[:count * row_bytes].reshape(count, row_bytes)
 
     ahead = reader.submit(read, 0) if len(starts) else None
     for bucket, start in enumerate(starts):
