@@ -150,9 +150,13 @@ class HostCache:
         self._words = _anonymous(count * 8).view(np.uint64)
         self._data = _anonymous(count * self.row_bytes)
         self._hands = _anonymous(max(self.sets, 1))
+        # The thread faulting the budget in (join it to wait for it: a request admitting rows
+        # meanwhile faults in the pages they land on itself); None without entries.
+        self.populating: threading.Thread | None = None
         if self.entries:
-            threading.Thread(target=_populate, args=((self._words, self._data),), name="ple-prep-host-cache",
-                             daemon=True).start()
+            self.populating = threading.Thread(target=_populate, args=((self._words, self._data),),
+                                               name="ple-prep-host-cache", daemon=True)
+            self.populating.start()
         self._rows = self._data.reshape(count, self.row_bytes)
         # The compiled cache (its own lock and counts), which the step service shares; None: numpy's.
         self.handle = None if _native is None or not self.entries else \

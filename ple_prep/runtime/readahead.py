@@ -2,15 +2,29 @@
 
 `CachedDiskTier.gather_slots` is what a Table's reads go through when it has a host cache
 (runtime/hostcache.py): cached rows are copied from the cache, the others read through the table's
-read path (one request at a time: `read_lock`) and admitted. `read_ahead` takes the rows of a
-request's coming chunks (a prompt's, known when it is scheduled) and reads them into the cache on
-a thread, chunk by chunk in order, each chunk's distinct missing rows in file order in batches of
-BATCH_ROWS through the same read path (its full queue depth); the later chunks' rows on the pages a
-batch (or a demand read) reads are read with it: each page once. Rows it reads stay pinned until a
-lookup takes them, so nothing evicts the rows a coming chunk needs; it pins at most PIN_FRACTION
-of the cache, and waits for lookups to take pinned rows before reading further ahead. A demand
-read goes first: it waits for at most the batch in flight, then looks again (the batch may have
-brought its rows), and the read-ahead thread starts no batch while a demand read waits.
+read path (one demand read at a time: `read_lock`) and admitted.
+
+`read_ahead` takes the rows of a request's coming chunks (a prompt's, known when it is scheduled)
+and plans their reads at once (`ReadAhead`): every distinct row, grouped by the disk block that
+holds it, each block read with the first chunk that needs any of its rows, chunk by chunk in order:
+a block is read once, the later chunks' rows on it with it. A thread reads the plan into the cache.
+With the compiled helper on the direct read path it reads on a reader of its own
+(runtime/native/readahead.c), the queue kept full from the first read to the last and each block's
+rows admitted as it lands, without the GIL: reading the plan in batches through the table's reader,
+with Python work between them, left the disk idle for part of the time (BENCHMARKS.md, "Host cache
+and read-ahead"). Elsewhere (no compiled helper, the pread or mapped path, page sums checked on
+every read) it reads the plan in batches of BATCH_ROWS through the table's read path.
+
+Rows it reads stay pinned until a lookup takes them, so nothing evicts the rows a coming chunk
+needs; it pins at most PIN_FRACTION of the cache, and waits for lookups to take pinned rows before
+reading further ahead.
+
+Demand reads go first. A lookup whose missing rows the compiled read-ahead is about to read (all in
+the chunk it reads now or the next, none passed over) waits for it to pass them: the same blocks
+read, with the disk's queue left full. Any other lookup that misses stops the read-ahead queueing
+more reads (the compiled one at once, its reads in flight landing; the batched one after its batch),
+reads its rows with the plan's coming rows on the same blocks (pinned for their chunks), and the
+read-ahead then goes on.
 
 Pins that no lookup has taken (a request cancelled, or its rows served from another path) are
 released by `ReadAhead.cancel`, and by the read-ahead thread itself once no lookup has taken a pin
@@ -22,39 +36,82 @@ taken, whoever took it.
 from __future__ import annotations
 
 import collections
+import errno
+import fcntl
+import itertools
+import os
 import threading
 import time
 
 import numpy as np
 
+from .direct import MIN_BLOCK
 from .hostcache import HostCache
+from .readcheck import ReadTimeout, read_error
 
-# Rows per read of the read-ahead thread: each a full-depth batch for the direct read path, and
+try:
+    from . import _native
+except ImportError:  # built only where a C compiler was there at install (setup.py)
+    _native = None
+
+# Rows per read of the batched read-ahead: each a full-depth batch for the direct read path, and
 # short enough (tens of milliseconds) that a demand read waiting behind one is not held long.
+# Also how many pins must be free before a read-ahead held at its pin limit goes on.
 BATCH_ROWS = 8192
 # Share of the cache's entries read-ahead may hold pinned at once; the rest serves reuse.
 PIN_FRACTION = 0.5
 # Pins no lookup has taken for this long are released: their request is gone.
 STALE_SECONDS = 2.0
+# Why a fill returned (runtime/native/disk_reads.h's FILL_ values): its rows handled, or the next
+# read would pass the pin limit.
+_FILL_DONE, _FILL_PINS = 0, 2
+# disk_reads.h's errors besides errnos: a read that ended inside the table, a disk that stalled.
+_SHORT_READ, _STALLED = -1, -2
+_SERIALS = itertools.count(1)
 
 
 class ReadAhead:
-    """One request's read-ahead: `chunks` (arrays of file slots) in the order they will be read."""
+    """One request's read-ahead: `chunks` (arrays of file slots) in the order they will be read.
 
-    def __init__(self, chunks: list[np.ndarray]):
-        self.chunks = chunks
+    `block_of` gives each slot's disk block. The plan: `slots`, every distinct row in the order
+    read-ahead reads them (by chunk, then by slot), each block's rows adjacent; `group_ends[k]`, the
+    end in `slots` of the rows read for chunk k (on the blocks chunk k is the first to need)."""
+
+    def __init__(self, chunks: list[np.ndarray], block_of):
+        self.chunks = [np.asarray(chunk, dtype=np.int64).reshape(-1) for chunk in chunks]
+        self.serial = next(_SERIALS)
         self.chunks_done = 0      # chunks whose rows have all been read or found cached
         self.rows_read = 0        # rows this read-ahead read from the disk
         self.rows_found = 0       # rows it found cached already
         self.pages_read = 0       # pages those reads took
+        self.done_rows = 0        # rows of `slots` handled so far
         self.error: BaseException | None = None
-        # While it is read (under the tier's read_lock): the chunks' rows not read yet, and the
-        # chunk being read.
-        self.later: list[np.ndarray] | None = None
-        self.position = 0
+        self._block_of = block_of
         self._cancelled = False
         self._done = threading.Event()
         self._tier: CachedDiskTier | None = None
+        count = max(len(self.chunks), 1)
+        every = np.concatenate(self.chunks) if self.chunks else np.zeros(0, dtype=np.int64)
+        # Each row with the first chunk to need it, from one sort of (slot, chunk) keys (slots are
+        # below 2**32: format/order.py's 4-byte ranks).
+        keys = np.sort(every * count + np.repeat(np.arange(len(self.chunks)), [len(chunk) for chunk in self.chunks]))
+        firsts = np.flatnonzero(np.diff(keys // count, prepend=-1))
+        distinct, row_chunk = keys[firsts] // count, keys[firsts] % count
+        blocks = block_of(distinct)  # sorted with the slots
+        # Rows on adjacent blocks go with the first chunk to need any of them: read together, the
+        # kernel merges adjacent blocks into one request, and the disk serves fewer of them.
+        group = row_chunk
+        if len(distinct):
+            starts = np.flatnonzero(np.diff(blocks, prepend=-2) > 1)
+            group = np.repeat(np.minimum.reduceat(row_chunk, starts), np.diff(np.append(starts, len(distinct))))
+        # By chunk, then by slot (already so within a chunk): a stable sort, a radix one for few chunks.
+        order = np.argsort(group.astype(np.uint16) if count <= 1 << 16 else group, kind="stable")
+        self.slots = distinct[order]
+        self.group_ends = np.searchsorted(group[order], np.arange(len(self.chunks)), side="right")
+        self._distinct, self._blocks, self._row_chunk = distinct, blocks, row_chunk
+        self._position = np.empty(len(distinct), dtype=np.int64)
+        self._position[order] = np.arange(len(distinct))
+        self._advance(0)
 
     @property
     def done(self) -> bool:
@@ -70,6 +127,35 @@ class ReadAhead:
         if self._tier is not None:
             self._tier.cancelled(self)
 
+    def _advance(self, done_rows: int) -> None:
+        self.done_rows = done_rows
+        self.chunks_done = int(np.searchsorted(self.group_ends, done_rows, side="right"))
+
+    def positions(self, slots: np.ndarray) -> np.ndarray | None:
+        """Each slot's place in `slots` (the plan's order), or None unless all are in the plan."""
+        if not len(self._distinct):
+            return None
+        index = np.minimum(np.searchsorted(self._distinct, slots), len(self._distinct) - 1)
+        if not np.array_equal(self._distinct[index], slots):
+            return None
+        return self._position[index]
+
+    def coming_rows_on_blocks_of(self, slots: np.ndarray, done_rows: int) -> np.ndarray:
+        """The plan's rows on the blocks of `slots` that its read has not reached (at `done_rows`)
+        and whose first chunk comes after those of `slots`'s rows in the plan: read with `slots`,
+        those blocks are read once."""
+        if not len(self._distinct) or not len(slots):
+            return np.zeros(0, dtype=np.int64)
+        blocks = np.unique(self._block_of(slots))
+        low = np.searchsorted(self._blocks, blocks, side="left")
+        counts = np.searchsorted(self._blocks, blocks, side="right") - low
+        index = np.repeat(low - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
+        where = np.minimum(np.searchsorted(self._distinct, slots), len(self._distinct) - 1)
+        planned = where[self._distinct[where] == slots]
+        chunk = int(self._row_chunk[planned].max()) if len(planned) else -1
+        keep = (self._position[index] >= done_rows) & (self._row_chunk[index] > chunk)
+        return self._distinct[index[keep]]
+
 
 class CachedDiskTier:
     """A table's disk reads (`reader.gather_slots`) behind a host cache, with read-ahead."""
@@ -78,6 +164,9 @@ class CachedDiskTier:
         self.reader = reader
         self.cache = cache
         self.rows_per_page = rows_per_page
+        header = reader._header
+        self._data_offset, self._page_size = header.data_offset, header.page_size
+        self._block = max(header.page_size, MIN_BLOCK)
         self.read_lock = threading.Lock()
         # Demand reads go first: the read-ahead thread takes `read_lock` only while none waits.
         self._demand = threading.Condition()
@@ -88,6 +177,9 @@ class CachedDiskTier:
         self._wake = threading.Condition()
         self._taken = threading.Event()        # a lookup took pinned rows
         self._thread: threading.Thread | None = None
+        self._serving: ReadAhead | None = None  # the job the thread reads now
+        self._compiled = None                  # read-ahead's own reader (runtime/native/readahead.c)
+        self._compiled_tried = False
         self._closed = False
 
     def close(self) -> None:
@@ -95,10 +187,13 @@ class CachedDiskTier:
             self._closed = True
             for job in self._queue:
                 job._cancelled = True
+            if self._compiled is not None:
+                _native.readahead_stop(self._compiled)
             self._wake.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         self._thread = None
+        self._compiled = None  # its descriptor and AIO context go with it
 
     def stats(self) -> dict[str, int | float]:
         """Counts since open: rows looked up in the cache (`host_cache_hits` + `host_cache_misses`),
@@ -111,6 +206,9 @@ class CachedDiskTier:
                 "read_ahead_rows_read": self.ahead_rows_read, "read_ahead_hits": cache["read_ahead_hits"],
                 "host_cache_pinned": cache["pinned"],
                 "read_ahead_coverage": cache["read_ahead_hits"] / looked_up if looked_up else 0.0}
+
+    def _block_of(self, slots: np.ndarray) -> np.ndarray:
+        return (self._data_offset + slots // self.rows_per_page * self._page_size) // self._block
 
     def gather_slots(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """uint8 `(len(slots), row_bytes)`: the rows at these file slots, in request order."""
@@ -127,58 +225,99 @@ class CachedDiskTier:
         missed = self.cache.lookup(slots, out)
         if self.cache.pinned < pinned:
             self._taken.set()
+        if len(missed) and self._waited_for_read_ahead(slots[missed]):
+            missed = missed[self.cache.lookup(slots[missed], out, missed)]
+            self._taken.set()
         if not len(missed):
             return out
+        compiled = self._compiled
         with self._demand:
             self._demand_waiting += 1
+        if compiled is not None:
+            _native.readahead_hold(compiled, 1)  # the compiled read-ahead queues no more reads
         try:
             self.read_lock.acquire()
         finally:
+            if compiled is not None:
+                _native.readahead_hold(compiled, -1)
             with self._demand:
                 self._demand_waiting -= 1
                 self._demand.notify_all()
         try:
-            # A read-ahead batch this waited for may have brought some of them.
+            # A read-ahead this waited for may have brought some of them.
             missed = missed[self.cache.lookup(slots[missed], out, missed)]
             self._taken.set()
-            # A read-ahead's coming rows on the pages read now come with them (pinned for their chunk).
-            extra = self._later_rows_on_pages_of(slots[missed]) if len(missed) else np.zeros(0, np.int64)
-            if len(extra):
-                extra = extra[self.cache.probe(extra)]
-            if len(extra):
-                missed_slots = slots[missed]
-                both = np.concatenate([missed_slots, extra])
-                rows = self.reader.gather_slots(both, np.empty((len(both), row_bytes), dtype=np.uint8))
-                self.cache.admit(missed_slots, rows[:len(missed)])
-                self.cache.admit(extra, rows[len(missed):], pin=True)
-                self.ahead_rows_read += len(extra)
-                out[missed] = rows[:len(missed)]
-            elif len(missed) == count:
-                self.reader.gather_slots(slots, out)
-                self.cache.admit(slots, out)
-                missed_slots = slots
-            elif len(missed):
-                missed_slots = slots[missed]
-                rows = self.reader.gather_slots(missed_slots, np.empty((len(missed), row_bytes), dtype=np.uint8))
-                self.cache.admit(missed_slots, rows)
-                out[missed] = rows
-            else:
-                return out
-            distinct = np.unique(missed_slots)
-            pages = distinct // self.rows_per_page
-            self.rows_read += len(distinct)
-            self.pages_read += 1 + int(np.count_nonzero(pages[1:] != pages[:-1]))
+            if len(missed):
+                self._read_missed(slots, missed, out)
         finally:
             self.read_lock.release()
         return out
 
+    def _read_missed(self, slots: np.ndarray, missed: np.ndarray, out: np.ndarray) -> None:
+        """A demand read (`read_lock` held): the rows at slots[missed] read into out[missed] and
+        admitted, with the read-ahead's coming rows on their blocks (pinned for their chunks)."""
+        row_bytes = self.cache.row_bytes
+        missed_slots = slots[missed]
+        job = self._serving
+        extra = np.zeros(0, dtype=np.int64)
+        if job is not None:
+            extra = job.coming_rows_on_blocks_of(missed_slots, self._progress(job))
+            extra = extra[self.cache.probe(extra)]
+        if len(extra):
+            both = np.concatenate([missed_slots, extra])
+            rows = self.reader.gather_slots(both, np.empty((len(both), row_bytes), dtype=np.uint8))
+            self.cache.admit(missed_slots, rows[:len(missed)])
+            self.cache.admit(extra, rows[len(missed):], pin=True)
+            self.ahead_rows_read += len(extra)
+            out[missed] = rows[:len(missed)]
+        elif len(missed) == len(slots):
+            self.reader.gather_slots(slots, out)
+            self.cache.admit(slots, out)
+        else:
+            rows = self.reader.gather_slots(missed_slots, np.empty((len(missed), row_bytes), dtype=np.uint8))
+            self.cache.admit(missed_slots, rows)
+            out[missed] = rows
+        distinct = np.unique(missed_slots)
+        pages = distinct // self.rows_per_page
+        self.rows_read += len(distinct)
+        self.pages_read += 1 + int(np.count_nonzero(pages[1:] != pages[:-1]))
+
+    def _progress(self, job: ReadAhead) -> int:
+        """Rows of the job's plan handled: the compiled reader's count is ahead of the job's own
+        while it reads."""
+        if self._compiled is not None:
+            serial, done, _, _ = _native.readahead_progress(self._compiled)
+            if serial == job.serial:
+                return max(done, job.done_rows)
+        return job.done_rows
+
+    def _waited_for_read_ahead(self, missed_slots: np.ndarray) -> bool:
+        """Whether the compiled read-ahead was about to read every one of these rows (in the chunk
+        it reads now or the next, none passed over) and has now, this thread having waited."""
+        job, compiled = self._serving, self._compiled
+        if job is None or compiled is None:
+            return False
+        serial, done, running, _ = _native.readahead_progress(compiled)
+        if not running or serial != job.serial:
+            return False
+        where = job.positions(missed_slots)
+        if where is None or where.min() < done:
+            return False
+        reading = int(np.searchsorted(job.group_ends, done, side="right"))  # the chunk it reads now
+        if reading >= len(job.group_ends) or where.max() >= job.group_ends[min(reading + 1, len(job.group_ends) - 1)]:
+            return False
+        return _native.readahead_wait(compiled, job.serial, int(where.max()))
+
     def read_ahead(self, chunks: list[np.ndarray]) -> ReadAhead:
         """Queue a request's chunks (file slots each) for reading into the cache; returns at once."""
-        job = ReadAhead([np.unique(np.asarray(chunk, dtype=np.int64)) for chunk in chunks])
+        job = ReadAhead(chunks, self._block_of)
         job._tier = self
         with self._wake:
             if self._closed:
                 raise ValueError("the table is closed")
+            if not self._compiled_tried:
+                self._compiled_tried = True
+                self._compiled = self._open_compiled()
             self._queue.append(job)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ple-prep-read-ahead", daemon=True)
@@ -186,11 +325,33 @@ class CachedDiskTier:
             self._wake.notify()
         return job
 
+    def _open_compiled(self):
+        """Read-ahead's own reader (runtime/native/readahead.c) on a duplicate of the direct
+        reader's O_DIRECT descriptor; None without the compiled cache, off the direct path, where
+        every read's page sums are checked (the table's reader checks them), or where the kernel
+        refuses the reader its AIO context."""
+        direct = getattr(self.reader, "direct", None)
+        if _native is None or self.cache.handle is None or getattr(direct, "kind", None) != "direct" \
+                or direct.page_check is not None:
+            return None
+        header = self.reader._header
+        descriptor = fcntl.fcntl(direct._descriptor, fcntl.F_DUPFD_CLOEXEC, 0)
+        try:
+            return _native.readahead_new(descriptor, header.data_offset,
+                                         header.data_offset + header.num_pages * header.page_size, header.page_size,
+                                         header.rows_per_page, header.row_bytes, header.num_rows, direct.queue_depth,
+                                         direct.timeout, direct.synchronous, self.cache.handle)
+        except OSError:
+            os.close(descriptor)
+            return None
+
     def cancelled(self, job: ReadAhead) -> None:
         with self._wake:
             if job in self._queue and job is not self._queue[0]:
                 self._queue.remove(job)
                 job._done.set()
+            elif self._compiled is not None:
+                _native.readahead_stop(self._compiled)
             self._wake.notify_all()
         # Pins carry no owner: release all; other requests' rows stay cached, unpinned.
         self.cache.unpin_all()
@@ -208,10 +369,13 @@ class CachedDiskTier:
                 if self._closed:
                     return
                 job = self._queue[0]
+            self._serving = job
             try:
                 self._serve(job)
             except BaseException as error:  # noqa: BLE001 (kept for the caller: ReadAhead.error)
                 job.error = error
+            finally:
+                self._serving = None
             with self._wake:
                 if self._queue and self._queue[0] is job:
                     self._queue.popleft()
@@ -219,49 +383,59 @@ class CachedDiskTier:
 
     def _serve(self, job: ReadAhead) -> None:
         limit = int(self.cache.entries * PIN_FRACTION)
-        later = job.later = list(job.chunks)
-        for index in range(len(later)):
-            job.position = index
-            chunk = later[index]
-            for start in range(0, len(chunk), BATCH_ROWS):
-                batch = chunk[start:start + BATCH_ROWS]
-                if not self._room(job, len(batch), limit):
-                    return
-                with self._demand:
-                    while self._demand_waiting:
-                        self._demand.wait()
-                with self.read_lock:
-                    missing = batch[self.cache.probe(batch)]
-                    job.rows_found += len(batch) - len(missing)
-                    if not len(missing):
-                        continue
-                    extra = self._later_rows_on_pages_of(missing)
-                    if len(extra):
-                        missing = np.unique(np.concatenate([missing, extra]))
-                    rows = self.reader.gather_slots(missing, np.empty((len(missing), self.cache.row_bytes), np.uint8))
-                    self.cache.admit(missing, rows, pin=True)
-                    pages = missing // self.rows_per_page  # sorted
-                    job.rows_read += len(missing)
-                    job.pages_read += 1 + int(np.count_nonzero(pages[1:] != pages[:-1]))
-                    self.ahead_rows_read += len(missing)
-            job.chunks_done += 1
+        resume = max(1, min(BATCH_ROWS, limit))
+        while job.done_rows < len(job.slots):
+            with self._demand:
+                while self._demand_waiting:
+                    self._demand.wait()
+            stops = _native.readahead_progress(self._compiled)[3] if self._compiled is not None else 0
+            if job._cancelled or self._closed:
+                return
+            with self.read_lock:
+                reason = self._fill(job, limit, stops) if self._compiled is not None else self._read_batch(job, limit)
+            if reason == _FILL_PINS and not self._room(job, resume, limit):
+                return
 
-    def _later_rows_on_pages_of(self, slots: np.ndarray) -> np.ndarray:
-        """The rows of the read-ahead's coming chunks (after the one it reads) on the pages of
-        `slots`, taken out of those chunks: read with `slots`, each page is read once. Called with
-        `read_lock` held (which guards the chunks)."""
-        job = self._queue[0] if self._queue else None
-        later = getattr(job, "later", None)
-        if later is None or not len(slots):
-            return np.zeros(0, dtype=np.int64)
-        pages = np.unique(slots // self.rows_per_page)
-        extra = []
-        for following in range(job.position + 1, len(later)):
-            on_pages = np.isin(later[following] // self.rows_per_page, pages)
-            if on_pages.any():
-                extra.append(later[following][on_pages])
-                later[following] = later[following][~on_pages]
-        return np.concatenate(extra) if extra else np.zeros(0, dtype=np.int64)
+    def _fill(self, job: ReadAhead, limit: int, stops: int) -> int:
+        """The plan from where it stands read by the compiled reader until it is done, stopped
+        (a demand read waits, a cancel) or at the pin limit: that reason."""
+        done, read, found, pages, reason, error, failed_at = _native.readahead_fill(
+            self._compiled, job.serial, job.slots, job.done_rows, limit, stops)
+        job.rows_read += read
+        job.rows_found += found
+        job.pages_read += pages
+        self.ahead_rows_read += read
+        job._advance(done)
+        if error == _STALLED:
+            raise ReadTimeout(errno.ETIMEDOUT, f"{self.reader.name}: no read-ahead read completed in "
+                                               f"{self.reader.direct.timeout:g} s (waiting for byte {failed_at}): "
+                                               f"the disk stalled")
+        if error == _SHORT_READ:
+            raise OSError(errno.EIO, f"{self.reader.name}: short O_DIRECT read at byte {failed_at}: the file shrank "
+                                     f"or the disk failed")
+        if error:
+            raise read_error(self.reader.name, error, f"O_DIRECT read-ahead read at byte {failed_at}")
+        return reason
+
+    def _read_batch(self, job: ReadAhead, limit: int) -> int:
+        """The plan's next rows (at most BATCH_ROWS, within the pin limit) through the table's read
+        path: _FILL_DONE, or _FILL_PINS where no row fits."""
+        pinned = self.cache.pinned
+        size = min(BATCH_ROWS, limit - pinned) if pinned else max(1, min(BATCH_ROWS, limit))
+        if size <= 0:
+            return _FILL_PINS
+        batch = job.slots[job.done_rows:job.done_rows + size]
+        missing = batch[self.cache.probe(batch)]
+        job.rows_found += len(batch) - len(missing)
+        if len(missing):
+            rows = self.reader.gather_slots(missing, np.empty((len(missing), self.cache.row_bytes), np.uint8))
+            self.cache.admit(missing, rows, pin=True)
+            pages = np.unique(missing // self.rows_per_page)
+            job.rows_read += len(missing)
+            job.pages_read += len(pages)
+            self.ahead_rows_read += len(missing)
+        job._advance(job.done_rows + len(batch))
+        return _FILL_DONE
 
     def _room(self, job: ReadAhead, rows: int, limit: int) -> bool:
         """Wait until `rows` more pins fit under `limit`; False if the job was cancelled."""

@@ -157,6 +157,26 @@ void host_cache_insert(host_cache *cache, int64_t slot, const char *row)
         admit_one(cache, slot, (const uint8_t *)row, 0);
 }
 
+int host_cache_holds(host_cache *cache, int64_t slot)
+{
+    int64_t entry = slot >= 0 && (uint64_t)slot < SLOT_MASK ? find(cache, slot) : -1;
+    if (entry >= 0)
+        cache->word[entry] |= REFERENCED;
+    return entry >= 0;
+}
+
+int host_cache_insert_pinned(host_cache *cache, int64_t slot, const char *row)
+{
+    if (slot < 0 || (uint64_t)slot >= SLOT_MASK || find(cache, slot) >= 0)
+        return 0;
+    return admit_one(cache, slot, (const uint8_t *)row, 1);
+}
+
+int64_t host_cache_pinned(const host_cache *cache)
+{
+    return cache->pinned;
+}
+
 static void release_views(host_cache *cache)
 {
     PyBuffer_Release(&cache->words_view);

@@ -23,6 +23,12 @@ int host_cache_copy(host_cache *cache, int64_t slot, char *target, int *was_pinn
 void host_cache_prefetch(const host_cache *cache, int64_t slot);
 /* Admit `row` for `slot` (unpinned) unless cached or its set holds only pinned entries. */
 void host_cache_insert(host_cache *cache, int64_t slot, const char *row);
+/* Read-ahead's calls (disk_reads.c's disk_reader_fill): whether the cache holds `slot` (marked
+ * referenced if so, as hostcache_probe marks it); `row` admitted for `slot` pinned unless cached
+ * (left as it is) or its set holds only pinned entries (dropped): 1 if admitted; entries pinned now. */
+int host_cache_holds(host_cache *cache, int64_t slot);
+int host_cache_insert_pinned(host_cache *cache, int64_t slot, const char *row);
+int64_t host_cache_pinned(const host_cache *cache);
 
 PyObject *hostcache_new(PyObject *self, PyObject *args);
 PyObject *hostcache_lookup(PyObject *self, PyObject *args);

@@ -37,6 +37,8 @@
  *
  * hostcache_new, hostcache_lookup, hostcache_probe, hostcache_admit, hostcache_reset, hostcache_counts:
  *     the host cache (hostcache.c), under a lock of its own that the step service shares.
+ * readahead_new, readahead_fill, readahead_hold, readahead_stop, readahead_progress, readahead_wait:
+ *     read-ahead into the host cache on a reader of its own (readahead.c).
  *
  * Files: view.c (the table view), stage.c (the stage and its parts), pool.c (the thread pool),
  * jobs.c (stage_when), cuda.c (the driver table), hostcache.c (runtime/hostcache.py's loops); the
@@ -51,6 +53,7 @@
 #include "hostcache.h"
 #include "jobs.h"
 #include "pool.h"
+#include "readahead.h"
 #include "stage.h"
 #include "view.h"
 #include "steps.h"
@@ -223,6 +226,7 @@ static PyMethodDef methods[] = {
      "stage after CUDA events, then a CUDA graph's launch: ((disk, staged), launched)."},
     {"cached", cached, METH_VARARGS, "Whether a few rows spread over a request are in the page cache."},
     HOSTCACHE_METHODS
+    READAHEAD_METHODS
     STEPS_METHODS
     {NULL, NULL, 0, NULL},
 };
