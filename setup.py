@@ -17,10 +17,10 @@ setup(ext_modules=[
               depends=[CORE + name for name in ("buffers.h", "guard.h", "pagesums.h", "rows.h", "ngramcount.h")]),
     Extension("ple_prep.runtime._native",
               [RUNTIME + name for name in ("module.c", "view.c", "stage.c", "pool.c", "jobs.c", "cuda.c", "hostcache.c",
-                                           "steps.c", "memops.c", "disk_reads.c", "readahead.c")]
+                                           "steps.c", "memops.c", "disk_reads.c", "disk_fill.c", "readahead.c")]
               + SHARED,
               extra_compile_args=FLAGS, optional=True,
               depends=[CORE + "buffers.h", CORE + "guard.h", CORE + "rows.h"]
               + [RUNTIME + name for name in ("cuda.h", "hostcache.h", "jobs.h", "pool.h", "stage.h", "view.h", "steps.h",
-                                             "memops.h", "disk_reads.h", "readahead.h")]),
+                                             "memops.h", "disk_reads.h", "disk_fill.h", "readahead.h")]),
 ])

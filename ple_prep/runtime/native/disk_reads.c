@@ -28,7 +28,6 @@
 #define MIN_BLOCK 4096
 /* Low bits of a key hold the position's rank among the step's disk positions. */
 #define RANK_BITS 24
-#define MAX_DEPTH 512
 /* How far ahead of the position looked up in the host cache its words are fetched. */
 #define PREFETCH_SLOTS 16
 
@@ -141,7 +140,7 @@ static void deadline_after(struct timespec *deadline, const struct timespec *tim
 /* The block at `offset` read by the worker into its buffer: 0 with *result (bytes or -errno), an
  * errno where no worker can be made, or STALLED where the read outlived the timeout (the worker is
  * then abandoned to it). */
-static int worker_read(disk_reader *reader, off_t offset, long *result)
+int disk_reader_worker_read(disk_reader *reader, off_t offset, long *result)
 {
     if (!reader->worker && !(reader->worker = new_worker(reader)))
         return errno ? errno : ENOMEM;
@@ -166,6 +165,11 @@ static int worker_read(disk_reader *reader, off_t offset, long *result)
     *result = worker->result;
     pthread_mutex_unlock(&worker->lock);
     return 0;
+}
+
+const char *disk_reader_worker_block(const disk_reader *reader)
+{
+    return reader->worker->buffer;
 }
 
 /* Whether O_DIRECT reads complete inside io_submit here: two reads of the first block each found
@@ -196,7 +200,7 @@ static int completes_inside_submit(disk_reader *reader)
 
 /* Leave the AIO context and buffer to the reads still in flight (never freed: the kernel may still
  * write into the buffer) and take new ones; without them, the worker's preads. */
-static void abandon_reads(disk_reader *reader)
+void disk_reader_abandon(disk_reader *reader)
 {
     void *buffer = NULL;
     aio_context_t context = 0;
@@ -244,13 +248,20 @@ int disk_reader_open(disk_reader *reader, int fd, off_t data_offset, off_t file_
         reader->context = context;
         int synchronous = probe ? completes_inside_submit(reader) : 0;
         if (synchronous == -2)
-            abandon_reads(reader);
+            disk_reader_abandon(reader);
         if (synchronous != 0 && reader->context) {
             syscall(SYS_io_destroy, (aio_context_t)reader->context);
             reader->context = 0;
         }
     }
     return 0;
+}
+
+void disk_reader_use_worker(disk_reader *reader)
+{
+    if (reader->context)
+        syscall(SYS_io_destroy, (aio_context_t)reader->context);
+    reader->context = 0;
 }
 
 void disk_reader_close(disk_reader *reader)
@@ -280,7 +291,7 @@ static off_t row_offset(const disk_reader *reader, const stage_request *request,
 
 /* A block's read result checked: 0, an errno, or SHORT_READ. A block may end past the file only
  * at the table's end. */
-static int checked(const disk_reader *reader, long result, off_t offset)
+int disk_reader_checked(const disk_reader *reader, long result, off_t offset)
 {
     if (result < 0)
         return (int)-result;
@@ -382,8 +393,8 @@ int disk_reader_stage(disk_reader *reader, stage_call *call, Py_ssize_t disk, of
             in_flight_at[s] = offset;
             if (!reader->context) {
                 long got = 0;
-                error = worker_read(reader, offset, &got);
-                error = error ? error : checked(reader, got, offset);
+                error = disk_reader_worker_read(reader, offset, &got);
+                error = error ? error : disk_reader_checked(reader, got, offset);
                 reader->blocks_read++;
                 if (error) {
                     *failed_at = offset;
@@ -435,14 +446,14 @@ int disk_reader_stage(disk_reader *reader, stage_call *call, Py_ssize_t disk, of
                     *failed_at = in_flight_at[k];
                     break;
                 }
-            abandon_reads(reader);
+            disk_reader_abandon(reader);
             return error;
         }
         lock_cache(reader);
         for (long e = 0; e < got; e++) {
             int s = (int)events[e].data;
             off_t offset = (off_t)((reader->keys[run_from[s]] >> RANK_BITS) * (uint64_t)reader->block);
-            int failed = checked(reader, (long)events[e].res, offset);
+            int failed = disk_reader_checked(reader, (long)events[e].res, offset);
             if (failed && !error) {
                 error = failed;
                 *failed_at = offset;
@@ -456,237 +467,5 @@ int disk_reader_stage(disk_reader *reader, stage_call *call, Py_ssize_t disk, of
         in_flight -= (int)got;
         reader->blocks_read += (uint64_t)got;
     }
-    return error;
-}
-
-/* A fill's reads: each buffer slot holds one run (a block's rows) from queueing until it lands. */
-typedef struct {
-    struct iocb iocbs[MAX_DEPTH], *pointers[MAX_DEPTH];
-    struct io_event events[MAX_DEPTH];
-    Py_ssize_t run_from[MAX_DEPTH], run_to[MAX_DEPTH], run_missing[MAX_DEPTH];
-    off_t run_at[MAX_DEPTH];
-    unsigned char busy[MAX_DEPTH];
-    int depth, free_slots[MAX_DEPTH], free_count, queued[MAX_DEPTH], batch, in_flight;
-    int64_t pending;        /* rows in flight, to be pinned when they land */
-    Py_ssize_t failed_from; /* the first row of a run whose read failed (else the request's count) */
-} fill_state;
-
-static off_t fill_block_at(const disk_reader *reader, const fill_request *request, int64_t slot)
-{
-    off_t offset = reader->data_offset + (off_t)(slot / request->rows_per_page) * request->page_size
-                   + (off_t)(slot % request->rows_per_page) * request->row_bytes;
-    return offset / reader->block * reader->block;
-}
-
-/* Admit the rows of buffer slot s's run, landed at `data` (cache locked). */
-static void fill_admit(const disk_reader *reader, const fill_request *request, fill_state *state, int s,
-                       const char *data)
-{
-    for (Py_ssize_t k = state->run_from[s]; k < state->run_to[s]; k++) {
-        int64_t slot = request->slots[k];
-        off_t offset = reader->data_offset + (off_t)(slot / request->rows_per_page) * request->page_size
-                       + (off_t)(slot % request->rows_per_page) * request->row_bytes;
-        host_cache_insert_pinned(reader->cache, slot, data + (offset - state->run_at[s]));
-    }
-}
-
-static void fill_release(fill_state *state, int s, int landed)
-{
-    if (!landed && state->run_from[s] < state->failed_from)
-        state->failed_from = state->run_from[s];
-    state->pending -= state->run_missing[s];
-    state->busy[s] = 0;
-    state->free_slots[state->free_count++] = s;
-}
-
-/* The position before which every row is handled: the first row of the earliest run still in
- * flight (completions come out of order) or failed, else `next`, the first row not queued. */
-static Py_ssize_t fill_progress(const fill_state *state, Py_ssize_t next)
-{
-    Py_ssize_t done = next < state->failed_from ? next : state->failed_from;
-    for (int s = 0; s < state->depth; s++)
-        if (state->busy[s] && state->run_from[s] < done)
-            done = state->run_from[s];
-    return done;
-}
-
-/* Queue the runs from *next into free buffer slots (cache locked): runs the cache holds whole are
- * passed over; returns the FILL_ reason to stop queueing, or -1 to go on. */
-static int fill_queue(const disk_reader *reader, const fill_request *request, fill_state *state, Py_ssize_t *next,
-                      fill_result *result)
-{
-    host_cache *cache = reader->cache;
-    while (*next < request->count && state->free_count > 0) {
-        if (request->stopped(request->owner))
-            return FILL_STOPPED;
-        Py_ssize_t from = *next, end = from + 1;
-        off_t at = fill_block_at(reader, request, request->slots[from]);
-        while (end < request->count && fill_block_at(reader, request, request->slots[end]) == at)
-            end++;
-        Py_ssize_t missing = 0, pages = 1;
-        for (Py_ssize_t k = from; k < end; k++) {
-            missing += !host_cache_holds(cache, request->slots[k]);
-            pages += k > from && request->slots[k] / request->rows_per_page != request->slots[k - 1] / request->rows_per_page;
-        }
-        if (!missing) {
-            result->rows_found += end - from;
-            *next = end;
-            continue;
-        }
-        int64_t pinned = host_cache_pinned(cache) + state->pending;
-        if (pinned > 0 && pinned + missing > request->pin_limit)
-            return FILL_PINS;
-        int s = state->free_slots[--state->free_count];
-        state->run_from[s] = from;
-        state->run_to[s] = end;
-        state->run_missing[s] = missing;
-        state->run_at[s] = at;
-        state->busy[s] = 1;
-        state->pending += missing;
-        state->queued[state->batch++] = s;
-        result->rows_found += end - from - missing;
-        result->rows_read += missing;
-        result->pages_read += pages;
-        *next = end;
-    }
-    return -1;
-}
-
-/* The batch queued, read one block at a time by the worker (no AIO context here). */
-static int fill_by_worker(disk_reader *reader, const fill_request *request, fill_state *state, off_t *failed_at)
-{
-    int error = 0;
-    for (int b = 0; b < state->batch; b++) {
-        int s = state->queued[b];
-        long got = 0;
-        if (!error) {
-            error = worker_read(reader, state->run_at[s], &got);
-            error = error ? error : checked(reader, got, state->run_at[s]);
-            reader->blocks_read++;
-            if (error) {
-                *failed_at = state->run_at[s];
-            } else {
-                host_cache_lock(reader->cache);
-                fill_admit(reader, request, state, s, reader->worker->buffer);
-                host_cache_unlock(reader->cache);
-            }
-        }
-        fill_release(state, s, !error);
-    }
-    state->batch = 0;
-    return error;
-}
-
-int disk_reader_fill(disk_reader *reader, const fill_request *request, Py_ssize_t start, fill_result *result,
-                     off_t *failed_at)
-{
-    *result = (fill_result){.done = start, .reason = FILL_DONE};
-    fill_state *state = malloc(sizeof(fill_state));
-    if (!state)
-        return ENOMEM;
-    int depth = reader->depth < MAX_DEPTH ? reader->depth : MAX_DEPTH;
-    state->depth = state->free_count = depth;
-    for (int s = 0; s < depth; s++) {
-        state->free_slots[s] = depth - 1 - s;
-        state->busy[s] = 0;
-    }
-    state->batch = state->in_flight = 0;
-    state->pending = 0;
-    state->failed_from = request->count;
-    Py_ssize_t next = start;
-    int queueing = 1, error = 0;
-    while ((queueing && next < request->count) || state->in_flight > 0) {
-        if (queueing && !reader->buffer) { /* abandon_reads found no memory for a new buffer */
-            error = ENOMEM;
-            queueing = 0;
-            continue;
-        }
-        if (queueing && state->free_count > 0) {
-            host_cache_lock(reader->cache);
-            int reason = fill_queue(reader, request, state, &next, result);
-            host_cache_unlock(reader->cache);
-            if (reason >= 0) {
-                result->reason = reason;
-                queueing = 0;
-            }
-        }
-        if (!reader->context) {
-            error = fill_by_worker(reader, request, state, failed_at);
-            queueing = queueing && !error;
-            request->moved(request->owner, fill_progress(state, next));
-            continue;
-        }
-        for (int b = 0; b < state->batch; b++) {
-            int s = state->queued[b];
-            state->iocbs[b] = (struct iocb){.aio_data = (uint64_t)s, .aio_lio_opcode = IOCB_CMD_PREAD,
-                                            .aio_fildes = (uint32_t)reader->fd,
-                                            .aio_buf = (uint64_t)(uintptr_t)(reader->buffer + (size_t)s * (size_t)reader->block),
-                                            .aio_nbytes = (uint64_t)reader->block, .aio_offset = state->run_at[s]};
-            state->pointers[b] = &state->iocbs[b];
-        }
-        int sent = 0;
-        while (sent < state->batch) {
-            long taken = syscall(SYS_io_submit, (aio_context_t)reader->context, (long)(state->batch - sent),
-                                 state->pointers + sent);
-            if (taken <= 0) {
-                if (taken < 0 && errno == EINTR)
-                    continue;
-                error = taken < 0 ? errno : EIO;
-                *failed_at = (off_t)state->iocbs[sent].aio_offset;
-                for (int b = sent; b < state->batch; b++)
-                    fill_release(state, (int)state->iocbs[b].aio_data, 0);
-                queueing = 0;
-                break;
-            }
-            sent += (int)taken;
-            state->in_flight += (int)taken;
-        }
-        state->batch = 0;
-        if (state->in_flight == 0) {
-            request->moved(request->owner, fill_progress(state, next));
-            continue;
-        }
-        struct timespec timeout = reader->timeout;
-        long got = syscall(SYS_io_getevents, (aio_context_t)reader->context, 1L, (long)state->in_flight,
-                           state->events, &timeout);
-        if (got <= 0) {
-            if (got < 0 && errno == EINTR)
-                continue;
-            /* The reads in flight still target the buffer: it is theirs, the fill fails. */
-            if (!error) { /* name one of the reads waited for */
-                int code = got < 0 ? errno : STALLED;
-                *failed_at = 0;
-                for (int s = 0; s < depth; s++)
-                    if (state->busy[s]) {
-                        *failed_at = state->run_at[s];
-                        break;
-                    }
-                error = code;
-            }
-            abandon_reads(reader);
-            result->done = fill_progress(state, next);
-            free(state);
-            return error;
-        }
-        host_cache_lock(reader->cache);
-        for (long e = 0; e < got; e++) {
-            int s = (int)state->events[e].data;
-            int failed = checked(reader, (long)state->events[e].res, state->run_at[s]);
-            if (failed && !error) {
-                error = failed;
-                *failed_at = state->run_at[s];
-                queueing = 0;
-            }
-            if (!failed)
-                fill_admit(reader, request, state, s, reader->buffer + (size_t)s * (size_t)reader->block);
-            fill_release(state, s, !failed);
-        }
-        host_cache_unlock(reader->cache);
-        state->in_flight -= (int)got;
-        reader->blocks_read += (uint64_t)got;
-        request->moved(request->owner, fill_progress(state, next));
-    }
-    result->done = fill_progress(state, next);
-    free(state);
     return error;
 }

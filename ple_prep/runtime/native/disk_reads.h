@@ -1,5 +1,6 @@
 /* A step's cold disk-tier rows read by the step service's own thread (disk_reads.c): no GIL, so
- * that no Python thread (one holding the GIL while it waits for the device) can stall a step. */
+ * that no Python thread (one holding the GIL while it waits for the device) can stall a step.
+ * Read-ahead reads on a reader of its own the same way (disk_fill.h). */
 #ifndef PLE_PREP_DISK_READS_H
 #define PLE_PREP_DISK_READS_H
 #include <stdint.h>
@@ -27,6 +28,9 @@ typedef struct {
     Py_ssize_t cache_hits, read_ahead_hits;
 } disk_reader;
 
+/* Reads a reader keeps in flight at most. */
+#define MAX_DEPTH 512
+
 /* disk_reader_stage's result for a read that ended before its block did, inside the table. */
 #define SHORT_READ (-1)
 /* Its result for a wait of `timeout` in which no read completed: the disk stalled. */
@@ -38,6 +42,9 @@ typedef struct {
 int disk_reader_open(disk_reader *reader, int fd, off_t data_offset, off_t file_end, Py_ssize_t page_size,
                      Py_ssize_t capacity, int depth, double timeout, int probe);
 void disk_reader_close(disk_reader *reader);
+/* Read with the worker, one pread at a time, from now on: the caller knows (a probe of its own
+ * found it) that the file system completes O_DIRECT reads inside io_submit. */
+void disk_reader_use_worker(disk_reader *reader);
 
 /* The rows of the request's disk positions (slots >= num_resident, already found by stage) staged
  * into the last `disk` rows of `out`, in position order, their index entries set: from the host
@@ -47,38 +54,14 @@ void disk_reader_close(disk_reader *reader);
  * reads waited for). */
 int disk_reader_stage(disk_reader *reader, stage_call *call, Py_ssize_t disk, off_t *failed_at);
 
-/* Read-ahead's reads into the reader's host cache (readahead.c): rows of a request's coming chunks,
- * each block's rows adjacent, blocks in the order they are wanted. */
-typedef struct {
-    const int64_t *slots;
-    Py_ssize_t count;
-    Py_ssize_t page_size, rows_per_page, row_bytes;
-    /* The cache's pins, with those of the rows in flight, stay within it (a fill's first read excepted). */
-    int64_t pin_limit;
-    /* Asked before each read is queued: nonzero stops the queueing (the reads in flight still land). */
-    int (*stopped)(void *owner);
-    /* Told after each batch of reads lands: every row before `done` is admitted, found cached or dropped. */
-    void (*moved)(void *owner, Py_ssize_t done);
-    void *owner;
-} fill_request;
-
-/* Why a fill returned: every row handled, `stopped`, or the next read would pass pin_limit. */
-#define FILL_DONE 0
-#define FILL_STOPPED 1
-#define FILL_PINS 2
-
-typedef struct {
-    Py_ssize_t done;      /* rows before it handled (start included) */
-    Py_ssize_t rows_read, rows_found, pages_read;
-    int reason;           /* a FILL_ value */
-} fill_result;
-
-/* The rows from `start` on: those the cache holds are marked referenced and passed over, the blocks
- * of the others read, `depth` in flight from the first read to the last, and their rows admitted
- * pinned as each block lands (rows cached meanwhile left as they are). Without the GIL; takes the
- * cache's lock for each batch of reads queued and landed, never while it waits for the disk.
- * Returns 0 or an errno (SHORT_READ, STALLED) with *failed_at, as disk_reader_stage. */
-int disk_reader_fill(disk_reader *reader, const fill_request *request, Py_ssize_t start, fill_result *result,
-                     off_t *failed_at);
+/* For the other users of a reader (disk_fill.c): the block at `offset` read by the worker into
+ * its buffer (0 with *result, bytes or -errno; an errno where no worker can be made; STALLED, the
+ * worker then abandoned to its read); a block's read result checked (0, an errno or SHORT_READ);
+ * the block that read landed in; the AIO context and buffer left to the reads in flight, new ones taken (the buffer NULL where
+ * memory is refused; the context 0 where the kernel refuses one: the worker reads then). */
+int disk_reader_worker_read(disk_reader *reader, off_t offset, long *result);
+const char *disk_reader_worker_block(const disk_reader *reader); /* the block the worker's last read read */
+int disk_reader_checked(const disk_reader *reader, long result, off_t offset);
+void disk_reader_abandon(disk_reader *reader);
 
 #endif

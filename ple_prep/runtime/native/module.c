@@ -41,8 +41,8 @@
  *     read-ahead into the host cache on a reader of its own (readahead.c).
  *
  * Files: view.c (the table view), stage.c (the stage and its parts), pool.c (the thread pool),
- * jobs.c (stage_when), cuda.c (the driver table), hostcache.c (runtime/hostcache.py's loops); the
- * rows' addresses and the slot lookup come from core/native/.
+ * jobs.c (stage_when), cuda.c (the driver table), hostcache.c (runtime/hostcache.py's loops),
+ * readahead.c and disk_fill.c (read-ahead's reader and its reads); the rows' addresses and the slot lookup come from core/native/.
  */
 #include <pthread.h>
 

@@ -5,9 +5,12 @@
  * batches leaves the disk idle.
  *
  * readahead_new(fd, data_offset, file_end, page_size, rows_per_page, row_bytes, num_slots, depth,
- *               timeout, probe, cache) -> reader
+ *               timeout, synchronous, cache) -> reader
  *     The reader owns `fd` from then on (closed when the reader is collected); `cache` is the
- *     table's host cache (hostcache_new), held. OSError where its AIO context or buffer is refused.
+ *     table's host cache (hostcache_new), held. With `synchronous` (the table's reader found O_DIRECT
+ *     reads complete inside io_submit here) it reads with its worker, one pread at a time: no probe
+ *     of its own, whose io_submit a hung disk would hang out of the timeout's reach. OSError where
+ *     its AIO context or buffer is refused.
  * readahead_fill(reader, serial, slots, start, pin_limit, stops)
  *         -> (done, rows_read, rows_found, pages_read, reason, error, failed_at)
  *     disk_reader_fill over slots[start:] (int64, each block's rows adjacent) for request `serial`;
@@ -33,7 +36,7 @@
 #include <unistd.h>
 
 #include "../../core/native/buffers.h"
-#include "disk_reads.h"
+#include "disk_fill.h"
 #include "hostcache.h"
 
 #define READ_AHEAD_CAPSULE "ple_prep.read_ahead"
@@ -93,13 +96,13 @@ static void reader_destroy(PyObject *capsule)
 
 PyObject *readahead_new(PyObject *self, PyObject *args)
 {
-    int fd, depth, probe;
+    int fd, depth, synchronous;
     long long data_offset, file_end;
     Py_ssize_t page_size, rows_per_page, row_bytes, num_slots;
     double timeout;
     PyObject *cache_capsule;
     if (!PyArg_ParseTuple(args, "iLLnnnnidpO", &fd, &data_offset, &file_end, &page_size, &rows_per_page, &row_bytes,
-                          &num_slots, &depth, &timeout, &probe, &cache_capsule))
+                          &num_slots, &depth, &timeout, &synchronous, &cache_capsule))
         return NULL;
     host_cache *cache = host_cache_of(cache_capsule);
     if (!cache)
@@ -112,11 +115,13 @@ PyObject *readahead_new(PyObject *self, PyObject *args)
     read_ahead *reader = PyMem_RawCalloc(1, sizeof(read_ahead));
     if (!reader)
         return PyErr_NoMemory();
-    if (disk_reader_open(&reader->reader, fd, (off_t)data_offset, (off_t)file_end, page_size, 0, depth, timeout,
-                         probe) != 0) {
+    if (disk_reader_open(&reader->reader, fd, (off_t)data_offset, (off_t)file_end, page_size, 0, depth, timeout, 0)
+        != 0) {
         PyMem_RawFree(reader);
         return PyErr_SetFromErrno(PyExc_OSError);
     }
+    if (synchronous)
+        disk_reader_use_worker(&reader->reader);
     reader->reader.cache = cache;
     reader->fd = fd;
     reader->page_size = page_size;
