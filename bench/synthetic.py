@@ -65,7 +65,7 @@ class SyntheticSource(TableSource):
         rows = spec.rows_stored
         super().__init__(format="synthetic", model_dir=Path(f"synthetic-base{base}-seed{seed}"),
                          encoding=Encoding.FP8_E4M3, values_per_row=160,
-                         parts=[[Segment(Path("synthetic"), 0, 0, rows, ROW_BYTES)]], spec=spec,
+                         parts=[[Segment(None, 0, 0, rows, ROW_BYTES)]], spec=spec,
                          files=[SourceFile("synthetic", rows * ROW_BYTES)], scale=scale)
         self.seed = seed
         self.block = _block(seed)
