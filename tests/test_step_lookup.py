@@ -219,6 +219,53 @@ def test_one_cuda_graph_replayed_with_new_ids_serves_each_steps_rows(table):
 
 
 @needs_cuda
+def test_graph_replays_queued_back_to_back_with_the_host_ahead_serve_every_step(table):
+    """Replays queued without a host wait between them, each step's ids picked on the device, with
+    device work between start and finish so the service thread has staged the rows before the device
+    waits (the flags of consecutive steps follow each other with no synchronize to separate them)."""
+    lookup = steps.StepLookup(table, device="cuda", resident_bytes=2000 * table.row_bytes, max_ids=64 * 16)
+    requests = [token_ids(table, 2, seed).reshape(-1) for seed in range(40)]
+    pool = torch.from_numpy(np.stack(requests)).cuda()
+    counter = torch.zeros(1, dtype=torch.int64, device="cuda")
+    ids = torch.empty(pool.shape[1], dtype=torch.int64, device="cuda")
+    history = torch.empty(len(requests), pool.shape[1], table.values_per_row, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        torch.index_select(pool, 0, counter, out=ids.unsqueeze(0))
+        lookup.start(ids)
+        torch.cuda._sleep(2_000_000)  # about a millisecond: the host is done before the device waits
+        history.index_copy_(0, counter, lookup.finish().unsqueeze(0))
+        counter.add_(1)
+
+    try:
+        step()  # outside the capture once: the kernels compiled, the eager finish's graph captured
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.cuda.graph(graph):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        counter.zero_()
+        poison(lookup)
+        for _ in requests:
+            graph.replay()
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + 60
+        while not done.query():
+            assert time.monotonic() < deadline, "queued replays did not finish: a step's flags were lost"
+            time.sleep(0.01)
+        for k, request in enumerate(requests):
+            assert np.array_equal(bits(history[k]), expected_bits(table, request)), k
+        lookup.check()
+        assert lookup.stats()["late"] < len(requests)
+    finally:
+        lookup.close()
+
+
+@needs_cuda
 def test_start_and_finish_return_while_the_device_has_queued_work(table):
     lookup = steps.StepLookup(table, device="cuda", resident_bytes=0, max_ids=64 * 16)
     try:
