@@ -209,6 +209,7 @@ def _pack(sizes: np.ndarray, capacity: int, spare: int = 0) -> tuple[np.ndarray,
         piece_count.append(count)
         fill = (fill + count) % capacity
 
+    add_group, add_first, add_count = piece_group.append, piece_first.append, piece_count.append
     while True:
         while front < pool and remaining[front] == 0:
             front += 1
@@ -216,8 +217,16 @@ def _pack(sizes: np.ndarray, capacity: int, spare: int = 0) -> tuple[np.ndarray,
             return tuple(np.frombuffer(a, dtype=np.dtype(a.typecode).newbyteorder("=")) if len(a)
                          else np.zeros(0, np.int64) for a in (piece_group, piece_first, piece_count))
         free = capacity - fill
-        if remaining[front] <= free or remaining[front] > capacity:
-            place(front, remaining[front])
+        size = remaining[front]
+        if size <= free or size > capacity:
+            # `place(front, size)` spelled out: the path nearly every group takes.
+            add_group(front)
+            add_first(taken[front])
+            add_count(size)
+            taken[front] += size
+            remaining[front] = 0
+            fill = (fill + size) % capacity
+            front += 1
             continue
         filler = None
         for size in range(min(free, largest), 0, -1):
