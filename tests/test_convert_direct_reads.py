@@ -103,3 +103,15 @@ def test_convert_access_ordered_gguf_writes_every_row_and_its_checksums(variant,
     with open_table(tmp_path / "t.bin") as table:
         assert np.array_equal(table.gather(np.arange(source.num_rows)), rows)
         assert np.array_equal(table.slot_of(placed), np.arange(len(placed)))
+
+
+@pytest.mark.parametrize("variant", ["gguf_joined", "gguf_split_files"])
+def test_convert_source_order_gguf_writes_every_row_and_its_digest(variant, request, tmp_path):
+    with open_source(request.getfixturevalue(variant)) as source:
+        rows = source.read_rows(0, source.num_rows)
+        manifest = convert(source, tmp_path / "t.bin")
+    assert manifest["source"]["table_sha256"] == hashlib.sha256(rows.tobytes()).hexdigest()
+    raw = (tmp_path / "t.bin").read_bytes()
+    assert manifest["checksums"]["header_crc32"] == zlib.crc32(raw[:manifest["data_offset"]])
+    with open_table(tmp_path / "t.bin") as table:
+        assert np.array_equal(table.gather(np.arange(source.num_rows)), rows)

@@ -92,6 +92,9 @@ class DirectRows:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
         for descriptor in self._descriptors.values():
             os.close(descriptor)
         self._descriptors.clear()

@@ -16,7 +16,12 @@ The page where the placed region ends, when it is shared with the first unplaced
 staged bytes of the last bucket: step 1 keeps that first chunk of unplaced rows in memory and step
 2 writes it with the last bucket. The checksum block holding that page is written by both steps:
 its CRC is read back from the file at the end. Memory: the map and its rank bits, a bucket number
-per placed row, and a few chunks of rows; the placed rows cost one more write and read.
+per placed row, a few chunks of rows and the buckets' staging buffers (STAGE_BUFFER_BYTES); the
+placed rows cost one more write and read.
+
+The source is read with O_DIRECT where it allows (`DirectRows`), staging and pages are written with
+it: on a virtio disk the page cache costs the kernel more CPU than the hashes cost (BENCHMARKS.md,
+"The model's whole table, offline").
 """
 from __future__ import annotations
 

@@ -409,17 +409,17 @@ class _Output:
 
 class _ChunkReader:
     """Reads chunk `index` (rows_per_chunk slots of a table in source order) into one of a ring of
-    reused row buffers, and keeps the kernel PREFETCH_AHEAD chunks ahead, each chunk hinted once,
-    from a thread of its own (the hint allocates cache pages and queues I/O: CPU the read needs)."""
+    reused row buffers, with O_DIRECT where the source allows (`DirectRows`). Reads through the
+    page cache keep the kernel PREFETCH_AHEAD chunks ahead, each chunk hinted once, from a thread
+    of its own (the hint allocates cache pages and queues I/O: CPU the read needs)."""
 
-    def __init__(self, source: TableSource, header: Header, chunk_starts: range,
+    def __init__(self, source: TableSource, direct: DirectRows, header: Header, chunk_starts: range,
                  rows_per_chunk: int, prefetcher: concurrent.futures.Executor):
-        self.source, self.header = source, header
+        self.source, self.direct, self.header = source, direct, header
         self.chunk_starts, self.rows_per_chunk = chunk_starts, rows_per_chunk
         self.prefetcher = prefetcher
         # A row buffer is free again once its chunk is packed and hashed (which may trail by one).
-        self.buffers = [np.empty((rows_per_chunk, header.row_bytes), dtype=np.uint8)
-                        for _ in range(READ_AHEAD + 2)]
+        self.buffers = [direct.buffer(rows_per_chunk) for _ in range(READ_AHEAD + 2)]
 
     def _stop(self, start: int) -> int:
         return min(start + self.rows_per_chunk, self.header.num_rows)
@@ -428,13 +428,12 @@ class _ChunkReader:
         low = index + 1 if index == 0 else index + PREFETCH_AHEAD
         high = min(index + PREFETCH_AHEAD, len(self.chunk_starts) - 1)
         first_row = self.header.first_row
-        if low <= high:
+        if low <= high and not self.direct.direct:
             self.prefetcher.submit(self.source.prefetch, first_row + self.chunk_starts[low],
                                    first_row + self._stop(self.chunk_starts[high]))
         start = self.chunk_starts[index]
         stop = self._stop(start)
-        return self.source.read_rows(first_row + start, first_row + stop,
-                                     out=self.buffers[index % len(self.buffers)][:stop - start])
+        return self.direct.read(first_row + start, first_row + stop, self.buffers[index % len(self.buffers)])
 
 
 def _write_data(source: TableSource, order: RowOrder, output: _Output,
@@ -472,7 +471,8 @@ def _write_data(source: TableSource, order: RowOrder, output: _Output,
     stages = [concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"convert-{name}")
               for name in ("prefetch", "read", "hash", "write")]
     prefetcher, reader, hasher, writer = stages
-    chunks = _ChunkReader(source, header, chunk_starts, rows_per_chunk, prefetcher)
+    direct = DirectRows(source)
+    chunks = _ChunkReader(source, direct, header, chunk_starts, rows_per_chunk, prefetcher)
     block_crc, block_filled = 0, 0
     try:
         _write_head(descriptor, output, len(block_crcs))
@@ -510,6 +510,7 @@ def _write_data(source: TableSource, order: RowOrder, output: _Output,
         # Stop the stages before closing: a write still queued must never reach a reused descriptor.
         for stage in stages:
             stage.shutdown(wait=True, cancel_futures=True)
+        direct.close()
         os.close(descriptor)
         journal.close()
     checksums = {"algorithm": "crc32", "block_bytes": CHECKSUM_BLOCK_BYTES,
