@@ -115,3 +115,18 @@ def test_convert_source_order_gguf_writes_every_row_and_its_digest(variant, requ
     assert manifest["checksums"]["header_crc32"] == zlib.crc32(raw[:manifest["data_offset"]])
     with open_table(tmp_path / "t.bin") as table:
         assert np.array_equal(table.gather(np.arange(source.num_rows)), rows)
+
+
+def test_direct_rows_leave_a_source_with_reads_of_its_own_to_them(gguf_joined):
+    """A source that computes its rows (bench/synthetic.py's, a subclass's `read_rows`) is read
+    through that method, never from the files its segments name."""
+    with open_source(gguf_joined) as opened:
+        class Inverted(type(opened)):
+            def read_rows(self, start, stop, out=None):
+                return 255 - super().read_rows(start, stop, out)
+
+        opened.__class__ = Inverted
+        with DirectRows(opened) as direct:
+            rows = direct.read(10, 500, direct.buffer(490))
+        opened.__class__ = Inverted.__mro__[1]
+        assert np.array_equal(rows, 255 - opened.read_rows(10, 500))

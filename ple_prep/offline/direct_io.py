@@ -16,6 +16,7 @@ import os
 
 import numpy as np
 
+from ..converters.base import TableSource
 from ..core.errors import BadInput
 from ..core.fileio import open_regular
 
@@ -76,14 +77,15 @@ class DirectRows:
     disk (BENCHMARKS.md, "Convert speed and memory"), and a source larger than RAM only churns the
     cache. A read covers its rows' bytes widened to DIRECT_IO_ALIGNMENT at both ends, so the rows
     start a little into the buffer. Rows that one file does not hold in one run (split-head
-    tables, a read across two segments, rows no file holds) and files that refuse O_DIRECT are
-    read by the source itself, through the page cache.
+    tables, a read across two segments, rows no file holds), files that refuse O_DIRECT and every
+    read of a source with reads of its own (a subclass's `read_rows`) are read by the source itself.
     """
 
-    def __init__(self, source):
+    def __init__(self, source: TableSource):
         self.source = source
         self.row_bytes = source.row_bytes
-        self.segments = list(source.parts[0]) if len(source.parts) == 1 else []
+        own_reads = type(source).read_rows is not TableSource.read_rows
+        self.segments = list(source.parts[0]) if len(source.parts) == 1 and not own_reads else []
         self.direct = bool(O_DIRECT) and bool(self.segments)
         self._starts = [segment.first_row for segment in self.segments]
         self._descriptors: dict = {}
