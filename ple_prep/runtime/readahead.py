@@ -198,27 +198,28 @@ class CachedDiskTier:
         """Rows of the job's plan handled: the compiled reader's count is ahead of the job's own
         while it reads."""
         if self._compiled is not None:
-            serial, done, _, _ = _native.readahead_progress(self._compiled)
+            serial, done, _ = _native.readahead_progress(self._compiled)
             if serial == job.serial:
                 return max(done, job.done_rows)
         return job.done_rows
 
     def _waited_for_read_ahead(self, missed_slots: np.ndarray) -> bool:
-        """Whether the compiled read-ahead was about to read every one of these rows (in the chunk
-        it reads now or the next, none passed over) and has now, this thread having waited."""
+        """Whether the compiled read-ahead was about to read every one of these rows (none past the
+        chunk after the one it reads now) and this thread waited for it to pass them, or for it to
+        stop (its pauses for demand reads waited through: this thread, reading again at once after
+        one, would otherwise find it paused every time). Rows it passed meanwhile are in the cache."""
         job, compiled = self._serving, self._compiled
         if job is None or compiled is None:
             return False
-        serial, done, running, _ = _native.readahead_progress(compiled)
-        if not running or serial != job.serial:
-            return False
-        where = job.positions(missed_slots)
-        if where is None or where.min() < done:
+        serial, done, _ = _native.readahead_progress(compiled)
+        where = job.positions(missed_slots) if serial == job.serial else None
+        if where is None:
             return False
         reading = int(np.searchsorted(job.group_ends, done, side="right"))  # the chunk it reads now
-        if reading >= len(job.group_ends) or where.max() >= job.group_ends[min(reading + 1, len(job.group_ends) - 1)]:
+        if reading < len(job.group_ends) and where.max() >= job.group_ends[min(reading + 1, len(job.group_ends) - 1)]:
             return False
-        return _native.readahead_wait(compiled, job.serial, int(where.max()))
+        _native.readahead_wait(compiled, job.serial, int(where.max()))
+        return True
 
     def read_ahead(self, chunks: list[np.ndarray]) -> ReadAhead:
         """Queue a request's chunks (file slots each) for reading into the cache; returns at once."""
@@ -282,18 +283,26 @@ class CachedDiskTier:
                     return
                 job = self._queue[0]
             self._serving = job
+            self._served(job)
             try:
                 self._serve(job)
             except BaseException as error:  # noqa: BLE001 (kept for the caller: ReadAhead.error)
                 job.error = error
             finally:
                 self._serving = None
+                self._served(None)
             if job._cancelled:  # rows that landed after cancel released the pins
                 self.cache.unpin_all()
             with self._wake:
                 if self._queue and self._queue[0] is job:
                     self._queue.popleft()
             job._done.set()
+
+    def _served(self, job: ReadAhead | None) -> None:
+        """Tell the compiled reader which request's lookups may wait for its reads (None: none)."""
+        if self._compiled is not None:
+            _native.readahead_serve(self._compiled, 0 if job is None else job.serial,
+                                    0 if job is None else job.done_rows)
 
     def _serve(self, job: ReadAhead) -> None:
         limit = int(self.cache.entries * PIN_FRACTION)
@@ -302,13 +311,16 @@ class CachedDiskTier:
             with self._demand:
                 while self._demand_waiting:
                     self._demand.wait()
-            stops = _native.readahead_progress(self._compiled)[3] if self._compiled is not None else 0
+            stops = _native.readahead_progress(self._compiled)[2] if self._compiled is not None else 0
             if job._cancelled or self._closed:
                 return
             with self.read_lock:
                 reason = self._fill(job, limit, stops) if self._compiled is not None else self._read_batch(job, limit)
-            if reason == _FILL_PINS and not self._room(job, resume, limit):
-                return
+            if reason == _FILL_PINS:
+                self._served(None)  # a lookup waiting for its rows reads them itself meanwhile
+                if not self._room(job, resume, limit):
+                    return
+                self._served(job)
 
     def _fill(self, job: ReadAhead, limit: int, stops: int) -> int:
         """The plan from where it stands read by the compiled reader until it is done, stopped

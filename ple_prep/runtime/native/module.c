@@ -37,7 +37,8 @@
  *
  * hostcache_new, hostcache_lookup, hostcache_probe, hostcache_admit, hostcache_reset, hostcache_counts:
  *     the host cache (hostcache.c), under a lock of its own that the step service shares.
- * readahead_new, readahead_fill, readahead_hold, readahead_stop, readahead_progress, readahead_wait:
+ * readahead_new, readahead_fill, readahead_hold, readahead_stop, readahead_serve, readahead_progress,
+ * readahead_wait:
  *     read-ahead into the host cache on a reader of its own (readahead.c).
  *
  * Files: view.c (the table view), stage.c (the stage and its parts), pool.c (the thread pool),

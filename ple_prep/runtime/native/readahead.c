@@ -19,13 +19,14 @@
  *     -2 (the disk stalled), at file offset `failed_at`. One fill at a time.
  * readahead_hold(reader, delta): demand reads waiting, counted; a fill stops queueing while any is.
  * readahead_stop(reader): the fill in progress, or the next one given an older count, stops.
- * readahead_progress(reader) -> (serial, done, running, stops): the last fill's request, position
- *     and whether it runs, and readahead_stop's count (read before deciding to fill: a stop made
- *     after it stops the fill).
+ * readahead_serve(reader, serial, done): the request read for now (0: none, its read-ahead ended
+ *     or waits for pins) and its position; waiters of another request stop waiting.
+ * readahead_progress(reader) -> (serial, done, stops): the request served and its position, and
+ *     readahead_stop's count (read before deciding to fill: a stop made after it stops the fill).
  * readahead_wait(reader, serial, position) -> bool
- *     Waits (without the GIL) until the fill of request `serial` has handled every row up to and
- *     including `position`: True; False as soon as no fill of it runs (it returned, or another
- *     request's began), or after twice the read timeout.
+ *     Waits (without the GIL) until request `serial`'s reads have handled every row up to and
+ *     including `position`: True; False as soon as it is no longer served (readahead_serve), or
+ *     after twice the read timeout. Between its fills (a demand read went first) it waits on.
  */
 #define _GNU_SOURCE
 #include "readahead.h"
@@ -49,9 +50,9 @@ typedef struct {
     double timeout;
     pthread_mutex_t lock;
     pthread_cond_t moved;
-    long long serial;        /* under lock: the request of the last fill, */
+    long long serial;        /* under lock: the request served (readahead_serve), */
     Py_ssize_t done;         /* its position, */
-    int running, filling;    /* and whether it runs (filling: a call is inside readahead_fill) */
+    int filling;             /* and whether a call is inside readahead_fill */
     int hold, stops;         /* atomic: demand reads waiting; stop requests made */
 } read_ahead;
 
@@ -173,7 +174,7 @@ PyObject *readahead_fill(PyObject *self, PyObject *args)
     if (!refused && reader->filling)
         refused = "readahead_fill: a fill is in progress on this reader";
     if (!refused) {
-        reader->filling = reader->running = 1;
+        reader->filling = 1;
         reader->serial = serial;
         reader->done = start;
     }
@@ -194,7 +195,7 @@ PyObject *readahead_fill(PyObject *self, PyObject *args)
     error = disk_reader_fill(&reader->reader, &request, start, &result, &failed_at);
     pthread_mutex_lock(&reader->lock);
     reader->done = result.done;
-    reader->running = reader->filling = 0;
+    reader->filling = 0;
     pthread_cond_broadcast(&reader->moved);
     pthread_mutex_unlock(&reader->lock);
     Py_END_ALLOW_THREADS
@@ -228,6 +229,24 @@ PyObject *readahead_stop(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+PyObject *readahead_serve(PyObject *self, PyObject *args)
+{
+    PyObject *capsule;
+    long long serial;
+    Py_ssize_t done;
+    if (!PyArg_ParseTuple(args, "OLn", &capsule, &serial, &done))
+        return NULL;
+    read_ahead *reader = reader_of(capsule);
+    if (!reader)
+        return NULL;
+    pthread_mutex_lock(&reader->lock);
+    reader->serial = serial;
+    reader->done = done;
+    pthread_cond_broadcast(&reader->moved);
+    pthread_mutex_unlock(&reader->lock);
+    Py_RETURN_NONE;
+}
+
 PyObject *readahead_progress(PyObject *self, PyObject *args)
 {
     PyObject *capsule;
@@ -239,10 +258,8 @@ PyObject *readahead_progress(PyObject *self, PyObject *args)
     pthread_mutex_lock(&reader->lock);
     long long serial = reader->serial;
     Py_ssize_t done = reader->done;
-    int running = reader->running;
     pthread_mutex_unlock(&reader->lock);
-    return Py_BuildValue("LnOi", serial, done, running ? Py_True : Py_False,
-                         __atomic_load_n(&reader->stops, __ATOMIC_ACQUIRE));
+    return Py_BuildValue("Lni", serial, done, __atomic_load_n(&reader->stops, __ATOMIC_ACQUIRE));
 }
 
 PyObject *readahead_wait(PyObject *self, PyObject *args)
@@ -267,7 +284,7 @@ PyObject *readahead_wait(PyObject *self, PyObject *args)
         deadline.tv_nsec -= 1000000000L;
     }
     pthread_mutex_lock(&reader->lock);
-    while (reader->running && reader->serial == serial && reader->done <= position)
+    while (reader->serial == serial && reader->done <= position)
         if (pthread_cond_timedwait(&reader->moved, &reader->lock, &deadline) == ETIMEDOUT)
             break;
     passed = reader->serial == serial && reader->done > position;
