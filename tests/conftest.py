@@ -136,6 +136,13 @@ def fp8_rank_tables(fp8_checkpoint, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def source_rows(fp8_checkpoint):
+    """Every row of the FP8 fixture in source order, as the checkpoint holds them."""
+    with open_source(fp8_checkpoint) as source:
+        return source.read_rows(0, source.num_rows)
+
+
+@pytest.fixture(scope="module")
 def faultfs(fp8_table, tmp_path_factory):
     """The FP8 fixture table on a fault-injecting FUSE mount; skips where FUSE is unavailable."""
     why = fuse_unavailable()
@@ -151,3 +158,11 @@ def faultfs(fp8_table, tmp_path_factory):
         if exc.errno == errno.ENODEV:
             pytest.skip(str(exc))
         raise
+
+
+@pytest.fixture
+def faults(faultfs):
+    """The fault file system with no fault injected before and after the test."""
+    faultfs.clear()
+    yield faultfs
+    faultfs.clear()

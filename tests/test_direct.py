@@ -23,12 +23,6 @@ POISON = 0xA5
 
 
 @pytest.fixture(scope="module")
-def source_rows(fp8_checkpoint):
-    with open_source(fp8_checkpoint) as source:
-        return source.read_rows(0, source.num_rows)
-
-
-@pytest.fixture(scope="module")
 def ordered_table(fp8_checkpoint, tmp_path_factory):
     """An access-ordered table (slots differ from row ids); skips where O_DIRECT is refused."""
     path = tmp_path_factory.mktemp("direct") / "t.bin"

@@ -25,12 +25,6 @@ from ple_prep.tools.benchmark import evict
 POISON = 0xA5
 
 
-@pytest.fixture(scope="module")
-def source_rows(fp8_checkpoint):
-    with open_source(fp8_checkpoint) as source:
-        return source.read_rows(0, source.num_rows)
-
-
 @pytest.fixture(scope="module", params=["source-order", "access-order"])
 def table_path(request, fp8_checkpoint, tmp_path_factory, converted_table):
     # Access order: a scattered hot set placed first, so slot order differs from row order.

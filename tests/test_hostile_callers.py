@@ -14,15 +14,8 @@ import numpy as np
 import pytest
 from support.isolation import in_child
 
-from ple_prep.converters import open_source
 from ple_prep.runtime import gather as gather_module
 from ple_prep.runtime import open_table
-
-
-@pytest.fixture(scope="module")
-def source_rows(fp8_checkpoint):
-    with open_source(fp8_checkpoint) as source:
-        return source.read_rows(0, source.num_rows)
 
 
 def needs_helper() -> None:

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 from support.isolation import in_child
 
-from ple_prep.converters import open_source
 from ple_prep.core.errors import BadInput
 from ple_prep.runtime import hostcache, open_table, readahead
 from ple_prep.tools.benchmark import evict
@@ -25,19 +24,6 @@ pytestmark = pytest.mark.skipif(readahead._native is None, reason="needs the com
 POISON = 0xA5
 # A read of the slowed disk: the table's blocks take seconds to read ahead one at a time.
 DELAY_SECONDS = 0.004
-
-
-@pytest.fixture(scope="module")
-def source_rows(fp8_checkpoint):
-    with open_source(fp8_checkpoint) as source:
-        return source.read_rows(0, source.num_rows)
-
-
-@pytest.fixture
-def faults(faultfs):
-    faultfs.clear()
-    yield faultfs
-    faultfs.clear()
 
 
 def open_direct(path, **options):

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 from support.isolation import in_child
 
-from ple_prep.converters import open_source
 from ple_prep.format import pagesums as pagesums_module
 from ple_prep.format.manifest import manifest_path
 from ple_prep.format.pages import row_offsets
@@ -27,19 +26,6 @@ from ple_prep.runtime import open_table
 from ple_prep.tools.benchmark import evict
 
 READ_PATHS = ("direct", "pread", "mapped")
-
-
-@pytest.fixture(scope="module")
-def source_rows(fp8_checkpoint):
-    with open_source(fp8_checkpoint) as source:
-        return source.read_rows(0, source.num_rows)
-
-
-@pytest.fixture
-def faults(faultfs):
-    faultfs.clear()
-    yield faultfs
-    faultfs.clear()
 
 
 def data_range(table, slots) -> tuple[int, int]:
