@@ -8,13 +8,13 @@ case runs in a forked child (a signal or a hang fails the test, not the run).
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 import numpy as np
 import pytest
 from support.isolation import in_child
+from support.slowed_disk import SlowedDisk
 
 from ple_prep.core.errors import BadInput
 from ple_prep.runtime import hostcache, open_table, readahead
@@ -242,35 +242,25 @@ def test_a_hung_read_ends_the_read_ahead_after_the_timeout(faults, source_rows):
     assert 0.9 < waited < 5.0
 
 
-BLKIO = "/sys/fs/cgroup/blkio"
-
-
 def test_an_o_direct_read_ahead_read_past_its_timeout_fails_and_the_next_read_ahead_reads_again(fp8_table,
                                                                                                 source_rows):
     """A disk slowed to one read a second (a blkio cgroup's throttle, where root has one): the
     read-ahead's native AIO reads time out after 0.3 s, and once the disk is fast again a read-ahead
     of the same rows brings them."""
-    if os.getuid() != 0 or not os.path.exists(f"{BLKIO}/blkio.throttle.read_iops_device"):
-        pytest.skip("needs root and the cgroup v1 blkio controller")
-    device = os.stat(fp8_table).st_dev
-    group = f"{BLKIO}/ple-prep-test-{os.getpid()}"
-    os.mkdir(group)
+    disk = SlowedDisk(fp8_table)
 
     def case():
-        with open(f"{group}/blkio.throttle.read_iops_device", "w") as file:
-            file.write(f"{os.major(device)}:{os.minor(device)} 1")
+        disk.throttle()
         # One read in flight: reads left to the throttle drain at its rate, and the child must exit.
         with open_direct(fp8_table, host_cache_bytes=8 << 20, read_timeout=0.3, queue_depth=1) as table:
             chunks = chunks_of(table, 2, 800, 6)
             evict(fp8_table)
-            with open(f"{group}/cgroup.procs", "w") as file:  # every thread: the read-ahead's too
-                file.write(str(os.getpid()))
+            disk.enter()  # every thread: the read-ahead's too
             began = time.monotonic()
             job = table.read_ahead(chunks)
             finished = job.wait(10)
             waited = time.monotonic() - began
-            with open(f"{BLKIO}/cgroup.procs", "w") as file:
-                file.write(str(os.getpid()))
+            disk.leave()
             time.sleep(1.1)  # the throttled reads left in flight complete: the disk has recovered
             again = table.read_ahead(chunks)
             again.wait(10)
@@ -279,11 +269,8 @@ def test_an_o_direct_read_ahead_read_past_its_timeout_fails_and_the_next_read_ah
             return finished, waited, repr(job.error), isinstance(job.error, TimeoutError), again.error is None, \
                 table.host_cache.rows_read, np.array_equal(out, source_rows[chunks[1]])
 
-    try:
+    with disk:
         finished, waited, message, timed_out, recovered, demand_rows, exact = in_child(case, timeout=60)
-    finally:
-        time.sleep(1.5)  # the throttled reads left in flight finish
-        os.rmdir(group)
     assert finished and timed_out and str(fp8_table) in message and "0.3 s" in message, message
     assert waited < 3.0
     assert recovered and exact and demand_rows == 0

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.isolation import in_child
+from support.slowed_disk import SlowedDisk
 
 from ple_prep.format import pagesums as pagesums_module
 from ple_prep.format.manifest import manifest_path
@@ -126,21 +127,13 @@ def test_a_hung_read_fails_the_request_after_the_timeout_then_the_disk_recovers(
     assert recovered
 
 
-BLKIO = "/sys/fs/cgroup/blkio"
-
-
 def test_an_o_direct_read_past_its_timeout_fails_and_the_next_request_reads_again(fp8_table, source_rows):
     """A disk slowed to one read a second (a blkio cgroup's throttle, where root has one): a read
     timeout of 0.3 s fails the request, and once the disk is fast again the next one is served."""
-    if os.getuid() != 0 or not os.path.exists(f"{BLKIO}/blkio.throttle.read_iops_device"):
-        pytest.skip("needs root and the cgroup v1 blkio controller")
-    device = os.stat(fp8_table).st_dev
-    group = f"{BLKIO}/ple-prep-test-{os.getpid()}"
-    os.mkdir(group)
+    disk = SlowedDisk(fp8_table)
 
     def case():
-        with open(f"{group}/blkio.throttle.read_iops_device", "w") as file:
-            file.write(f"{os.major(device)}:{os.minor(device)} 1")
+        disk.throttle()
         with open_table(fp8_table, read_path="direct", read_timeout=0.3, queue_depth=1, host_cache_bytes=0) as table:
             if table.read_path != "direct":
                 return "skip"
@@ -148,25 +141,20 @@ def test_an_o_direct_read_past_its_timeout_fails_and_the_next_request_reads_agai
             messages = []
             for request in (ids, ids[:1]):  # the refill loop and the one-submission path
                 evict(fp8_table)
-                with open(f"{group}/tasks", "w") as file:
-                    file.write(str(os.getpid()))
+                disk.enter(every_thread=False)
                 began = time.monotonic()
                 try:
                     table.gather(request)
                     messages.append((None, time.monotonic() - began))
                 except TimeoutError as exc:
                     messages.append((str(exc), time.monotonic() - began))
-                with open(f"{BLKIO}/tasks", "w") as file:
-                    file.write(str(os.getpid()))
+                disk.leave(every_thread=False)
                 time.sleep(1.1)  # the throttled read left in flight completes: the disk has recovered
                 assert np.array_equal(table.gather(request), source_rows[request])
             return messages
 
-    try:
+    with disk:
         outcome = in_child(case)
-    finally:
-        time.sleep(1.5)  # the throttled reads left in flight finish
-        os.rmdir(group)
     if outcome == "skip":
         pytest.skip("O_DIRECT is refused here")
     for message, waited in outcome:

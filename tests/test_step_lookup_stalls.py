@@ -7,7 +7,6 @@ The pread path (FUSE completes O_DIRECT reads inside io_submit, so the service r
 worker thread there) under a FUSE hang; the native AIO path under a blkio cgroup's throttle."""
 from __future__ import annotations
 
-import os
 import shutil
 import time
 
@@ -17,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from support.bf16_bits import bits, expected_bits  # noqa: E402
+from support.slowed_disk import SlowedDisk  # noqa: E402
 
 from ple_prep.format.manifest import manifest_path  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
@@ -25,7 +25,6 @@ from ple_prep.tools.benchmark import evict  # noqa: E402
 
 pytestmark = pytest.mark.skipif(steps._native is None, reason="needs the compiled helper")
 TIMEOUT = 0.5
-BLKIO = "/sys/fs/cgroup/blkio"
 
 
 def spread_ids(table, count: int, seed: int) -> np.ndarray:
@@ -94,16 +93,10 @@ def test_an_aio_read_past_the_timeout_fails_its_step_and_the_next_step_is_exact(
     """A disk slowed to one read a second (a blkio cgroup's throttle): the service's O_DIRECT reads in
     flight stall, the step fails after the timeout, and once the throttle is lifted the next step
     reads again with a new AIO context and buffer."""
-    if os.getuid() != 0 or not os.path.exists(f"{BLKIO}/blkio.throttle.read_iops_device"):
-        pytest.skip("needs root and the cgroup v1 blkio controller")
     path = tmp_path / "t.bin"
     shutil.copyfile(fp8_table, path)
     shutil.copyfile(manifest_path(fp8_table), manifest_path(path))
-    device = os.stat(path).st_dev
-    group = f"{BLKIO}/ple-prep-steps-{os.getpid()}"
-    rule = f"{group}/blkio.throttle.read_iops_device"
-    os.mkdir(group)
-    try:
+    with SlowedDisk(path, "ple-prep-steps") as disk:
         with open_table(path, read_path="direct", read_timeout=TIMEOUT) as table:
             if table.read_path != "direct":
                 pytest.skip("this file system does not serve O_DIRECT")
@@ -112,17 +105,13 @@ def test_an_aio_read_past_the_timeout_fails_its_step_and_the_next_step_is_exact(
             try:
                 ids = spread_ids(table, 256, 4)
                 evict(path)
-                with open(rule, "w") as file:
-                    file.write(f"{os.major(device)}:{os.minor(device)} 1")
-                with open(f"{group}/cgroup.procs", "w") as file:
-                    file.write(str(os.getpid()))
+                disk.throttle()
+                disk.enter()
                 try:
                     error, waited = timed_failing_step(lookup, ids)
                 finally:
-                    with open(f"{BLKIO}/cgroup.procs", "w") as file:
-                        file.write(str(os.getpid()))
-                    with open(rule, "w") as file:
-                        file.write(f"{os.major(device)}:{os.minor(device)} 0")
+                    disk.leave()
+                    disk.unthrottle()
                 if error is None:
                     pytest.skip("the throttle did not slow this disk's reads")
                 assert_failed_within_the_timeout(lookup, path, error, waited, len(ids))
@@ -134,5 +123,3 @@ def test_an_aio_read_past_the_timeout_fails_its_step_and_the_next_step_is_exact(
                     assert np.array_equal(bits(lookup.finish()), expected_bits(table, request)), seed
             finally:
                 lookup.close()
-    finally:
-        os.rmdir(group)
