@@ -22,8 +22,10 @@ def test_bench_json_reports_every_scenario_without_fio(runner, fp8_table):
         assert row["p50_us"] > 0 and row["p99_us"] >= row["p50_us"] and row["rows_per_s"] > 0
     faults = {key: report[key]["major_faults"] for key in SCENARIOS}
     if report["read_path"] == "direct":
-        # O_DIRECT reads land in the reader's own buffers: no gather faults the table's mapping in.
-        assert faults == dict.fromkeys(SCENARIOS, 0)
+        # O_DIRECT reads land in the reader's own buffers: no gather faults the table's rows in (a
+        # mapped cold gather faults once a page, hundreds of times here). The count is the process's:
+        # a page of the order map or of a library the kernel dropped may still cost a fault or two.
+        assert all(count <= 2 for count in faults.values()), faults
     else:
         # Mapped: warm gathers find every page cached; a cold one after eviction waits on the disk.
         assert all(faults[key] == 0 for key in SCENARIOS if key.startswith("warm")), faults
