@@ -217,11 +217,8 @@ PyObject *readahead_hold(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-PyObject *readahead_stop(PyObject *self, PyObject *args)
+PyObject *readahead_stop(PyObject *self, PyObject *capsule)
 {
-    PyObject *capsule;
-    if (!PyArg_ParseTuple(args, "O", &capsule))
-        return NULL;
     read_ahead *reader = reader_of(capsule);
     if (!reader)
         return NULL;
@@ -247,11 +244,8 @@ PyObject *readahead_serve(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-PyObject *readahead_progress(PyObject *self, PyObject *args)
+PyObject *readahead_progress(PyObject *self, PyObject *capsule)
 {
-    PyObject *capsule;
-    if (!PyArg_ParseTuple(args, "O", &capsule))
-        return NULL;
     read_ahead *reader = reader_of(capsule);
     if (!reader)
         return NULL;
