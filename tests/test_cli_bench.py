@@ -23,8 +23,8 @@ def test_bench_json_reports_every_scenario_without_fio(runner, fp8_table):
     faults = {key: report[key]["major_faults"] for key in SCENARIOS}
     if report["read_path"] == "direct":
         # O_DIRECT reads land in the reader's own buffers: no gather faults the table's rows in (a
-        # mapped cold gather faults once a page, hundreds of times here). The count is the process's:
-        # a page of the order map or of a library the kernel dropped may still cost a fault or two.
+        # mapped cold gather faults once a page, hundreds of times here). The count is the process's
+        # (the bench pages the gather's code in first): a library page reclaimed mid-run may cost one.
         assert all(count <= 2 for count in faults.values()), faults
     else:
         # Mapped: warm gathers find every page cached; a cold one after eviction waits on the disk.
