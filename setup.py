@@ -1,8 +1,8 @@
 """The optional compiled helpers, built when a C compiler is there, skipped (numpy fallback, same
 results) when not: ple_prep.core._native (the rows copy and slot lookup of the format layer, the
-n-gram hash and the profile's counting) and ple_prep.runtime._native (the runtime's staging, thread
-pool and CUDA driver calls), which reuses core/native's row addressing, and holds the host cache's
-loops. Everything else is in pyproject.toml."""
+n-gram hash, the profile's counting and the planner's page packing) and ple_prep.runtime._native
+(the runtime's staging, thread pool and CUDA driver calls), which reuses core/native's row
+addressing, and holds the host cache's loops. Everything else is in pyproject.toml."""
 from setuptools import Extension, setup
 
 CORE = "ple_prep/core/native/"
@@ -12,9 +12,11 @@ SHARED = [CORE + "buffers.c", CORE + "guard.c", CORE + "slots.c"]
 FLAGS = ["-O2", "-fvisibility=hidden"]
 
 setup(ext_modules=[
-    Extension("ple_prep.core._native", [CORE + "module.c", CORE + "pagesums.c", CORE + "ngramcount.c", *SHARED],
+    Extension("ple_prep.core._native",
+              [CORE + "module.c", CORE + "pagesums.c", CORE + "ngramcount.c", CORE + "pack.c", *SHARED],
               extra_compile_args=FLAGS, optional=True,
-              depends=[CORE + name for name in ("buffers.h", "guard.h", "pagesums.h", "rows.h", "ngramcount.h")]),
+              depends=[CORE + name for name in ("buffers.h", "guard.h", "pagesums.h", "rows.h", "ngramcount.h",
+                                                 "pack.h")]),
     Extension("ple_prep.runtime._native",
               [RUNTIME + name for name in ("module.c", "view.c", "stage.c", "pool.c", "jobs.c", "cuda.c", "hostcache.c",
                                            "steps.c", "memops.c", "disk_reads.c", "disk_fill.c", "readahead.c")]

@@ -148,6 +148,28 @@ def test_pack_keeps_groups_whole_and_fills_pages():
     assert [p[0] for p in pieces[:3]] == [0, 1, 2]
 
 
+@pytest.mark.parametrize("capacity", [25, 45, 300])
+def test_pack_compiled_gives_the_pieces_of_the_python_loop(capacity, monkeypatch):
+    from ple_prep.offline import planner
+
+    if planner._native is None:
+        pytest.skip("the compiled helper is not built")
+    rng = np.random.default_rng(capacity)
+    for case in range(30):
+        count = int(rng.integers(0, 3000))
+        # Group sizes as the planner makes them (up to 8 rows, some 0), now and then one larger than a page.
+        sizes = rng.choice([8, 7, 6, 5, 3, 2, 1, 0], size=count, p=[0.5, 0.1, 0.1, 0.1, 0.05, 0.05, 0.05, 0.05])
+        if case % 3 == 0 and count:
+            sizes[rng.integers(0, count)] = min(255, capacity + 5)
+        spare = int(rng.choice([0, 3, 1000, 10 ** 6]))
+        compiled = _pack(sizes, capacity, spare)
+        monkeypatch.setattr(planner, "_native", None)
+        python = _pack(sizes, capacity, spare)
+        monkeypatch.undo()
+        for got, expected in zip(compiled, python):
+            assert np.array_equal(got.astype(np.int64), expected.astype(np.int64)), (case, count, spare)
+
+
 def test_residency_hints_measured_on_heldout_only(source_and_profile):
     source, profile = source_and_profile
     plan = plan_order(profile, source.num_rows, 25, max_placed=source.num_rows)

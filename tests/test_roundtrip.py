@@ -20,10 +20,13 @@ def test_convert_gather_returns_source_bytes(variant, request, tmp_path):
         assert np.array_equal(table.gather(ids), expected[ids])
 
 
+@pytest.mark.parametrize("cached_steps", [0, 2, None])
 @pytest.mark.parametrize("head_steps", [0, 3, None])
-def test_convert_planned_while_hashing_writes_the_same_table(fp8_checkpoint, tmp_path, monkeypatch, head_steps):
+def test_convert_planned_while_hashing_writes_the_same_table(fp8_checkpoint, tmp_path, monkeypatch, head_steps,
+                                                             cached_steps):
     """A plan run inside convert (the source's head hashed meanwhile, here `head_steps` reads of a
-    few rows, or the whole table) writes the bytes and checksums of the same layout given ready."""
+    few rows, or the whole table; the first `cached_steps` of them, or all, left in the page cache
+    for the write to read back) writes the bytes and checksums of the same layout given ready."""
     import hashlib
     import threading
 
@@ -33,6 +36,9 @@ def test_convert_planned_while_hashing_writes_the_same_table(fp8_checkpoint, tmp
     from ple_prep.offline.direct_io import DirectRows
 
     monkeypatch.setattr(writer, "WARM_STEP_BYTES", 7 * 160)
+    monkeypatch.setattr(writer, "WARM_SHARE_OF_AVAILABLE", 1)
+    cached_bytes = 1 << 40 if cached_steps is None else cached_steps * 7 * 160
+    monkeypatch.setattr(writer, "_available_memory", lambda: cached_bytes)
     with open_source(fp8_checkpoint) as source:
         rng = np.random.default_rng(5)
         layout = TableLayout(RowOrder.from_placed(rng.permutation(source.num_rows)[:source.num_rows // 3],
@@ -41,17 +47,20 @@ def test_convert_planned_while_hashing_writes_the_same_table(fp8_checkpoint, tmp
         rows = source.read_rows(0, source.num_rows)
         steps = -(-source.num_rows // 7) if head_steps is None else head_steps
         reads, enough = [0], threading.Event()
-        read = DirectRows.read
 
-        def counted(self, *args, **kwargs):
-            out = read(self, *args, **kwargs)
-            if threading.current_thread().name.startswith("convert-head"):
-                reads[0] += 1
-                if reads[0] >= steps:
-                    enough.set()
-            return out
+        def counted(read):
+            def counting(self, *args, **kwargs):
+                out = read(self, *args, **kwargs)
+                if threading.current_thread().name.startswith("convert-head"):
+                    reads[0] += 1
+                    if reads[0] >= steps:
+                        enough.set()
+                return out
+            return counting
 
-        monkeypatch.setattr(DirectRows, "read", counted)
+        # Rows left in the page cache are read through the source, the others with DirectRows.
+        monkeypatch.setattr(DirectRows, "read", counted(DirectRows.read))
+        monkeypatch.setattr(type(source), "read_rows", counted(type(source).read_rows))
 
         def plan():
             assert steps == 0 or enough.wait(30)

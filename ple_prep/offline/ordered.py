@@ -49,8 +49,10 @@ PREFETCH_AHEAD = 3
 # Chunks whose placed rows wait to be staged on the staging thread, which copies them into their
 # buckets' buffers and writes the full ones (the split goes on meanwhile).
 STAGE_BEHIND = 4
-# The buckets' staging buffers together (`_Staging`), and the most one bucket's may take.
-STAGE_BUFFER_BYTES = 32 << 20
+# The buckets' staging buffers together (`_Staging`), and the most one bucket's may take. A full
+# buffer is one write at its bucket's place: with hundreds of buckets, smaller shares mean many
+# small writes scattered over the file, which kept the staging thread writing most of the time.
+STAGE_BUFFER_BYTES = 64 << 20
 STAGE_BUFFER_MAX = 1 << 20
 
 
@@ -104,11 +106,12 @@ class _PageSink:
 def write_access_ordered(source: TableSource, order: RowOrder, header: Header, descriptor: int,
                          path: Path, pages_per_chunk: int, block_bytes: int,
                          progress: Callable[[int], None] | None,
-                         head: tuple[Any, int] | None = None) -> tuple[dict[int, int], str]:
+                         head: tuple[Any, int, int] | None = None) -> tuple[dict[int, int], str]:
     """Write the data region of `header`'s file (its header and map already written through
     `descriptor`, the file at `path`, as long as the header says); returns the CRC of every checksum
     block of `block_bytes` and the SHA-256 of the rows in source order (continuing `head`, a SHA-256
-    already fed that many of the first rows, where given)."""
+    already fed that many of the first rows, of which the third number are in the page cache, where
+    given)."""
     chunk_rows = pages_per_chunk * header.rows_per_page
     boundary_page = order.num_placed // header.rows_per_page
     meeting_block = min(boundary_page, header.num_pages - 1) * header.page_size // block_bytes
@@ -122,11 +125,12 @@ def write_access_ordered(source: TableSource, order: RowOrder, header: Header, d
               for name in ("prefetch", "read", "hash", "stage", "write")]
     prefetcher, reader, hasher, stager, writer = stages
     sink = _PageSink(descriptor, header, pages_per_chunk, block_bytes, meeting_block, writer)
-    digest, hashed_rows = head or (hashlib.sha256(), 0)
+    digest, hashed_rows, cached_rows = head or (hashlib.sha256(), 0, 0)
     try:
         with DirectRows(source) as direct:
             held = _stream_source(source, direct, order, header, sink, staging, bucket, chunk_rows,
-                                  (prefetcher, reader, hasher, stager), (digest, hashed_rows), progress)
+                                  (prefetcher, reader, hasher, stager), (digest, hashed_rows, cached_rows),
+                                  progress)
         del bucket
         _write_placed(order, header, sink, staging, chunk_rows, held, reader)
         sink.finish()
@@ -145,7 +149,7 @@ def _stream_source(source: TableSource, direct: DirectRows, order: RowOrder, hea
     """Step 1; returns the first chunk of unplaced rows when the placed region ends inside its
     first page (the chunk's rows from its first slot, placed ones zero), for step 2 to write."""
     prefetcher, reader, hasher, stager = threads
-    digest, hashed_rows = hashing
+    digest, hashed_rows, cached_rows = hashing
     num_placed, num_rows, rows_per_page = order.num_placed, header.num_rows, header.rows_per_page
     first_row = header.first_row
     boundary_page, head = divmod(num_placed, rows_per_page)
@@ -163,7 +167,14 @@ def _stream_source(source: TableSource, direct: DirectRows, order: RowOrder, hea
                               first_row + min(starts[ahead] + read_rows, num_rows))
         start = starts[index]
         stop = min(start + read_rows, num_rows)
-        return direct.read(first_row + start, first_row + stop, buffers[index % len(buffers)])
+        buffer = buffers[index % len(buffers)]
+        if stop > cached_rows:
+            return direct.read(first_row + start, first_row + stop, buffer)
+        # Left in the page cache while the layout was planned: read from memory, then let go.
+        rows = source.read_rows(first_row + start, first_row + stop,
+                                out=buffer[:(stop - start) * row_bytes].reshape(stop - start, row_bytes))
+        source.drop_cached(first_row + start, first_row + stop)
+        return rows
 
     # The page chunk being filled: pages [page, page_stop), `filled` of its rows set. The first one
     # starts at the page the placed region ends in, its first `head` slots left to step 2.

@@ -30,6 +30,11 @@ from ..format.pages import pages_for
 from ..ngram import rows_of_mixed
 from .profile import PARTS, Profile, load_profile
 
+try:
+    from ..core import _native
+except ImportError:  # built without a C compiler: the Python loop packs the same
+    _native = None
+
 MAX_MAP_FRACTION = 0.02
 BUDGETS_GIB = (0.25, 0.5, 1, 2, 4, 8, 16)
 BUDGETS_PERCENT = (1, 2, 5, 10, 20)
@@ -180,6 +185,8 @@ def _pack(sizes: np.ndarray, capacity: int, spare: int = 0) -> tuple[np.ndarray,
     rows), so millions of groups cost a few bytes each.
     """
     sizes = np.asarray(sizes, dtype=np.uint8)
+    if _native is not None:
+        return _pack_native(sizes, capacity, spare)
     pool = len(sizes)
     remaining = bytearray(sizes.tobytes())
     taken = bytearray(len(sizes))
@@ -249,6 +256,22 @@ def _pack(sizes: np.ndarray, capacity: int, spare: int = 0) -> tuple[np.ndarray,
             # Nothing else fits the page's end: cut the coldest group to fill it.
             place(back, free)
             queues[remaining[back]].append(back)
+
+
+def _pack_native(sizes: np.ndarray, capacity: int, spare: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_pack` in C (core/native/pack.c). Pieces are the groups plus at most a cut or a spare piece
+    a page; pieces arrays too short for them (a page end filled from the pool nearly every page)
+    are made longer and the packing run again."""
+    pages = int(sizes.sum(dtype=np.int64)) // capacity + 1
+    extra = 2 * pages + 16
+    while True:
+        bound = len(sizes) + extra
+        pieces = (np.empty(bound, np.int32), np.empty(bound, np.int64),
+                  np.empty(bound, np.uint8 if capacity < 256 else np.int64))
+        count = _native.pack_groups(sizes, capacity, spare, *pieces)
+        if count >= 0:
+            return tuple(piece[:count] for piece in pieces)
+        extra *= 2
 
 
 def plan_order(profile: Profile, num_rows: int, rows_per_page: int, *, max_placed: int,

@@ -69,8 +69,11 @@ FREE_SPACE_MARGIN = 16 << 20
 WARM_STEP_BYTES = 8 << 20
 WARM_SHARE_OF_AVAILABLE = 4
 # glibc's mallopt: blocks of at least this many bytes get a mapping of their own (`bound_heap`).
+# Just above the planner's per-step temporaries (at most 8 MiB: RANK_BUILD_ROWS int64 values), so
+# the heap reuses them instead of each step faulting fresh zeroed pages in (system time that grows
+# with the table).
 M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_BYTES = 1 << 20
+MMAP_THRESHOLD_BYTES = 9 << 20
 
 
 def bound_heap() -> None:
@@ -102,14 +105,14 @@ def _available_memory() -> int:
 class _HeadHasher:
     """While a layout is planned (CPU only, the disk idle), a thread reads rows from `first_row`
     on in source order and folds them into the table's SHA-256, so the write hashes only the rest.
-    It reads with O_DIRECT where the source allows (`DirectRows`), as the write does: reading again
-    from the disk costs less CPU than the page cache would. Otherwise the first rows, up to a
-    quarter of the memory available, stay in the page cache for the write to read again; later
-    ones are dropped once hashed (a hint either way)."""
+    The first rows, up to a quarter of the memory available, are read through the page cache and
+    left there (`cached`): the write reads them back from memory, so the disk time of the plan is
+    not lost (the write is bound by the disk, which reads and writes share). Later ones are read
+    with O_DIRECT where the source allows (`DirectRows`), or dropped from the cache once hashed."""
 
     def __init__(self, source: TableSource, first_row: int, num_rows: int):
         self.source, self.first_row, self.num_rows = source, first_row, num_rows
-        self.digest, self.rows = hashlib.sha256(), 0
+        self.digest, self.rows, self.cached = hashlib.sha256(), 0, 0
         self.cached_rows = _available_memory() // WARM_SHARE_OF_AVAILABLE // max(1, source.row_bytes)
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -132,9 +135,13 @@ class _HeadHasher:
 
                 def read(start: int) -> np.ndarray:
                     stop = min(start + step, end)
-                    if not direct.direct:
+                    buffer = buffers[(start - self.first_row) // step % 2]
+                    if start - self.first_row < self.cached_rows or not direct.direct:
                         self.source.prefetch(stop, stop + step)
-                    return direct.read(start, stop, buffers[(start - self.first_row) // step % 2])
+                    if start - self.first_row < self.cached_rows:
+                        rows = buffer[:(stop - start) * self.source.row_bytes].reshape(stop - start, -1)
+                        return self.source.read_rows(start, stop, out=rows)
+                    return direct.read(start, stop, buffer)
 
                 # The next step is read on a thread of its own while this one is hashed: a direct
                 # read has no kernel read-ahead to overlap it. It stops before the files close.
@@ -148,18 +155,22 @@ class _HeadHasher:
                         if following < end:
                             ahead = reader.submit(read, following)  # into the other buffer
                         self.digest.update(rows)
-                        if not direct.direct and self.rows >= self.cached_rows:
-                            self.source.drop_cached(start, following)
+                        if self.rows >= self.cached_rows:
+                            if not direct.direct:
+                                self.source.drop_cached(start, following)
+                        else:
+                            self.cached = self.rows + len(rows)
                         self.rows += len(rows)
                 finally:
                     reader.shutdown(wait=True, cancel_futures=True)
         except BaseException as exc:  # the write reads and reports the source itself
             self._error = exc
 
-    def hashed(self) -> tuple[Any, int]:
-        """(the running SHA-256, rows folded into it); call after the block. Nothing is kept
-        where the thread failed: the write reads the source again and raises there."""
-        return (hashlib.sha256(), 0) if self._error is not None else (self.digest, self.rows)
+    def hashed(self) -> tuple[Any, int, int]:
+        """(the running SHA-256, rows folded into it, how many of those were left in the page
+        cache); call after the block. Nothing is kept where the thread failed: the write reads the
+        source again and raises there."""
+        return (hashlib.sha256(), 0, 0) if self._error is not None else (self.digest, self.rows, self.cached)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -312,7 +323,7 @@ def check_outputs(source: TableSource, targets: tuple[Path, ...]) -> None:
 
 def _convert_locked(source: TableSource, out: Path, manifest_out: Path, options: WriteOptions,
                     layout: TableLayout | None, rows: RowRange,
-                    progress: Callable[[int], None] | None, head: tuple[Any, int] | None) -> dict[str, Any]:
+                    progress: Callable[[int], None] | None, head: tuple[Any, int, int] | None) -> dict[str, Any]:
     resumable = _find_resumable(out) if options.resume else None
     for final in (out, manifest_out, progress_name(out)):
         remove_stale_partials(final, keep=resumable and (resumable.data, resumable.journal))
@@ -438,7 +449,7 @@ class _ChunkReader:
 
 def _write_data(source: TableSource, order: RowOrder, output: _Output,
                 progress: Callable[[int], None] | None,
-                head: tuple[Any, int] | None = None) -> tuple[dict[str, Any], str]:
+                head: tuple[Any, int, int] | None = None) -> tuple[dict[str, Any], str]:
     """Stream the rows into the partial file; returns the checksums and the sha256 of the rows read.
 
     Four stages overlap, each on its own thread so each stays in order: reading runs up to
@@ -452,8 +463,9 @@ def _write_data(source: TableSource, order: RowOrder, output: _Output,
 
     Each finished checksum block is fsynced and then listed in the progress journal, so that
     `resume` can continue after the blocks a killed run wrote (they are re-read and re-checked).
-    `head`, a SHA-256 already fed the first rows and their count, is continued by an access-ordered
-    write (a source-order one hashes from the start).
+    `head` (`_HeadHasher.hashed`: a SHA-256 already fed the first rows, their count, and how many
+    of them the page cache holds) is continued by an access-ordered write (a source-order one
+    hashes from the start).
     """
     header = output.header
     pages_per_block = CHECKSUM_BLOCK_BYTES // header.page_size
@@ -520,7 +532,7 @@ def _write_data(source: TableSource, order: RowOrder, output: _Output,
 
 def _write_access_ordered(source: TableSource, order: RowOrder, output: _Output, header_crc: int,
                           pages_per_chunk: int, progress: Callable[[int], None] | None,
-                          head: tuple[Any, int] | None) -> tuple[dict[str, Any], str]:
+                          head: tuple[Any, int, int] | None) -> tuple[dict[str, Any], str]:
     """`_write_data` for a table with placed rows: one pass over the source (offline/ordered.py).
     Its journal names the run but lists no block, so a resume starts afresh."""
     header = output.header

@@ -16,6 +16,8 @@
  *
  * ngram_mix, run_lengths, merge_counts, head_rows
  *     The n-gram hash and the profile's counting (ngramcount.c).
+ * pack_groups
+ *     The planner's page packing (pack.c).
  *
  * The runtime's staging, thread pool and CUDA driver calls are ple_prep.runtime._native
  * (runtime/native/module.c), which builds on rows.h and buffers.h here.
@@ -25,6 +27,7 @@
 #include "buffers.h"
 #include "guard.h"
 #include "ngramcount.h"
+#include "pack.h"
 #include "pagesums.h"
 #include "rows.h"
 
@@ -177,6 +180,7 @@ static PyMethodDef methods[] = {
     {"copy_rows", copy_rows, METH_VARARGS, "Rows at file slots into out (see the module's comment)."},
     {"slot_of", slot_of, METH_VARARGS, "File slots of row ids from the rank index."},
     NGRAMCOUNT_METHODS
+    PACK_METHODS
     {NULL, NULL, 0, NULL},
 };
 
