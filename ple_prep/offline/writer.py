@@ -155,11 +155,10 @@ class _HeadHasher:
                         if following < end:
                             ahead = reader.submit(read, following)  # into the other buffer
                         self.digest.update(rows)
-                        if self.rows >= self.cached_rows:
-                            if not direct.direct:
-                                self.source.drop_cached(start, following)
-                        else:
+                        if self.rows < self.cached_rows:
                             self.cached = self.rows + len(rows)
+                        elif not direct.direct:
+                            self.source.drop_cached(start, following)
                         self.rows += len(rows)
                 finally:
                     reader.shutdown(wait=True, cancel_futures=True)
