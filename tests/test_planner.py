@@ -170,6 +170,46 @@ def test_pack_compiled_gives_the_pieces_of_the_python_loop(capacity, monkeypatch
             assert np.array_equal(got.astype(np.int64), expected.astype(np.int64)), (case, count, spare)
 
 
+def test_new_rows_compiled_match_the_numpy_steps(monkeypatch):
+    from ple_prep.offline import planner
+
+    if planner._native is None:
+        pytest.skip("the compiled helper is not built")
+    rng = np.random.default_rng(5)
+    heads, num_rows = 8, 5000
+    for case in range(20):
+        groups = int(rng.integers(0, 4000))
+        # Few rows for many groups: rows shared between groups and within one, some outside the slice.
+        flat = rng.integers(-1, num_rows, size=groups * heads).astype(np.int64)
+        outputs = []
+        for native in (planner._native, None):
+            monkeypatch.setattr(planner, "_native", native)
+            taken = np.zeros(-(-num_rows // 64), dtype=np.uint64)
+            new_rows = np.zeros(num_rows, dtype=np.uint32)
+            per_group = np.zeros(groups, dtype=np.uint8)
+            take = planner._take_new_rows if native is None else native.take_new_rows
+            filled = 0
+            for start in range(0, groups, 700):  # the bitmap carried from one step to the next
+                chunk = flat[start * heads:(start + 700) * heads]
+                filled = take(chunk, heads, taken, new_rows, filled, per_group[start:start + 700])
+            outputs.append((new_rows[:filled].copy(), per_group.copy(), taken.copy()))
+        monkeypatch.undo()
+        for got, expected in zip(*outputs):
+            assert np.array_equal(got, expected), case
+        assert len(np.unique(outputs[0][0])) == len(outputs[0][0])
+
+
+def test_new_rows_compiled_refuses_a_row_beyond_its_bitmap():
+    from ple_prep.offline import planner
+
+    if planner._native is None:
+        pytest.skip("the compiled helper is not built")
+    taken = np.zeros(1, dtype=np.uint64)  # rows 0-63
+    with pytest.raises(ValueError, match="beyond the bitmap"):
+        planner._native.take_new_rows(np.array([3, 64], dtype=np.int64), 2, taken, np.zeros(4, np.uint32), 0,
+                                      np.zeros(1, np.uint8))
+
+
 def test_residency_hints_measured_on_heldout_only(source_and_profile):
     source, profile = source_and_profile
     plan = plan_order(profile, source.num_rows, 25, max_placed=source.num_rows)

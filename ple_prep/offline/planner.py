@@ -32,7 +32,7 @@ from .profile import PARTS, Profile, load_profile
 
 try:
     from ..core import _native
-except ImportError:  # built without a C compiler: the Python loop packs the same
+except ImportError:  # built without a C compiler: the numpy and Python code does the same
     _native = None
 
 MAX_MAP_FRACTION = 0.02
@@ -135,32 +135,42 @@ def _new_rows(keys: np.ndarray, orders: np.ndarray, spec, first_row: int,
     taken = np.zeros(-(-num_rows // 64), dtype=np.uint64)
     new_rows = np.empty(min(num_rows, spec.heads_per_ngram * len(keys)), dtype=ORDER_DTYPE)
     new_per_group = np.zeros(len(keys), dtype=np.uint8)
+    take = _take_new_rows if _native is None else _native.take_new_rows
     filled = 0
     for start in range(0, len(keys), GROUP_CHUNK):
         rows = _group_rows(keys[start:start + GROUP_CHUNK], orders[start:start + GROUP_CHUNK], spec,
                            first_row, num_rows)
-        flat = rows.reshape(-1)
-        inside = np.flatnonzero(flat >= 0)
-        inside_rows = flat[inside]
-        held = (taken[inside_rows >> 6] >> (inside_rows & 63).astype(np.uint64)) & np.uint64(1)
-        candidates = inside[held == 0]
-        # A row read by two groups of this chunk is new to the hotter one (the earlier position):
-        # one sort of row and position packed in an int64 puts each row's first position first
-        # (a stable argsort of the rows, as np.unique does, costs several times more).
-        # Local rows are below 2**32 and a step's positions far below 2**31: the key fits.
-        position_bits = max(1, (len(flat) - 1).bit_length())
-        keyed = np.sort((flat[candidates] << position_bits) | candidates)
-        ascending = keyed >> position_bits
-        first = np.ones(len(keyed), dtype=bool)
-        np.not_equal(ascending[1:], ascending[:-1], out=first[1:])
-        is_new = np.zeros(len(flat), dtype=bool)
-        is_new[keyed[first] & ((1 << position_bits) - 1)] = True
-        _mark_taken(taken, ascending[first])
-        fresh = flat[is_new]
-        new_rows[filled:filled + len(fresh)] = fresh
-        filled += len(fresh)
-        new_per_group[start:start + len(rows)] = np.count_nonzero(is_new.reshape(rows.shape), axis=1)
+        filled = take(rows.reshape(-1), spec.heads_per_ngram, taken, new_rows, filled,
+                      new_per_group[start:start + len(rows)])
     return new_rows[:filled], new_per_group
+
+
+def _take_new_rows(flat: np.ndarray, heads: int, taken: np.ndarray, new_rows: np.ndarray, filled: int,
+                   new_per_group: np.ndarray) -> int:
+    """`_new_rows`'s step over a chunk of groups (`flat`: their rows, `heads` a group, -1 outside the
+    slice): the rows not set in `taken` set there and appended to `new_rows` from `filled`, each
+    group's count of them into `new_per_group`; returns the new `filled`. The numpy fallback of
+    core/native/pack.c's `take_new_rows`."""
+    inside = np.flatnonzero(flat >= 0)
+    inside_rows = flat[inside]
+    held = (taken[inside_rows >> 6] >> (inside_rows & 63).astype(np.uint64)) & np.uint64(1)
+    candidates = inside[held == 0]
+    # A row read by two groups of this chunk is new to the hotter one (the earlier position):
+    # one sort of row and position packed in an int64 puts each row's first position first
+    # (a stable argsort of the rows, as np.unique does, costs several times more).
+    # Local rows are below 2**32 and a step's positions far below 2**31: the key fits.
+    position_bits = max(1, (len(flat) - 1).bit_length())
+    keyed = np.sort((flat[candidates] << position_bits) | candidates)
+    ascending = keyed >> position_bits
+    first = np.ones(len(keyed), dtype=bool)
+    np.not_equal(ascending[1:], ascending[:-1], out=first[1:])
+    is_new = np.zeros(len(flat), dtype=bool)
+    is_new[keyed[first] & ((1 << position_bits) - 1)] = True
+    _mark_taken(taken, ascending[first])
+    fresh = flat[is_new]
+    new_rows[filled:filled + len(fresh)] = fresh
+    new_per_group[:] = np.count_nonzero(is_new.reshape(-1, heads), axis=1)
+    return filled + len(fresh)
 
 
 def _mark_taken(taken: np.ndarray, rows: np.ndarray) -> None:

@@ -16,8 +16,8 @@
  *
  * ngram_mix, run_lengths, merge_counts, head_rows
  *     The n-gram hash and the profile's counting (ngramcount.c).
- * pack_groups
- *     The planner's page packing (pack.c).
+ * pack_groups, take_new_rows
+ *     The planner's page packing and its new rows of each group (pack.c).
  *
  * The runtime's staging, thread pool and CUDA driver calls are ple_prep.runtime._native
  * (runtime/native/module.c), which builds on rows.h and buffers.h here.

@@ -1,6 +1,13 @@
-/* The planner's page packing (ple_prep/offline/planner.py `_pack`, whose Python loop is the
- * fallback with the same pieces): one step per group in C, where the Python loop took seconds for
+/* The planner's loops over groups (ple_prep/offline/planner.py, whose numpy and Python code is the
+ * fallback with the same results): one step per group in C, where the fallback took seconds for
  * the model's millions of groups.
+ *
+ * take_new_rows(rows, heads, taken, new_rows, filled, new_per_group) -> filled
+ *     `_new_rows`'s step over a chunk of groups: rows (int64, groups x heads, local row ids, -1
+ *     outside the slice) in order, each row not yet set in the bitmap `taken` (uint64 words) set
+ *     there and appended to new_rows (uint32) from `filled`, new_per_group[g] (uint8) its group's
+ *     count of them; returns the new `filled`. ValueError where new_rows or new_per_group is too
+ *     short, or a row lies beyond the bitmap.
  *
  * pack_groups(sizes, capacity, spare, piece_group, piece_first, piece_count) -> n
  *     Groups of sizes[g] rows (uint8, hottest first) ordered into pages of `capacity` slots; the
@@ -188,6 +195,66 @@ done:
         for (int size = 0; size <= largest; size++)
             free(queues[size].items);
     free(queues);
+    release(&held);
+    return result;
+}
+
+PyObject *take_new_rows(PyObject *self, PyObject *args)
+{
+    PyObject *rows_object, *taken_object, *new_object, *per_group_object;
+    Py_ssize_t heads, filled;
+    if (!PyArg_ParseTuple(args, "OnOOnO", &rows_object, &heads, &taken_object, &new_object, &filled,
+                          &per_group_object))
+        return NULL;
+    held_buffers held = {.held = 0};
+    PyObject *result = NULL;
+    Py_buffer *rows, *taken, *fresh, *per_group;
+    if (!(rows = hold(&held, rows_object, 0, sizeof(int64_t), "rows"))
+        || !(taken = hold(&held, taken_object, 1, sizeof(uint64_t), "taken"))
+        || !(fresh = hold(&held, new_object, 1, sizeof(uint32_t), "new_rows"))
+        || !(per_group = hold(&held, per_group_object, 1, 1, "new_per_group")))
+        goto done;
+    Py_ssize_t count = rows->len / (Py_ssize_t)sizeof(int64_t);
+    Py_ssize_t groups = heads > 0 ? count / heads : 0;
+    Py_ssize_t capacity = fresh->len / (Py_ssize_t)sizeof(uint32_t);
+    int64_t bits = (int64_t)(taken->len / (Py_ssize_t)sizeof(uint64_t)) * 64;
+    if (heads < 1 || heads > 255 || groups * heads != count || per_group->len < groups || filled < 0
+        || filled > capacity) {
+        PyErr_SetString(PyExc_ValueError, "take_new_rows: rows are not groups x heads (1 to 255), or a count is short");
+        goto done;
+    }
+    const int64_t *row = rows->buf;
+    uint64_t *words = taken->buf;
+    uint32_t *out = fresh->buf;
+    uint8_t *per = per_group->buf;
+    int failed = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t g = 0; g < groups && !failed; g++) {
+        uint8_t found = 0;
+        for (Py_ssize_t h = 0; h < heads; h++) {
+            int64_t local = row[g * heads + h];
+            if (local < 0)
+                continue;
+            if (local >= bits || filled == capacity) {
+                failed = 1;
+                break;
+            }
+            uint64_t bit = (uint64_t)1 << (local & 63);
+            if (words[local >> 6] & bit)
+                continue;
+            words[local >> 6] |= bit;
+            out[filled++] = (uint32_t)local;
+            found++;
+        }
+        per[g] = found;
+    }
+    Py_END_ALLOW_THREADS
+    if (failed) {
+        PyErr_SetString(PyExc_ValueError, "take_new_rows: a row beyond the bitmap, or new_rows too short");
+        goto done;
+    }
+    result = PyLong_FromSsize_t(filled);
+done:
     release(&held);
     return result;
 }
