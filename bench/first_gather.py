@@ -90,6 +90,12 @@ def distinct_sets(table: Path) -> tuple[np.ndarray, np.ndarray]:
     return disjoint, np.stack([distinct[:count], distinct[count:2 * count]])
 
 
+def run(table: Path, ids_path: Path, swap: bool) -> dict:
+    """One round in a fresh child process (`child`)."""
+    command = [sys.executable, __file__, str(table), "--child", str(ids_path), *(["--swap"] * swap)]
+    return json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("table", type=Path)
@@ -106,12 +112,8 @@ def main() -> None:
             ids_path = Path(folder) / f"{name}.npy"
             np.save(ids_path, sets)
 
-            def run(swap: bool) -> dict:
-                command = [sys.executable, __file__, str(args.table), "--child", str(ids_path), *(["--swap"] * swap)]
-                return json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
-
-            run(False)  # warm-up: both sets' pages into the page cache
-            rounds = [run(index % 2 == 1) for index in range(args.rounds)]
+            run(args.table, ids_path, False)  # warm-up: both sets' pages into the page cache
+            rounds = [run(args.table, ids_path, index % 2 == 1) for index in range(args.rounds)]
             ratios = [r["first_ms"] / r["later_ms"] for r in rounds]
             report[name] = {"rows": sets.shape[1], "rounds": rounds,
                             "first_over_later_median": round(statistics.median(ratios), 3),
