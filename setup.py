@@ -23,6 +23,6 @@ setup(ext_modules=[
               + SHARED,
               extra_compile_args=FLAGS, optional=True,
               depends=[CORE + "buffers.h", CORE + "guard.h", CORE + "rows.h"]
-              + [RUNTIME + name for name in ("cuda.h", "hostcache.h", "jobs.h", "pool.h", "stage.h", "view.h", "steps.h",
-                                             "memops.h", "disk_reads.h", "disk_fill.h", "readahead.h")]),
+              + [RUNTIME + name for name in ("cuda.h", "hostcache.h", "jobs.h", "pool.h", "stage.h", "view.h",
+                                             "steps.h", "memops.h", "disk_reads.h", "disk_fill.h", "readahead.h")]),
 ])
