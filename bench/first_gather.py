@@ -53,8 +53,8 @@ def child(table: Path, ids_path: Path, swap: bool) -> dict:
         timings.append(time.perf_counter() - started)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     opened.close()
-    # Minor faults: mapping the file's cached pages into this process (each set's in windows of
-    # its own, distinct_sets).
+    # Minor faults: mapping the file's cached pages into this process (a later set sharing the
+    # first's windows finds part of them mapped: distinct_sets).
     return {"open_ms": round(1000 * open_s, 1), "first_ms": round(1000 * timings[0], 3),
             "later_ms": round(1000 * timings[1], 3), "first_minor_faults": faults[0],
             "later_minor_faults": faults[1]}
@@ -120,6 +120,7 @@ def main() -> None:
                             "first_over_later_max": round(max(ratios), 3),
                             "open_ms_median": statistics.median(r["open_ms"] for r in rounds)}
     print(json.dumps(report, indent=2))
+
 
 if __name__ == "__main__":
     main()
