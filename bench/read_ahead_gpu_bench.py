@@ -15,12 +15,15 @@ Every run starts cold: the table opened afresh (an empty host cache; the GPU tie
 file evicted from the page cache once no table maps it (cached_at_start says what stayed). Variants
 alternate, order swapped each round. The disk floor is the prompt's distinct disk pages divided by
 the disk's random-read rate measured in the same run: fio's 4 KiB O_DIRECT random reads at queue
-depth 64 where fio is installed, else cold O_DIRECT reads of that many random pages through the
-table's reader at depths 64 and 512, the faster. A shared disk's rate moves by tens of percent from
-minute to minute, so besides the floor measured once at the start (`disk_floor_s`, `*_x_bound`)
-the rate is measured again before the first prompt of each round and after each prompt, and each
-prompt is also set against the floor from the mean of the two rates on either side of it
-(`*_x_bound_beside`). Each chunk's values are checked bit for bit
+depths 64 and 512, the faster (where fio is installed; else cold O_DIRECT reads of that many random
+pages through the table's reader at depths 64 and 512, the faster). Beside fio, the table's reader
+reads as many random pages sorted by offset at its depth (`reader_sorted`): on a virtual disk a
+sorted sweep runs faster than random reads (BENCHMARKS.md, "Host cache and read-ahead"), and each
+prompt is set against that floor too (`*_x_sorted_floor_beside`). A shared disk's rate moves by
+tens of percent from minute to minute, so besides the floor measured once at the start
+(`disk_floor_s`, `*_x_bound`) the rate is measured again before the first prompt of each round and
+after each prompt, and each prompt is also set against the floor from the mean of the two rates on
+either side of it (`*_x_bound_beside`). Each chunk's values are checked bit for bit
 against `Table.values` rounded to bf16. The host cache's memory is faulted in before the clock
 starts (its thread joined), as a serving process has it long before its first prompt.
 
@@ -106,13 +109,14 @@ class GpuWork:
 
 
 def disk_rate(path: Path, table, pages: int) -> dict:
-    """Random page reads per second on this table's disk: fio at queue depth 64 where installed, else
-    the table's O_DIRECT reader at depth 64 and at its default depth, the faster kept (the floor is
-    then no easier to meet than the reader's own rate)."""
+    """Random page reads per second on this table's disk: fio at queue depths 64 and 512 where
+    installed, else the table's O_DIRECT reader at depth 64 and at its default depth, the faster
+    kept (the floor is then no easier to meet than either); beside fio, the reader's sorted sweep."""
     if shutil.which("fio"):
-        evict(path)
-        result = fio_random_read(path, 6)
-        return {"how": "fio", "command": result["command"], "reads_per_s": result["iops"]}
+        rates = {depth: fio_random_read(path, 3, queue_depth=depth)["iops"] for depth in (64, 512)}
+        return {"how": "fio 4 KiB random reads, O_DIRECT, the faster of queue depths 64, 512",
+                "reads_per_s_by_depth": rates, "reads_per_s": max(rates.values()),
+                "reader_sorted_per_s": round(reader_rate(path, pages, 7))}
     rng = np.random.default_rng(7)
     rates = {}
     for depth in (64, DEFAULT_QUEUE_DEPTH):
@@ -269,7 +273,7 @@ def main() -> None:
         bound = max(CHUNKS * work.ms / 1e3, floor)
         runs: dict[str, list] = {name: [] for name in variants}
         for round_index in range(args.rounds):
-            rate_before = disk_rate(path, table, distinct_pages)["reads_per_s"]
+            rate_before = disk_rate(path, table, distinct_pages)
             for name in variants if round_index % 2 == 0 else variants[::-1]:
                 if name == "old_with":
                     result = old_tree_run(args.old_tree, path, ids_file,
@@ -280,16 +284,21 @@ def main() -> None:
                     values = result.pop("values")
                     exact &= all(np.array_equal(v.reshape(-1, table.values_per_row).cpu().view(torch.int16)
                                                 .numpy().view(np.uint16), e) for v, e in zip(values, expected))
-                rate_after = disk_rate(path, table, distinct_pages)["reads_per_s"]
-                result["disk_reads_per_s_beside"] = [rate_before, rate_after]
-                result["bound_beside_s"] = round(max(CHUNKS * work.ms / 1e3,
-                                                     2 * distinct_pages / (rate_before + rate_after)), 4)
+                rate_after = disk_rate(path, table, distinct_pages)
+                for key, name_beside in (("reads_per_s", "bound_beside_s"),
+                                         ("reader_sorted_per_s", "sorted_floor_beside_s")):
+                    if key in rate_after:
+                        beside = [rate_before[key], rate_after[key]]
+                        result[f"disk_{key}_beside"] = beside
+                        result[name_beside] = round(max(CHUNKS * work.ms / 1e3, 2 * distinct_pages / sum(beside)), 4)
                 rate_before = rate_after
                 runs[name].append(result)
         report["runs"][f"W={work_ms:g}"] = {"work_ms": round(work.ms, 2), "bound_s": round(bound, 4), **runs} | {
             f"{name}_x_bound": [round(r["total_s"] / bound, 3) for r in runs[name]] for name in variants} | {
             f"{name}_x_bound_beside": [round(r["total_s"] / r["bound_beside_s"], 3) for r in runs[name]]
-            for name in variants}
+            for name in variants} | {
+            f"{name}_x_sorted_floor_beside": [round(r["total_s"] / r["sorted_floor_beside_s"], 3) for r in runs[name]
+                                              if "sorted_floor_beside_s" in r] for name in variants}
     report["exact"] = exact
     if args.alone_rounds:
         report["read_ahead_alone"] = alone_rounds(args, path, chunks, source.num_resident, distinct_pages, ids_file)

@@ -115,7 +115,7 @@ def exact_history(table, proxy: ProxyStep, host_ids: list[np.ndarray], upto: int
 
 def lookup_graph(lookup: StepLookup, pool: torch.Tensor, other: OtherWork) -> ProxyStep:
     size = pool.shape[1]
-    return ProxyStep(pool, other, lookup.start, lambda: lookup.finish(size),
+    return ProxyStep(pool, other, lambda ids: lookup.start(ids, finish_in_same_graph=True), lambda: lookup.finish(size),
                      (size, lookup.table.values_per_row))
 
 

@@ -190,7 +190,8 @@ def test_bad_calls_are_refused(table):
 
 
 @needs_cuda
-def test_one_cuda_graph_replayed_with_new_ids_serves_each_steps_rows(table):
+@pytest.mark.parametrize("same_graph", [False, True], ids=["start-on-the-stream", "start-beside-it"])
+def test_one_cuda_graph_replayed_with_new_ids_serves_each_steps_rows(table, same_graph):
     lookup = steps.StepLookup(table, device="cuda", resident_bytes=2000 * table.row_bytes, max_ids=64 * 16)
     ids_buffer = torch.zeros(8 * 16, dtype=torch.int64, device="cuda")
     consumer = torch.empty(8 * 16, table.values_per_row, dtype=torch.bfloat16, device="cuda")
@@ -202,7 +203,7 @@ def test_one_cuda_graph_replayed_with_new_ids_serves_each_steps_rows(table):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.cuda.graph(graph):
-            lookup.start(ids_buffer)
+            lookup.start(ids_buffer, finish_in_same_graph=same_graph)
             consumer.copy_(lookup.finish())
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
@@ -219,7 +220,41 @@ def test_one_cuda_graph_replayed_with_new_ids_serves_each_steps_rows(table):
 
 
 @needs_cuda
-def test_graph_replays_queued_back_to_back_with_the_host_ahead_serve_every_step(table):
+def test_start_and_finish_in_two_graphs_as_piecewise_graphs_hold_them_serve_each_step(table):
+    """A piecewise graph ends between start and finish: start's copy stays on the capturing stream
+    (a capture may not end with a side stream unjoined) and each pair of replays serves its step."""
+    lookup = steps.StepLookup(table, device="cuda", resident_bytes=2000 * table.row_bytes, max_ids=64 * 16)
+    ids_buffer = torch.zeros(8 * 16, dtype=torch.int64, device="cuda")
+    consumer = torch.empty(8 * 16, table.values_per_row, dtype=torch.bfloat16, device="cuda")
+    try:
+        serve(lookup, token_ids(table, 8, 0).reshape(-1))  # warm-up outside the capture
+        starting, finishing = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            with torch.cuda.graph(starting):
+                lookup.start(ids_buffer)
+            with torch.cuda.graph(finishing):
+                consumer.copy_(lookup.finish())
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        for seed in range(1, 12):
+            ids = token_ids(table, 8, seed).reshape(-1)
+            ids_buffer.copy_(torch.from_numpy(ids))
+            poison(lookup)
+            starting.replay()
+            torch.cuda._sleep(1_000_000)  # the layers between them
+            finishing.replay()
+            torch.cuda.synchronize()
+            assert np.array_equal(bits(consumer), expected_bits(table, ids)), seed
+        lookup.check()
+    finally:
+        lookup.close()
+
+
+@needs_cuda
+@pytest.mark.parametrize("same_graph", [False, True], ids=["start-on-the-stream", "start-beside-it"])
+def test_graph_replays_queued_back_to_back_with_the_host_ahead_serve_every_step(table, same_graph):
     """Replays queued without a host wait between them, each step's ids picked on the device, with
     device work between start and finish so the service thread has staged the rows before the device
     waits (the flags of consecutive steps follow each other with no synchronize to separate them)."""
@@ -232,7 +267,7 @@ def test_graph_replays_queued_back_to_back_with_the_host_ahead_serve_every_step(
 
     def step():
         torch.index_select(pool, 0, counter, out=ids.unsqueeze(0))
-        lookup.start(ids)
+        lookup.start(ids, finish_in_same_graph=same_graph)
         torch.cuda._sleep(2_000_000)  # about a millisecond: the host is done before the device waits
         history.index_copy_(0, counter, lookup.finish().unsqueeze(0))
         counter.add_(1)

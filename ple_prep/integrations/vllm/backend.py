@@ -134,8 +134,10 @@ class PrefetchedRows:
     def resident_bytes(self) -> int:
         return self.source.num_resident * self.table.row_bytes
 
-    def start(self, ids: torch.Tensor) -> None:
+    def start(self, ids: torch.Tensor, *, finish_in_same_graph: bool = False) -> None:
         """Begin the lookup of `ids` (int64 (tokens, heads), on the device); returns at once.
+        `finish_in_same_graph`: during a capture, the finish is captured in the same CUDA graph (a
+        FULL graph: StepLookup.start).
 
         A start that was never finished (its forward pass failed before the PLE layer) is dropped.
         """
@@ -149,7 +151,11 @@ class PrefetchedRows:
             owned = (ids >= first) & (ids < stop)
             self._owned = owned.view(-1, self.heads, 1)
             ids = ids.where(owned, first)
-        self.source.start(ids)  # the source reads the ids in row-major order, any shape
+        # The source reads the ids in row-major order, any shape.
+        if self.graph_safe:
+            self.source.start(ids, finish_in_same_graph=finish_in_same_graph)
+        else:
+            self.source.start(ids)
         self._started = count
 
     def finish(self) -> torch.Tensor:

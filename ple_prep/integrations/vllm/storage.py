@@ -21,6 +21,7 @@ from vllm.compilation.breakable_cudagraph import (
     is_breakable_cudagraph_enabled,
 )
 from vllm.config import CUDAGraphMode, get_current_vllm_config
+from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.logger import init_logger
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.models.qwen4_exp.common.ngram_embedding import (
@@ -78,6 +79,12 @@ def check_cudagraph_mode(graph_safe: bool) -> None:
                        "which is not built in this environment (no C compiler when ple-prep was installed): "
                        "reinstall ple-prep where a C compiler is present, or start vLLM with "
                        "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' or --enforce-eager")
+
+
+def in_full_graph() -> bool:
+    """Whether vLLM runs this forward as FULL CUDA graphs: one graph from the start of the PLE lookup
+    to its finish (vLLM's breakable graphs break only in piecewise mode, docs/SERVING.md)."""
+    return is_forward_context_available() and get_forward_context().cudagraph_runtime_mode == CUDAGraphMode.FULL
 
 
 class _CheckedAfterLoading(QuantizeMethodBase):
@@ -214,7 +221,7 @@ class PreparedTableEmbedding(Qwen4ExpPLEEmbedding):
 
     def _start_prefetch(self, ngram_ids: torch.Tensor) -> None:
         slot_size, _ = self._get_dp_gather_slot(ngram_ids.shape[0])
-        self.rows.start(self._gather_dp_ids(ngram_ids, slot_size))
+        self.rows.start(self._gather_dp_ids(ngram_ids, slot_size), finish_in_same_graph=in_full_graph())
 
     def _finalize_prefetch(self, output: torch.Tensor) -> None:
         """Finish the lookup, combine the ETP ranks' rows and keep this DP rank's, into `output`."""

@@ -8,14 +8,19 @@
     values = lookup.finish()     # queues stream work only: bf16 (len(ids), values_per_row)
     lookup.check()               # raises the error of a step that failed (an id outside the table, I/O)
 
-`start` queues, on the current stream, the copy of the ids into pinned memory and a stream memory
-operation writing their count into a pinned flag (on the same stream: a piecewise graph may end
-between start and finish, and a capture may not end with a side stream unjoined). A thread of the
+`start` queues the copy of the ids into pinned memory and a stream memory operation writing their
+count into a pinned flag: on a side stream forked from the current one where the step's finish is
+queued eagerly or in the same CUDA graph (so the work between start and finish does not wait for
+the copy), else on the current stream (a piecewise graph may end between start and finish, and a
+capture may not end with a side stream unjoined). A thread of the
 compiled runtime (runtime/native/steps.c) waits for that flag, finds each id's slot, stages the
 disk-tier rows (copied from the page cache where they are there, else read from the file with
 O_DIRECT, runtime/native/disk_reads.c), without ever taking the GIL, and queues the rows' and the
 index's copy to the device, then a flag write, on its own stream.
-`finish` queues a wait for that flag, its reset, and the index and decode into `output`. Nothing
+`finish` queues a wait for that flag and the index and decode into `output` on the current stream;
+the write marking the device's arrival and the flag's reset go on the side stream beside them,
+joined again at the end of finish (each stream memory operation on the current stream holds the
+work behind it: BENCHMARKS.md, "Serving inside vLLM's CUDA graphs"). Nothing
 in either call waits on the host, and neither depends on the host's state of the step, so the same
 calls run eagerly, inside breakable piecewise graphs and inside one FULL graph replayed with new
 ids every step: the device does the same work each time, the thread does the host work each time
@@ -130,15 +135,24 @@ class StepLookup:
         if self._cuda:
             from .driver import device_context
 
-            self._service_stream = torch.cuda.Stream(self.device)
+            self._context = device_context(self.device.index)
+            # Streams of its own (torch hands its pooled streams out again, to captures too): the
+            # service thread's, and one beside the caller's for the ids' copy and request (start),
+            # the arrival's write and the flag's reset (finish); events: start's fork, finish's
+            # arrival, its wait passed, the join.
+            (service_stream, self._side), events = _native.step_handles(self._context, 2, 4)
+            self._fork, self._arrive, self._passed, self._done = events
+            self._handles = (self._context, (service_stream,), events)
+            # The side stream, for the allocator (ids.record_stream): kept for the process's life,
+            # as the allocator records on it whenever the caller frees those ids.
+            self._side_stream = torch.cuda.ExternalStream(self._side, device=self.device)
             # The caller's current stream as a raw handle: a torch Stream object costs more to build
             # than the driver calls start and finish queue on it.
             self._current_stream = raw_stream_of(torch, self.device.index)
             self._flag_address = self._flags.data_ptr()
             self._ids_address = self._ids.data_ptr()
             buffers.index[:] = self._poison
-            device_completion = (device_context(self.device.index), self._service_stream.cuda_stream,
-                                 buffers.span.data_ptr())
+            device_completion = (self._context, service_stream, buffers.span.data_ptr())
         header = table.header
         self._descriptor = _disk_descriptor(table.descriptor)
         # The table's host cache (open_table's host_cache_bytes), which the thread reads and fills.
@@ -151,19 +165,25 @@ class StepLookup:
         arguments = table._gatherer._stage_arguments(self.host_ids, table.order, table.first_row, self.num_resident,
                                                      self._slots, self._host_index, buffers.host_rows,
                                                      LOOKUP_THREADS)
+        handles = self._handles if self._cuda else None
         try:
             self._service = _native.step_service(self._flags_array, disk, self._poison,
                                                  (LOOKUP_THREADS, LOOKUP_PART_IDS), device_completion, *arguments)
         except BaseException:
             os.close(self._descriptor)
+            if handles:
+                _native.drop_handles(*handles)
             raise
         # The thread stops when the lookup is closed or collected (or at exit), whichever comes first.
-        self._stop = weakref.finalize(self, _stop_service, self._service, self._descriptor)
+        self._stop = weakref.finalize(self, _stop_service, self._service, self._descriptor, handles)
 
     # --- the caller's calls: queued work only -------------------------------------------------
 
-    def start(self, ids: torch.Tensor) -> None:
-        """Queue this step's lookup of `ids` (int64, any shape, on this lookup's device)."""
+    def start(self, ids: torch.Tensor, *, finish_in_same_graph: bool = False) -> None:
+        """Queue this step's lookup of `ids` (int64, any shape, on this lookup's device).
+        `finish_in_same_graph`: during a capture, the caller's finish is captured in the same CUDA
+        graph (a FULL graph), so start's copy may run beside the work between them; outside a
+        capture it always does."""
         self.check()
         if ids.device != self.device:
             raise ValueError(f"ids on {ids.device}, this lookup serves {self.device}")
@@ -181,8 +201,12 @@ class StepLookup:
             return
         if not ids.is_contiguous():  # read in row-major order, as the CPU's reshape does
             ids = ids.contiguous()
-        _native.queue_step_start(self._current_stream(), self._ids_address, ids.data_ptr(), 8 * count,
-                                 self._flag_address + 4 * REQUEST, count)
+        side = 0
+        if finish_in_same_graph or not torch.cuda.is_current_stream_capturing():
+            side = self._side
+            ids.record_stream(self._side_stream)  # the allocator must not hand its memory out before the copy
+        _native.queue_step_start(self._current_stream(), side, self._fork, self._ids_address, ids.data_ptr(),
+                                 8 * count, self._flag_address + 4 * REQUEST, count)
 
     def finish(self, count: int | None = None) -> torch.Tensor:
         """Queue the wait for the last start's rows and their index and decode: bf16 (count,
@@ -213,12 +237,13 @@ class StepLookup:
         return self._graphs.output_view(count)
 
     def _device_half(self, count: int, stream: int) -> torch.Tensor:
-        """The wait for this step's rows (marking the device's arrival first), the flag's reset, the
-        index and decode: queued on `stream`, the current one."""
-        _native.stream_write_value(stream, self._flag_address + 4 * ARRIVED, 1)
-        _native.stream_wait_value(stream, self._flag_address + 4 * READY, 1)
-        _native.stream_write_value(stream, self._flag_address + 4 * READY, 0)
-        return self._index_and_decode(count)
+        """The wait for this step's rows, the index and decode, queued on `stream` (the current one);
+        the device's arrival marked and the flag reset beside them on the side stream, joined after."""
+        _native.queue_step_arrival(stream, self._side, self._arrive, self._passed, self._flag_address + 4 * ARRIVED,
+                                   self._flag_address + 4 * READY)
+        values = self._index_and_decode(count)
+        _native.queue_step_finish(stream, self._side, self._done)
+        return values
 
     def _device_half_here(self, count: int) -> torch.Tensor:
         return self._device_half(count, self._current_stream())
@@ -248,6 +273,7 @@ class StepLookup:
         raw = self._current_stream()
         _native.stream_wait_value(raw, self._flag_address + 4 * READY, 1)
         _native.stream_write_value(raw, self._flag_address + 4 * READY, 0)
+        _native.queue_step_finish(raw, self._side, self._done)  # its start's side stream joined
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         self.start(ids)
@@ -351,7 +377,9 @@ def _disk_descriptor(descriptor: int) -> int:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
 
-def _stop_service(service, descriptor: int) -> None:
+def _stop_service(service, descriptor: int, handles) -> None:
     _native.step_service_stop(service)
     os.close(descriptor)
+    if handles:
+        _native.drop_handles(*handles)
 

@@ -18,6 +18,10 @@ typedef struct {
     cuda_result (*stream_wait_event)(void *, void *, unsigned);
     cuda_result (*copy_to_device)(unsigned long long, const void *, size_t, void *);
     cuda_result (*copy_to_host)(void *, unsigned long long, size_t, void *);
+    cuda_result (*stream_create)(void **, unsigned);
+    cuda_result (*stream_destroy)(void *);
+    cuda_result (*event_create)(void **, unsigned);
+    cuda_result (*event_destroy)(void *);
     cuda_result (*event_record)(void *, void *);
     cuda_result (*event_synchronize)(void *);
     cuda_result (*graph_launch)(void *, void *);

@@ -57,28 +57,152 @@ PyObject *stream_write_value(PyObject *self, PyObject *args)
     return memop(args, 0);
 }
 
-/* queue_step_start(stream, target, source, bytes, flag, count): on `stream` (captured where it
- * captures), the copy of `bytes` from device address `source` into pinned `target`, then the write
- * of `count` into pinned int32 `flag`: a step's start in two driver calls, a fraction of a torch
- * copy's cost on the H200's host (BENCHMARKS.md). */
+/* queue_step_start(stream, side, fork, target, source, bytes, flag, count): the copy of `bytes` from
+ * device address `source` into pinned `target`, then the write of `count` into pinned int32 `flag`:
+ * a step's start in a few driver calls, a fraction of a torch copy's cost on the H200's host
+ * (BENCHMARKS.md). On `stream` (captured where it captures), or, with a `side` stream, there after
+ * a record of event `fork` on `stream`: beside the caller's work that follows on `stream` (joined
+ * again by queue_step_finish's `done`). */
 PyObject *queue_step_start(PyObject *self, PyObject *args)
 {
-    void *stream, *target;
+    void *stream, *side, *fork, *target;
     unsigned long long source, flag;
     Py_ssize_t bytes;
     unsigned int count;
-    if (!PyArg_ParseTuple(args, "O&O&KnKI", parse_pointer, &stream, parse_pointer, &target, &source, &bytes, &flag,
-                          &count) || memops_ready() != 0)
+    if (!PyArg_ParseTuple(args, "O&O&O&O&KnKI", parse_pointer, &stream, parse_pointer, &side, parse_pointer, &fork,
+                          parse_pointer, &target, &source, &bytes, &flag, &count) || memops_ready() != 0)
         return NULL;
     if (bytes < 0) {
         PyErr_SetString(PyExc_ValueError, "queue_step_start: bytes < 0");
         return NULL;
     }
-    cuda_result result = cuda.copy_to_host(target, source, (size_t)bytes, stream);
+    cuda_result result = 0;
+    if (side) {
+        result = cuda.event_record(fork, stream);
+        if (result == 0)
+            result = cuda.stream_wait_event(side, fork, 0);
+        stream = side;
+    }
+    if (result == 0)
+        result = cuda.copy_to_host(target, source, (size_t)bytes, stream);
     if (result == 0)
         result = write_value32(stream, flag, count, 0);
     if (result != 0)
         return PyErr_Format(PyExc_RuntimeError, "queueing a step's start failed (CUDA error %d)", result);
+    Py_RETURN_NONE;
+}
+
+/* queue_step_arrival(stream, side, arrive, passed, arrived_flag, ready_flag): a step's wait on
+ * `stream` for its rows (ready_flag >= 1), with the write of 1 into arrived_flag beside it and the
+ * reset of ready_flag after it, both on `side`, forked at events `arrive` and `passed`: neither on
+ * the path of the work queued next on `stream`. queue_step_finish joins `side` again. */
+PyObject *queue_step_arrival(PyObject *self, PyObject *args)
+{
+    void *stream, *side, *arrive, *passed;
+    unsigned long long arrived_flag, ready_flag;
+    if (!PyArg_ParseTuple(args, "O&O&O&O&KK", parse_pointer, &stream, parse_pointer, &side, parse_pointer, &arrive,
+                          parse_pointer, &passed, &arrived_flag, &ready_flag) || memops_ready() != 0)
+        return NULL;
+    cuda_result result = cuda.event_record(arrive, stream);
+    if (result == 0)
+        result = cuda.stream_wait_event(side, arrive, 0);
+    if (result == 0)
+        result = write_value32(side, arrived_flag, 1, 0);
+    if (result == 0)
+        result = wait_value32(stream, ready_flag, 1, 0 /* CU_STREAM_WAIT_VALUE_GEQ */);
+    if (result == 0)
+        result = cuda.event_record(passed, stream);
+    if (result == 0)
+        result = cuda.stream_wait_event(side, passed, 0);
+    if (result == 0)
+        result = write_value32(side, ready_flag, 0, 0);
+    if (result != 0)
+        return PyErr_Format(PyExc_RuntimeError, "queueing a step's wait failed (CUDA error %d)", result);
+    Py_RETURN_NONE;
+}
+
+/* queue_step_finish(stream, side, done): `stream` waits for everything queued on `side` so far (a
+ * record of event `done` there): a capture may not end with a side stream unjoined. */
+PyObject *queue_step_finish(PyObject *self, PyObject *args)
+{
+    void *stream, *side, *done;
+    if (!PyArg_ParseTuple(args, "O&O&O&", parse_pointer, &stream, parse_pointer, &side, parse_pointer, &done)
+        || cuda_ready() != 0)
+        return NULL;
+    cuda_result result = cuda.event_record(done, side);
+    if (result == 0)
+        result = cuda.stream_wait_event(stream, done, 0);
+    if (result != 0)
+        return PyErr_Format(PyExc_RuntimeError, "joining a step's side stream failed (CUDA error %d)", result);
+    Py_RETURN_NONE;
+}
+
+/* step_handles(context, streams, events) -> (streams, events): tuples of new CUDA streams
+ * (non-blocking, as torch's) and events (no timing) of `context`, as ints: a step lookup's own, so
+ * that no other work (torch hands its pooled streams out again) queues behind its service's copies
+ * or its side stream's waits, or is captured with them. */
+PyObject *step_handles(PyObject *self, PyObject *args)
+{
+    void *context, *previous;
+    int counts[2];
+    if (!PyArg_ParseTuple(args, "O&ii", parse_pointer, &context, &counts[0], &counts[1]) || cuda_ready() != 0)
+        return NULL;
+    PyObject *made[2] = {PyTuple_New(counts[0] < 0 ? 0 : counts[0]), PyTuple_New(counts[1] < 0 ? 0 : counts[1])};
+    cuda_result result = made[0] && made[1] ? enter_context(context, &previous) : -1;
+    int entered = result == 0;
+    for (int kind = 0; kind < 2 && result == 0; kind++)
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(made[kind]) && result == 0; k++) {
+            void *handle = NULL;
+            result = kind == 0 ? cuda.stream_create(&handle, 0x1 /* CU_STREAM_NON_BLOCKING */)
+                               : cuda.event_create(&handle, 0x2 /* CU_EVENT_DISABLE_TIMING */);
+            PyObject *number = result == 0 ? PyLong_FromVoidPtr(handle) : NULL;
+            if (number)
+                PyTuple_SET_ITEM(made[kind], k, number);
+            else if (result == 0) {
+                kind == 0 ? cuda.stream_destroy(handle) : cuda.event_destroy(handle);
+                result = -1;
+            }
+        }
+    if (result != 0)
+        for (int kind = 0; kind < 2; kind++)
+            for (Py_ssize_t k = 0; made[kind] && k < PyTuple_GET_SIZE(made[kind]); k++) {
+                PyObject *number = PyTuple_GET_ITEM(made[kind], k);
+                if (number)
+                    kind == 0 ? cuda.stream_destroy(PyLong_AsVoidPtr(number))
+                              : cuda.event_destroy(PyLong_AsVoidPtr(number));
+            }
+    if (entered)
+        leave_context(context, previous);
+    if (result == 0)
+        return Py_BuildValue("NN", made[0], made[1]);
+    Py_XDECREF(made[0]);
+    Py_XDECREF(made[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    return refuse_cuda("creating a step lookup's streams and events", result);
+}
+
+/* drop_handles(context, streams, events): step_handles' streams (once their queued work is done)
+ * and events destroyed; nothing where the context is gone (at exit the driver frees them itself). */
+PyObject *drop_handles(PyObject *self, PyObject *args)
+{
+    void *context, *previous;
+    PyObject *handles[2];
+    if (!PyArg_ParseTuple(args, "O&O!O!", parse_pointer, &context, &PyTuple_Type, &handles[0], &PyTuple_Type,
+                          &handles[1]) || cuda_ready() != 0)
+        return NULL;
+    if (enter_context(context, &previous) != 0)
+        Py_RETURN_NONE;
+    for (int kind = 0; kind < 2; kind++)
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(handles[kind]); k++) {
+            void *handle = PyLong_AsVoidPtr(PyTuple_GET_ITEM(handles[kind], k));
+            if (PyErr_Occurred())
+                break;
+            kind == 0 ? cuda.stream_destroy(handle) : cuda.event_destroy(handle);
+        }
+    leave_context(context, previous);
+    if (PyErr_Occurred())
+        return NULL;
     Py_RETURN_NONE;
 }
 

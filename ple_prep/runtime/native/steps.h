@@ -12,6 +12,10 @@ PyObject *step_service_error(PyObject *self, PyObject *args);
 PyObject *stream_write_value(PyObject *self, PyObject *args);
 PyObject *stream_wait_value(PyObject *self, PyObject *args);
 PyObject *queue_step_start(PyObject *self, PyObject *args);
+PyObject *queue_step_arrival(PyObject *self, PyObject *args);
+PyObject *queue_step_finish(PyObject *self, PyObject *args);
+PyObject *step_handles(PyObject *self, PyObject *args);
+PyObject *drop_handles(PyObject *self, PyObject *args);
 PyObject *launch_graph(PyObject *self, PyObject *args);
 
 /* The module's method table entries (module.c). */
@@ -23,6 +27,10 @@ PyObject *launch_graph(PyObject *self, PyObject *args);
     {"stream_write_value", stream_write_value, METH_VARARGS, "cuStreamWriteValue32 on a stream (captured too)."}, \
     {"stream_wait_value", stream_wait_value, METH_VARARGS, "cuStreamWaitValue32 (>=) on a stream (captured too)."}, \
     {"queue_step_start", queue_step_start, METH_VARARGS, "A step's ids copy to pinned memory and its request."}, \
+    {"queue_step_arrival", queue_step_arrival, METH_VARARGS, "A step's wait for its rows, its flags beside it."}, \
+    {"queue_step_finish", queue_step_finish, METH_VARARGS, "A step's side stream joined to the caller's."}, \
+    {"step_handles", step_handles, METH_VARARGS, "A step lookup's own CUDA streams and events."}, \
+    {"drop_handles", drop_handles, METH_VARARGS, "step_handles' streams and events destroyed."}, \
     {"launch_graph", launch_graph, METH_VARARGS, "cuGraphLaunch of a CUDA graph exec on a stream."},
 
 #endif
