@@ -221,6 +221,18 @@ def test_serves_bit_for_bit_under_every_cudagraph_mode_with_breakable_graphs(che
     assert stats["starts"] == len(list(schedule())) and stats["failed"] == 0
 
 
+def test_only_a_full_graph_forward_puts_the_lookups_start_beside_the_layers(tables):
+    """In a FULL graph the finish is captured with the start (breakable graphs break only in piecewise
+    mode), so start's copy may go on the lookup's side stream; in a piecewise forward it may not."""
+    from vllm.forward_context import set_forward_context
+
+    config = vllm_config(tables["fp8"])
+    assert not storage.in_full_graph()  # no forward context
+    for mode in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL):  # the runtime modes
+        with set_current_vllm_config(config), set_forward_context(None, config, cudagraph_runtime_mode=mode):
+            assert storage.in_full_graph() == (mode == CUDAGraphMode.FULL), mode.name
+
+
 @pytest.mark.parametrize("mode", ["PIECEWISE", "FULL_AND_PIECEWISE", "FULL"])
 def test_refuses_graph_modes_without_breakable_capture_naming_the_setting(tables, monkeypatch, mode):
     monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "0")

@@ -127,6 +127,7 @@ class StepLookup:
         self._flags = torch.zeros(FLAG_WORDS, dtype=torch.int32, pin_memory=pin)
         self._flags_array = self._flags.numpy()
         self._started: int | None = None
+        self._started_beside = False  # the last start's copy went on the side stream
         # An eager finish's device half, as CUDA graphs by size (GraphCache keeps them), launched
         # through their exec handles.
         self._graphs = GraphCache(buffers, self.device, self._device_half_here, False)
@@ -205,6 +206,7 @@ class StepLookup:
         if finish_in_same_graph or not torch.cuda.is_current_stream_capturing():
             side = self._side
             ids.record_stream(self._side_stream)  # the allocator must not hand its memory out before the copy
+        self._started_beside = bool(side)
         _native.queue_step_start(self._current_stream(), side, self._fork, self._ids_address, ids.data_ptr(),
                                  8 * count, self._flag_address + 4 * REQUEST, count)
 
@@ -273,7 +275,8 @@ class StepLookup:
         raw = self._current_stream()
         _native.stream_wait_value(raw, self._flag_address + 4 * READY, 1)
         _native.stream_write_value(raw, self._flag_address + 4 * READY, 0)
-        _native.queue_step_finish(raw, self._side, self._done)  # its start's side stream joined
+        if self._started_beside:  # its start's side stream joined (a capture may not end without)
+            _native.queue_step_finish(raw, self._side, self._done)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         self.start(ids)
