@@ -189,6 +189,19 @@ def test_bad_calls_are_refused(table):
         lookup.close()
 
 
+def each_replay_serves_its_step(table, lookup, ids_buffer, consumer, replay, seeds) -> None:
+    """Per seed: new ids in `ids_buffer`, every buffer poisoned, `replay()`; `consumer` then holds
+    the table's values of those ids."""
+    for seed in seeds:
+        ids = token_ids(table, 8, seed).reshape(-1)
+        ids_buffer.copy_(torch.from_numpy(ids))
+        poison(lookup)
+        replay()
+        torch.cuda.synchronize()
+        assert np.array_equal(bits(consumer), expected_bits(table, ids)), seed
+    lookup.check()
+
+
 @needs_cuda
 @pytest.mark.parametrize("same_graph", [False, True], ids=["start-on-the-stream", "start-beside-it"])
 def test_one_cuda_graph_replayed_with_new_ids_serves_each_steps_rows(table, same_graph):
@@ -207,14 +220,7 @@ def test_one_cuda_graph_replayed_with_new_ids_serves_each_steps_rows(table, same
             consumer.copy_(lookup.finish())
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        for seed in range(1, 30):
-            ids = token_ids(table, 8, seed).reshape(-1)
-            ids_buffer.copy_(torch.from_numpy(ids))
-            poison(lookup)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert np.array_equal(bits(consumer), expected_bits(table, ids)), seed
-        lookup.check()
+        each_replay_serves_its_step(table, lookup, ids_buffer, consumer, graph.replay, range(1, 30))
     finally:
         lookup.close()
 
@@ -238,16 +244,12 @@ def test_start_and_finish_in_two_graphs_as_piecewise_graphs_hold_them_serve_each
                 consumer.copy_(lookup.finish())
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        for seed in range(1, 12):
-            ids = token_ids(table, 8, seed).reshape(-1)
-            ids_buffer.copy_(torch.from_numpy(ids))
-            poison(lookup)
+        def replay() -> None:
             starting.replay()
             torch.cuda._sleep(1_000_000)  # the layers between them
             finishing.replay()
-            torch.cuda.synchronize()
-            assert np.array_equal(bits(consumer), expected_bits(table, ids)), seed
-        lookup.check()
+
+        each_replay_serves_its_step(table, lookup, ids_buffer, consumer, replay, range(1, 12))
     finally:
         lookup.close()
 
