@@ -117,15 +117,8 @@ def disk_rate(path: Path, table, pages: int) -> dict:
         return {"how": "fio 4 KiB random reads, O_DIRECT, the faster of queue depths 64, 512",
                 "reads_per_s_by_depth": rates, "reads_per_s": max(rates.values()),
                 "reader_sorted_per_s": round(reader_rate(path, pages, 7))}
-    rng = np.random.default_rng(7)
-    rates = {}
-    for depth in (64, DEFAULT_QUEUE_DEPTH):
-        evict(path)
-        with open_table(path, queue_depth=depth, host_cache_bytes=0) as fresh:
-            slots = rng.choice(fresh.header.num_pages, pages, replace=False) * fresh.rows_per_page
-            started = time.perf_counter()
-            fresh.gather_slots(np.sort(slots))
-            rates[depth] = round(pages / (time.perf_counter() - started))
+    rates = {depth: round(reader_rate(path, pages, seed, depth))
+             for seed, depth in enumerate((64, DEFAULT_QUEUE_DEPTH), start=7)}
     return {"how": "O_DIRECT reads of random pages through the table's reader, the faster of queue depths "
                    f"{', '.join(map(str, rates))}", "reads_per_s_by_depth": rates, "reads_per_s": max(rates.values())}
 
@@ -145,10 +138,11 @@ def open_cold(path: Path):
     return table
 
 
-def reader_rate(path: Path, pages: int, seed: int) -> float:
-    """Random pages per second through the table's O_DIRECT reader at its default depth, cold."""
+def reader_rate(path: Path, pages: int, seed: int, queue_depth: int = DEFAULT_QUEUE_DEPTH) -> float:
+    """Random pages per second, sorted by offset, through the table's O_DIRECT reader at
+    `queue_depth`, cold."""
     evict(path)
-    with open_table(path, host_cache_bytes=0) as fresh:
+    with open_table(path, queue_depth=queue_depth, host_cache_bytes=0) as fresh:
         slots = np.random.default_rng(seed).choice(fresh.header.num_pages, pages, replace=False) * fresh.rows_per_page
         started = time.perf_counter()
         fresh.gather_slots(np.sort(slots))

@@ -132,7 +132,7 @@ class StepLookup:
         # through their exec handles.
         self._graphs = GraphCache(buffers, self.device, self._device_half_here, False)
         self._graph_execs: dict[int, int] = {}
-        device_completion = None
+        device_completion = handles = None
         if self._cuda:
             from .driver import device_context
 
@@ -143,7 +143,7 @@ class StepLookup:
             # arrival, its wait passed, the join.
             (service_stream, self._side), events = _native.step_handles(self._context, 2, 4)
             self._fork, self._arrive, self._passed, self._done = events
-            self._handles = (self._context, (service_stream,), events)
+            handles = (self._context, (service_stream,), events)  # destroyed with the service
             # The side stream, for the allocator (ids.record_stream): kept for the process's life,
             # as the allocator records on it whenever the caller frees those ids.
             self._side_stream = torch.cuda.ExternalStream(self._side, device=self.device)
@@ -166,7 +166,6 @@ class StepLookup:
         arguments = table._gatherer._stage_arguments(self.host_ids, table.order, table.first_row, self.num_resident,
                                                      self._slots, self._host_index, buffers.host_rows,
                                                      LOOKUP_THREADS)
-        handles = self._handles if self._cuda else None
         try:
             self._service = _native.step_service(self._flags_array, disk, self._poison,
                                                  (LOOKUP_THREADS, LOOKUP_PART_IDS), device_completion, *arguments)

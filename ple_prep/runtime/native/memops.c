@@ -137,6 +137,19 @@ PyObject *queue_step_finish(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* The streams (handles[0]) and events (handles[1]) the two tuples hold as ints destroyed (the
+ * caller made their context current); items not set yet, or not ints, passed over. */
+static void destroy_handles(PyObject *const handles[2])
+{
+    for (int kind = 0; kind < 2; kind++)
+        for (Py_ssize_t k = 0; handles[kind] && k < PyTuple_GET_SIZE(handles[kind]); k++) {
+            PyObject *number = PyTuple_GET_ITEM(handles[kind], k);
+            void *handle = number ? PyLong_AsVoidPtr(number) : NULL;
+            if (handle)
+                kind == 0 ? cuda.stream_destroy(handle) : cuda.event_destroy(handle);
+        }
+}
+
 /* step_handles(context, streams, events) -> (streams, events): tuples of new CUDA streams
  * (non-blocking, as torch's) and events (no timing) of `context`, as ints: a step lookup's own, so
  * that no other work (torch hands its pooled streams out again) queues behind its service's copies
@@ -164,13 +177,7 @@ PyObject *step_handles(PyObject *self, PyObject *args)
             }
         }
     if (result != 0)
-        for (int kind = 0; kind < 2; kind++)
-            for (Py_ssize_t k = 0; made[kind] && k < PyTuple_GET_SIZE(made[kind]); k++) {
-                PyObject *number = PyTuple_GET_ITEM(made[kind], k);
-                if (number)
-                    kind == 0 ? cuda.stream_destroy(PyLong_AsVoidPtr(number))
-                              : cuda.event_destroy(PyLong_AsVoidPtr(number));
-            }
+        destroy_handles(made);
     if (entered)
         leave_context(context, previous);
     if (result == 0)
@@ -193,13 +200,7 @@ PyObject *drop_handles(PyObject *self, PyObject *args)
         return NULL;
     if (enter_context(context, &previous) != 0)
         Py_RETURN_NONE;
-    for (int kind = 0; kind < 2; kind++)
-        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(handles[kind]); k++) {
-            void *handle = PyLong_AsVoidPtr(PyTuple_GET_ITEM(handles[kind], k));
-            if (PyErr_Occurred())
-                break;
-            kind == 0 ? cuda.stream_destroy(handle) : cuda.event_destroy(handle);
-        }
+    destroy_handles(handles);
     leave_context(context, previous);
     if (PyErr_Occurred())
         return NULL;
