@@ -28,7 +28,7 @@ for name in ("decode", "chunk"):
           f" late {w[name]['late_steps']}")
     for label, cold in (("cold", c), ("cold, host cache", r["cold_host_cache"])):
         print(f"{label} {name}: p50 {cold[name]['full_graph']['p50_ms']} vs eager {cold[name]['eager']['p50_ms']} ms,"
-              f" ratio {cold[name]['p50_ratio']}, exact {cold[name]['bit_exact']}")
+              f" ratio {cold[name]['p50_ratio']} (pairs {cold[name]['pair_ratio_median']}, total {cold[name]['total_ratio']}, first/second {cold[name]['p50_ms_first_second']}), exact {cold[name]['bit_exact']}")
 print("exact poisoned:", c["exact_poisoned"], w["exact_poisoned_warm"], w["exact_poisoned_warm_chunk"],
       w["exact_poisoned_mixed"])
 print("cold queued, GIL held:", json.dumps(c["decode_queued_busy_gil"]))

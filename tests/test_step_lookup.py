@@ -3,6 +3,7 @@
 raise their cause; on a GPU, one CUDA graph replayed with new ids."""
 from __future__ import annotations
 
+import gc
 import shutil
 import time
 
@@ -255,6 +256,37 @@ def test_start_and_finish_in_two_graphs_as_piecewise_graphs_hold_them_serve_each
 
 
 @needs_cuda
+def test_a_start_left_unfinished_in_one_piecewise_graph_is_dropped_inside_the_next(table):
+    """A forward pass that failed before the PLE layer leaves its start unfinished; the next step
+    drops it inside its own capture, which may hold no event recorded outside it, and serves its rows."""
+    lookup = steps.StepLookup(table, device="cuda", resident_bytes=2000 * table.row_bytes, max_ids=64 * 16)
+    ids_buffer = torch.zeros(8 * 16, dtype=torch.int64, device="cuda")
+    consumer = torch.empty(8 * 16, table.values_per_row, dtype=torch.bfloat16, device="cuda")
+    try:
+        serve(lookup, token_ids(table, 8, 0).reshape(-1))  # warm-up outside the capture
+        abandoned, served = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            with torch.cuda.graph(abandoned):
+                lookup.start(ids_buffer)
+            with torch.cuda.graph(served):
+                lookup.drop()
+                lookup.start(ids_buffer)
+                consumer.copy_(lookup.finish())
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+
+        def replay() -> None:
+            abandoned.replay()
+            served.replay()
+
+        each_replay_serves_its_step(table, lookup, ids_buffer, consumer, replay, range(1, 12))
+    finally:
+        lookup.close()
+
+
+@needs_cuda
 @pytest.mark.parametrize("same_graph", [False, True], ids=["start-on-the-stream", "start-beside-it"])
 def test_graph_replays_queued_back_to_back_with_the_host_ahead_serve_every_step(table, same_graph):
     """Replays queued without a host wait between them, each step's ids picked on the device, with
@@ -299,6 +331,44 @@ def test_graph_replays_queued_back_to_back_with_the_host_ahead_serve_every_step(
         lookup.check()
         assert lookup.stats()["late"] < len(requests)
     finally:
+        lookup.close()
+
+
+@needs_cuda
+def test_a_collection_due_during_an_eager_finish_s_capture_waits_until_after_it(table, monkeypatch):
+    """The first eager finish of a size captures its device half; a CUDA graph left in a reference
+    cycle and collected during that capture would end it with an error (a graph may not be destroyed
+    while its thread captures)."""
+    lookup = steps.StepLookup(table, device="cuda", resident_bytes=2000 * table.row_bytes, max_ids=64 * 16)
+    thresholds = gc.get_threshold()
+    device_half = lookup._graphs._device_half
+
+    def device_half_due_a_collection(size: int) -> torch.Tensor:
+        gc.set_threshold(1)  # the next allocations start a collection wherever collection is on
+        _ = [[] for _ in range(100)]
+        return device_half(size)
+
+    try:
+        garbage = torch.cuda.CUDAGraph()
+        scratch = torch.zeros(1, device="cuda")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.cuda.graph(garbage):
+            scratch.add_(1)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        ids = token_ids(table, 8, 1)
+        gc.disable()  # nothing collected before the capture
+        cycle = [garbage]
+        cycle.append(cycle)
+        del garbage, cycle  # freed only by a collection
+        monkeypatch.setattr(lookup._graphs, "_device_half", device_half_due_a_collection)
+        gc.enable()
+        assert np.array_equal(bits(serve(lookup, ids)), expected_bits(table, ids))
+        lookup.check()
+    finally:
+        gc.enable()
+        gc.set_threshold(*thresholds)
         lookup.close()
 
 

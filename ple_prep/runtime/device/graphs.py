@@ -2,7 +2,9 @@
 span's copy, replayed by an eager `finish`."""
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+import gc
+from typing import Callable, Iterator
 
 import torch
 
@@ -17,6 +19,21 @@ INLINE_IDS = 1024
 # Triton launch from Python costs more than a chunk's replay (BENCHMARKS.md, "Decode step and
 # prefill chunk on an H200").
 GRAPH_MIN_IDS = 16
+
+
+@contextlib.contextmanager
+def _no_collection() -> Iterator[None]:
+    """No automatic garbage collection inside: a collection during a capture that frees a CUDA
+    graph (or anything else whose finalizer calls CUDA) ends the capture with an error. torch's own
+    `torch.cuda.graph` collects before it captures instead, which would cost every first finish of
+    a size a full collection."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class GraphCache:
@@ -54,7 +71,7 @@ class GraphCache:
         graph = torch.cuda.CUDAGraph()
         capture = torch.cuda.Stream(self._device)
         capture.wait_stream(stream)
-        with torch.cuda.stream(capture):
+        with torch.cuda.stream(capture), _no_collection():
             graph.capture_begin(capture_error_mode="thread_local")
             try:
                 if with_copy:
