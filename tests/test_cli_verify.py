@@ -5,10 +5,12 @@ import json
 import shutil
 
 import pytest
+from support.file_systems import skip_unless_on_a_block_file_system
 from support.handmade import find, load_tensors
 
 from ple_prep.cli import cli
 from ple_prep.converters.safetensors import read_header
+from ple_prep.tools.benchmark import cached_fraction, evict
 from ple_prep.tools.fixtures import FIXTURE_ROWS, make_checkpoint
 
 
@@ -58,6 +60,18 @@ def test_verify_checksums_only_without_model(converted, runner):
     result = runner.invoke(cli, ["verify", str(out), "--json", "-q"])
     assert result.exit_code == 0
     assert json.loads(result.stdout)["rows_compared"] == 0
+
+
+def test_verify_reads_the_table_past_the_page_cache(converted, runner):
+    """A verify of a table the size of RAM must not push the host's other pages out of the cache."""
+    _, out = converted
+    skip_unless_on_a_block_file_system(out)
+    evict(out)
+    if (cached_fraction(out) or 0) > 0.5:
+        pytest.skip("the page cache does not let this file's pages go")
+    result = runner.invoke(cli, ["verify", str(out), "--json", "-q"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["checksum_blocks"] == 1
+    assert cached_fraction(out) < 0.1
 
 
 def test_verify_source_difference_names_first_rows(converted, runner):

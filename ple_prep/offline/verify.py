@@ -1,19 +1,22 @@
 """Check a prepared table: its checksums, and (given the source) every row byte for byte."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import errno
 import os
 import zlib
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from ..converters import open_source
 from ..core.errors import BadInput
-from ..core.fileio import open_input, open_regular, read_exactly
+from ..core.fileio import open_input, open_regular
 from ..format.manifest import load_table_manifest, manifest_path, validate_with_schema
 from ..runtime import open_table
+from .direct_io import DIRECT_IO_ALIGNMENT, aligned_zeros, set_direct
 from .staleness import converted_elsewhere, source_changes
 
 CHUNK_ROWS = 1 << 16
@@ -91,20 +94,25 @@ def _check_checksums(table, report: VerifyReport, progress) -> None:
     checksums = table.manifest["checksums"]
     block_bytes = checksums["block_bytes"]
     data_offset, file_size = table.header.data_offset, table.header.file_size
-    buffer = bytearray(CHECKSUM_READ_BYTES)
+    blocks = [(data_offset + block * block_bytes, min(data_offset + (block + 1) * block_bytes, file_size))
+              for block in range(len(checksums["blocks"]))]
     descriptor = open_regular(table.path, "table")
     try:
         report.header_ok = zlib.crc32(os.pread(descriptor, data_offset, 0)) == checksums["header_crc32"]
-        for block, expected in enumerate(checksums["blocks"]):
-            start = data_offset + block * block_bytes
-            crc, position, stop = 0, start, min(start + block_bytes, file_size)
-            while position < stop:
-                piece = memoryview(buffer)[:min(len(buffer), stop - position)]
-                read_exactly(descriptor, piece, position, table.path.name)
-                crc = zlib.crc32(piece, crc)
-                position += len(piece)
+        # Past the cache: a verify of a table the size of RAM would otherwise push everything else
+        # out of the page cache (a serving host's hot rows and weights among it).
+        direct = (data_offset % DIRECT_IO_ALIGNMENT == 0 and block_bytes % DIRECT_IO_ALIGNMENT == 0
+                  and set_direct(descriptor, True))
+        pieces = [(position, min(position + CHECKSUM_READ_BYTES, stop))
+                  for start, stop in blocks for position in range(start, stop, CHECKSUM_READ_BYTES)]
+        read = _PieceReader(descriptor, table.path.name, direct)
+        crcs = [0] * len(blocks)
+        for (position, _), data in zip(pieces, read.pieces(pieces)):
+            block = (position - data_offset) // block_bytes
+            crcs[block] = zlib.crc32(data, crcs[block])
+        for block, ((start, stop), expected) in enumerate(zip(blocks, checksums["blocks"])):
             report.checksum_blocks += 1
-            if crc != expected:
+            if crcs[block] != expected:
                 first_slot = block * block_bytes // table.page_size * table.rows_per_page
                 stop_slot = min(table.num_rows,
                                 -(-(stop - data_offset) // table.page_size) * table.rows_per_page)
@@ -114,6 +122,44 @@ def _check_checksums(table, report: VerifyReport, progress) -> None:
                                           "num_rows": len(rows)})
     finally:
         os.close(descriptor)
+
+
+class _PieceReader:
+    """Pieces of a file read in order into two page-aligned buffers, the next read (on a thread)
+    while the caller checks the last; with O_DIRECT (`direct`), a piece's length is read rounded up
+    to DIRECT_IO_ALIGNMENT, and a refused read goes back to the page cache."""
+
+    def __init__(self, descriptor: int, name: str, direct: bool):
+        self.descriptor, self.name, self.direct = descriptor, name, direct
+        self.buffers = [aligned_zeros(CHECKSUM_READ_BYTES) for _ in range(2)]
+
+    def _read(self, position: int, stop: int, buffer: np.ndarray) -> memoryview:
+        wanted = stop - position
+        length = -(-wanted // DIRECT_IO_ALIGNMENT) * DIRECT_IO_ALIGNMENT if self.direct else wanted
+        view = memoryview(buffer)[:length]
+        got = 0
+        while got < wanted:
+            try:
+                count = os.preadv(self.descriptor, [view[got:]], position + got)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL and self.direct:  # the flag taken, the read not
+                    set_direct(self.descriptor, False)
+                    self.direct = False
+                    return self._read(position, stop, buffer)
+                raise
+            if count <= 0:
+                raise BadInput(f"{self.name} ended early at byte {position + got}: the file was truncated")
+            got += count
+        return view[:wanted]
+
+    def pieces(self, pieces: list[tuple[int, int]]) -> Iterator[memoryview]:
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verify-read") as reader:
+            pending = reader.submit(self._read, *pieces[0], self.buffers[0]) if pieces else None
+            for k in range(len(pieces)):
+                data = pending.result()
+                if k + 1 < len(pieces):
+                    pending = reader.submit(self._read, *pieces[k + 1], self.buffers[(k + 1) % 2])
+                yield data
 
 
 def _compare_with_source(table, source, report: VerifyReport, sample, seed, progress) -> None:
