@@ -13,7 +13,7 @@ import numpy as np
 
 from ..converters import open_source
 from ..core.errors import BadInput
-from ..core.fileio import open_input, open_regular
+from ..core.fileio import open_input, open_regular, read_exactly
 from ..format.manifest import load_table_manifest, manifest_path, validate_with_schema
 from ..runtime import open_table
 from .direct_io import DIRECT_IO_ALIGNMENT, aligned_zeros, set_direct
@@ -101,7 +101,7 @@ def _check_checksums(table, report: VerifyReport, progress) -> None:
         report.header_ok = zlib.crc32(os.pread(descriptor, data_offset, 0)) == checksums["header_crc32"]
         # Past the cache: a verify of a table the size of RAM would otherwise push everything else
         # out of the page cache (a serving host's hot rows and weights among it).
-        direct = (data_offset % DIRECT_IO_ALIGNMENT == 0 and block_bytes % DIRECT_IO_ALIGNMENT == 0
+        direct = (all(offset % DIRECT_IO_ALIGNMENT == 0 for offset in (data_offset, block_bytes, file_size))
                   and set_direct(descriptor, True))
         pieces = [(position, min(position + CHECKSUM_READ_BYTES, stop))
                   for start, stop in blocks for position in range(start, stop, CHECKSUM_READ_BYTES)]
@@ -126,31 +126,24 @@ def _check_checksums(table, report: VerifyReport, progress) -> None:
 
 class _PieceReader:
     """Pieces of a file read in order into two page-aligned buffers, the next read (on a thread)
-    while the caller checks the last; with O_DIRECT (`direct`), a piece's length is read rounded up
-    to DIRECT_IO_ALIGNMENT, and a refused read goes back to the page cache."""
+    while the caller checks the last; with O_DIRECT (`direct`: every piece aligned to
+    DIRECT_IO_ALIGNMENT), a refused read goes back to the page cache."""
 
     def __init__(self, descriptor: int, name: str, direct: bool):
         self.descriptor, self.name, self.direct = descriptor, name, direct
         self.buffers = [aligned_zeros(CHECKSUM_READ_BYTES) for _ in range(2)]
 
     def _read(self, position: int, stop: int, buffer: np.ndarray) -> memoryview:
-        wanted = stop - position
-        length = -(-wanted // DIRECT_IO_ALIGNMENT) * DIRECT_IO_ALIGNMENT if self.direct else wanted
-        view = memoryview(buffer)[:length]
-        got = 0
-        while got < wanted:
-            try:
-                count = os.preadv(self.descriptor, [view[got:]], position + got)
-            except OSError as exc:
-                if exc.errno == errno.EINVAL and self.direct:  # the flag taken, the read not
-                    set_direct(self.descriptor, False)
-                    self.direct = False
-                    return self._read(position, stop, buffer)
+        piece = memoryview(buffer)[:stop - position]
+        try:
+            read_exactly(self.descriptor, piece, position, self.name)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or not self.direct:  # EINVAL: the flag taken, the read not
                 raise
-            if count <= 0:
-                raise BadInput(f"{self.name} ended early at byte {position + got}: the file was truncated")
-            got += count
-        return view[:wanted]
+            set_direct(self.descriptor, False)
+            self.direct = False
+            read_exactly(self.descriptor, piece, position, self.name)
+        return piece
 
     def pieces(self, pieces: list[tuple[int, int]]) -> Iterator[memoryview]:
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verify-read") as reader:
