@@ -9,22 +9,26 @@
     lookup.check()               # raises the error of a step that failed (an id outside the table, I/O)
 
 `start` queues the copy of the ids into pinned memory and a stream memory operation writing their
-count into a pinned flag: on a side stream forked from the current one where the step's finish is
-queued eagerly or in the same CUDA graph (so the work between start and finish does not wait for
-the copy), else on the current stream (a piecewise graph may end between start and finish, and a
-capture may not end with a side stream unjoined). A thread of the
-compiled runtime (runtime/native/steps.c) waits for that flag, finds each id's slot, stages the
-disk-tier rows (copied from the page cache where they are there, else read from the file with
-O_DIRECT, runtime/native/disk_reads.c), without ever taking the GIL, and queues the rows' and the
-index's copy to the device, then a flag write, on its own stream.
-`finish` queues a wait for that flag and the index and decode into `output` on the current stream;
-the write marking the device's arrival and the flag's reset go on the side stream beside them,
-joined again at the end of finish (each stream memory operation on the current stream holds the
-work behind it: BENCHMARKS.md, "Serving inside vLLM's CUDA graphs"). Nothing
-in either call waits on the host, and neither depends on the host's state of the step, so the same
-calls run eagerly, inside breakable piecewise graphs and inside one FULL graph replayed with new
-ids every step: the device does the same work each time, the thread does the host work each time
-it is asked. If the thread is late the device waits at `finish` only. A failed step's positions
+count into a pinned flag (REQUEST). A thread of the compiled runtime (runtime/native/steps.c)
+waits for that flag, finds each id's slot, stages the disk-tier rows and the tier index into
+pinned memory (the rows copied from the page cache where they are there, else read from the file
+with O_DIRECT, runtime/native/disk_reads.c), without ever taking the GIL and without any CUDA
+call, and stores 1 into a second flag (READY). The device's fetch waits for READY, resets it and
+copies the staged span (as many rows as the step has ids, and their index: a size fixed by the
+count, so a graph holds it). Where the step's finish is queued eagerly or in the same CUDA graph,
+start queues the fetch too, on a side stream forked from the current one (so it runs beside the
+work between start and finish, decoder layer 0), and finish joins it; else (a piecewise graph may
+end between start and finish, and a capture may not end with a side stream unjoined) start queues
+only the request on the current stream and finish queues the fetch there. `finish` then queues the
+index and decode into `output`; the write marking the device's arrival (ARRIVED) goes on a stream
+of its own forked beside them (each stream memory operation on the current stream holds the work
+behind it: BENCHMARKS.md, "Serving inside vLLM's CUDA graphs"). Only the thread's host store
+releases a wait: a device wait that other queued device work must release can hang where the
+streams share one of the device's hardware queues (docs/RUNTIME.md, "A step in one CUDA graph").
+Nothing in either call waits on the host, and neither depends on the host's state of the step, so
+the same calls run eagerly, inside breakable piecewise graphs and inside one FULL graph replayed
+with new ids every step: the device does the same work each time, the thread does the host work
+each time it is asked. If the thread is late the device waits at the fetch only. A failed step's positions
 read a poison row, which decodes to NaN everywhere, never a stale or a wrong row; the error is kept
 for `check` (called by the next `start`; `pending_error` reads it without taking it). On the CPU
 the host does the device's part (the flags are stored and waited for by the caller), through the
@@ -117,8 +121,7 @@ class StepLookup:
         buffers.tiers[self._poison].copy_(poison)
         self._host_index = buffers.host_index
         self._host_index[:] = self._poison  # what the device reads before the first step, in range
-        if not self._cuda:
-            buffers.host_rows[0] = poison.numpy()
+        buffers.host_rows[0] = poison.numpy()  # the staging row no step's fetch covers, for the CPU
         pin = self._cuda
         self._ids = torch.zeros(self.capacity + 1, dtype=torch.int64, pin_memory=pin)
         # The pinned host copy of a step's ids, which the service thread reads.
@@ -132,18 +135,17 @@ class StepLookup:
         # through their exec handles.
         self._graphs = GraphCache(buffers, self.device, self._device_half_here, False)
         self._graph_execs: dict[int, int] = {}
-        device_completion = handles = None
+        handles = None
         if self._cuda:
             from .driver import device_context
 
             self._context = device_context(self.device.index)
-            # Streams of its own (torch hands its pooled streams out again, to captures too): the
-            # service thread's, and one beside the caller's for the ids' copy and request (start),
-            # the arrival's write and the flag's reset (finish); events: start's fork, finish's
-            # arrival, its wait passed, the join.
-            (service_stream, self._side), events = _native.step_handles(self._context, 2, 4)
-            self._fork, self._arrive, self._passed, self._done = events
-            handles = (self._context, (service_stream,), events)  # destroyed with the service
+            # Streams of its own (torch hands its pooled streams out again, to captures too): one
+            # beside the caller's for the ids' copy, the request and the fetch (start), one for the
+            # arrival's write (finish); events: start's fork, finish's arrival, the joins of each.
+            (self._side, self._arrival), events = _native.step_handles(self._context, 2, 4)
+            self._fork, self._done, self._arrive, self._arrived = events
+            handles = (self._context, (self._arrival,), events)  # destroyed with the service
             # The side stream, for the allocator (ids.record_stream): kept for the process's life,
             # as the allocator records on it whenever the caller frees those ids.
             self._side_stream = torch.cuda.ExternalStream(self._side, device=self.device)
@@ -152,8 +154,9 @@ class StepLookup:
             self._current_stream = raw_stream_of(torch, self.device.index)
             self._flag_address = self._flags.data_ptr()
             self._ids_address = self._ids.data_ptr()
+            self._span_device = buffers.span.data_ptr()
+            self._span_host = buffers.host_span.data_ptr()
             buffers.index[:] = self._poison
-            device_completion = (self._context, service_stream, buffers.span.data_ptr())
         header = table.header
         self._descriptor = _disk_descriptor(table.descriptor)
         # The table's host cache (open_table's host_cache_bytes), which the thread reads and fills.
@@ -168,7 +171,7 @@ class StepLookup:
                                                      LOOKUP_THREADS)
         try:
             self._service = _native.step_service(self._flags_array, disk, self._poison,
-                                                 (LOOKUP_THREADS, LOOKUP_PART_IDS), device_completion, *arguments)
+                                                 (LOOKUP_THREADS, LOOKUP_PART_IDS), self._cuda, *arguments)
         except BaseException:
             os.close(self._descriptor)
             if handles:
@@ -206,8 +209,17 @@ class StepLookup:
             side = self._side
             ids.record_stream(self._side_stream)  # the allocator must not hand its memory out before the copy
         self._started_beside = bool(side)
-        _native.queue_step_start(self._current_stream(), side, self._fork, self._ids_address, ids.data_ptr(),
+        stream = self._current_stream()
+        _native.queue_step_start(stream, side, self._fork, self._ids_address, ids.data_ptr(),
                                  8 * count, self._flag_address + 4 * REQUEST, count)
+        if side:
+            self._queue_fetch(side, count)
+
+    def _queue_fetch(self, stream: int, count: int) -> None:
+        """Queue on `stream` the wait for the staged rows of `count` ids, READY's reset, their span's copy."""
+        low, high = self.buffers.span_of(count, count)
+        _native.queue_step_fetch(stream, self._flag_address + 4 * READY, self._span_device + low,
+                                 self._span_host + low, high - low)
 
     def finish(self, count: int | None = None) -> torch.Tensor:
         """Queue the wait for the last start's rows and their index and decode: bf16 (count,
@@ -217,13 +229,14 @@ class StepLookup:
         a Triton launch from Python tens of them)."""
         if self._started is None:
             raise RuntimeError("finish() without a start()")
-        count = self._started if count is None else count
-        self._started = None
+        started, self._started = self._started, None
+        count = started if count is None else count
         if not self._cuda:
             self._wait_on_host()
             self.check()
             return self._index_and_decode(count)
         stream = self._current_stream()
+        self._join_fetch(stream, started)
         if torch.cuda.is_current_stream_capturing():
             return self._device_half(count, stream)
         size = self._graphs.size_for(count)
@@ -237,13 +250,19 @@ class StepLookup:
             self._graphs.graphs[(size, False)].replay()
         return self._graphs.output_view(count)
 
+    def _join_fetch(self, stream: int, started: int) -> None:
+        """`stream` waits for the last start's fetch: the side stream joined, or the fetch queued here."""
+        if self._started_beside:
+            _native.queue_step_finish(stream, self._side, self._done)
+        else:
+            self._queue_fetch(stream, started)
+
     def _device_half(self, count: int, stream: int) -> torch.Tensor:
-        """The wait for this step's rows, the index and decode, queued on `stream` (the current one);
-        the device's arrival marked and the flag reset beside them on the side stream, joined after."""
-        _native.queue_step_arrival(stream, self._side, self._arrive, self._passed, self._flag_address + 4 * ARRIVED,
-                                   self._flag_address + 4 * READY)
+        """The index and decode of the fetched rows, queued on `stream` (the current one); the
+        device's arrival marked beside them on the arrival stream, joined after."""
+        _native.queue_step_arrival(stream, self._arrival, self._arrive, self._flag_address + 4 * ARRIVED)
         values = self._index_and_decode(count)
-        _native.queue_step_finish(stream, self._side, self._done)
+        _native.queue_step_finish(stream, self._arrival, self._arrived)
         return values
 
     def _device_half_here(self, count: int) -> torch.Tensor:
@@ -262,20 +281,17 @@ class StepLookup:
 
     def drop(self) -> None:
         """Abandon the last start if it was not finished (its forward pass failed before the PLE
-        layer): its rows' wait and reset are queued, so the next step waits for its own rows. On the
-        CPU its error, if any, is dropped with it (on a GPU it is not known yet)."""
+        layer): its fetch is joined or queued, so the next step waits for its own rows (and a capture
+        does not end with the side stream unjoined). On the CPU its error, if any, is dropped with it
+        (on a GPU it is not known yet)."""
         if self._started is None:
             return
-        self._started = None
+        started, self._started = self._started, None
         if not self._cuda:
             self._wait_on_host()
             _native.step_service_error(self._service, True)
             return
-        raw = self._current_stream()
-        _native.stream_wait_value(raw, self._flag_address + 4 * READY, 1)
-        _native.stream_write_value(raw, self._flag_address + 4 * READY, 0)
-        if self._started_beside:  # its start's side stream joined (a capture may not end without)
-            _native.queue_step_finish(raw, self._side, self._done)
+        self._join_fetch(self._current_stream(), started)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         self.start(ids)
@@ -312,10 +328,6 @@ class StepLookup:
             return OSError(value, f"{name}: O_DIRECT read at byte {offset}: {os.strerror(value)}")
         if kind == "count":
             return ValueError(f"{value} row ids exceed this lookup's max_ids = {self.capacity}")
-        if kind == "copy":
-            return RuntimeError(f"the PLE step service's copy to the device failed (CUDA error {value})")
-        if kind == "context":
-            return RuntimeError("the PLE step service cannot make the device's CUDA context current")
         return RuntimeError(f"the PLE step service failed a step ({kind})")
 
     def _wait_on_host(self) -> None:
@@ -339,7 +351,7 @@ class StepLookup:
         host cache's, rows read-ahead had brought: the read-ahead coverage is it over the disk
         tier's positions); `failed` steps; `late` steps (the device reached finish before the rows
         were ready: it waited at most `late_host_ns`, the thread's time on them); the thread's
-        `host_ns` and the `copied_bytes` it queued to the device."""
+        `host_ns` and the `copied_bytes` of the spans the device fetched."""
         counters = _native.step_service_stats(self._service)
         return {"starts": counters["steps"], "ids": counters["ids"],
                 "rows_resident": counters["ids"] - counters["disk_positions"],

@@ -34,29 +34,6 @@ int memops_ready(void)
     return -1;
 }
 
-/* stream_write_value(stream, address, value) and stream_wait_value(stream, address, value): a
- * stream memory operation on the current context's `stream` (captured where it captures): write
- * the int32 `value` at device-visible `address`, or wait until it holds `value`. */
-static PyObject *memop(PyObject *args, int wait)
-{
-    void *stream;
-    unsigned long long address;
-    unsigned int value;
-    if (!PyArg_ParseTuple(args, "O&KI", parse_pointer, &stream, &address, &value) || memops_ready() != 0)
-        return NULL;
-    cuda_result result = wait ? wait_value32(stream, address, value, 0 /* CU_STREAM_WAIT_VALUE_GEQ */)
-                              : write_value32(stream, address, value, 0);
-    if (result != 0)
-        return PyErr_Format(PyExc_RuntimeError, "cuStream%sValue32 failed (CUDA error %d)", wait ? "Wait" : "Write",
-                            result);
-    Py_RETURN_NONE;
-}
-
-PyObject *stream_write_value(PyObject *self, PyObject *args)
-{
-    return memop(args, 0);
-}
-
 /* queue_step_start(stream, side, fork, target, source, bytes, flag, count): the copy of `bytes` from
  * device address `source` into pinned `target`, then the write of `count` into pinned int32 `flag`:
  * a step's start in a few driver calls, a fraction of a torch copy's cost on the H200's host
@@ -92,32 +69,51 @@ PyObject *queue_step_start(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* queue_step_arrival(stream, side, arrive, passed, arrived_flag, ready_flag): a step's wait on
- * `stream` for its rows (ready_flag >= 1), with the write of 1 into arrived_flag beside it and the
- * reset of ready_flag after it, both on `side`, forked at events `arrive` and `passed`: neither on
- * the path of the work queued next on `stream`. queue_step_finish joins `side` again. */
+/* queue_step_fetch(stream, ready_flag, device_target, host_source, bytes): a step's wait on
+ * `stream` until the service thread's host store of 1 into ready_flag, ready_flag's reset to 0
+ * and the copy of `bytes` staged rows and index from pinned `host_source` to device_target. The
+ * wait is released by the host alone, never by other device work: a wait that other queued
+ * device work must release can hang where their streams share one of the device's hardware
+ * queues (docs/RUNTIME.md, "A step in one CUDA graph"). */
+PyObject *queue_step_fetch(PyObject *self, PyObject *args)
+{
+    void *stream, *source;
+    unsigned long long ready_flag, target;
+    Py_ssize_t bytes;
+    if (!PyArg_ParseTuple(args, "O&KKO&n", parse_pointer, &stream, &ready_flag, &target, parse_pointer, &source,
+                          &bytes) || memops_ready() != 0)
+        return NULL;
+    if (bytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "queue_step_fetch: bytes < 0");
+        return NULL;
+    }
+    cuda_result result = wait_value32(stream, ready_flag, 1, 0 /* CU_STREAM_WAIT_VALUE_GEQ */);
+    if (result == 0)
+        result = write_value32(stream, ready_flag, 0, 0);
+    if (result == 0 && bytes > 0)
+        result = cuda.copy_to_device(target, source, (size_t)bytes, stream);
+    if (result != 0)
+        return PyErr_Format(PyExc_RuntimeError, "queueing a step's fetch failed (CUDA error %d)", result);
+    Py_RETURN_NONE;
+}
+
+/* queue_step_arrival(stream, arrival, arrive, arrived_flag): the write of 1 into arrived_flag on
+ * stream `arrival`, forked from `stream` at event `arrive`: it marks the device's arrival at the
+ * PLE layer without holding the work queued next on `stream`. queue_step_finish joins `arrival`. */
 PyObject *queue_step_arrival(PyObject *self, PyObject *args)
 {
-    void *stream, *side, *arrive, *passed;
-    unsigned long long arrived_flag, ready_flag;
-    if (!PyArg_ParseTuple(args, "O&O&O&O&KK", parse_pointer, &stream, parse_pointer, &side, parse_pointer, &arrive,
-                          parse_pointer, &passed, &arrived_flag, &ready_flag) || memops_ready() != 0)
+    void *stream, *arrival, *arrive;
+    unsigned long long arrived_flag;
+    if (!PyArg_ParseTuple(args, "O&O&O&K", parse_pointer, &stream, parse_pointer, &arrival, parse_pointer, &arrive,
+                          &arrived_flag) || memops_ready() != 0)
         return NULL;
     cuda_result result = cuda.event_record(arrive, stream);
     if (result == 0)
-        result = cuda.stream_wait_event(side, arrive, 0);
+        result = cuda.stream_wait_event(arrival, arrive, 0);
     if (result == 0)
-        result = write_value32(side, arrived_flag, 1, 0);
-    if (result == 0)
-        result = wait_value32(stream, ready_flag, 1, 0 /* CU_STREAM_WAIT_VALUE_GEQ */);
-    if (result == 0)
-        result = cuda.event_record(passed, stream);
-    if (result == 0)
-        result = cuda.stream_wait_event(side, passed, 0);
-    if (result == 0)
-        result = write_value32(side, ready_flag, 0, 0);
+        result = write_value32(arrival, arrived_flag, 1, 0);
     if (result != 0)
-        return PyErr_Format(PyExc_RuntimeError, "queueing a step's wait failed (CUDA error %d)", result);
+        return PyErr_Format(PyExc_RuntimeError, "queueing a step's arrival failed (CUDA error %d)", result);
     Py_RETURN_NONE;
 }
 
@@ -217,9 +213,4 @@ PyObject *launch_graph(PyObject *self, PyObject *args)
     if (result != 0)
         return PyErr_Format(PyExc_RuntimeError, "a CUDA graph's launch failed (CUDA error %d)", result);
     Py_RETURN_NONE;
-}
-
-PyObject *stream_wait_value(PyObject *self, PyObject *args)
-{
-    return memop(args, 1);
 }

@@ -7,8 +7,9 @@
  *                   ids buffer (a stream memory operation); the thread takes it and writes 0;
  *   flags[ARRIVED]  the device writes 1 when it reaches the PLE layer, just before it waits: the
  *                   thread, finding it set when the rows are ready, counts the step as late;
- *   flags[READY]    the thread's copy stream writes 1 after the staged rows' copy to the device
- *                   (on the CPU, the thread stores it); the device waits for 1, then writes 0.
+ *   flags[READY]    the thread stores 1 once the step's rows and index are staged in pinned
+ *                   memory; the device waits for 1, writes 0 and copies them (on the CPU the
+ *                   caller waits and resets it).
  * The device writes the request of step n + 1 after its reset of READY for step n, so a step's
  * flags never mix with the next one's.
  *
@@ -20,21 +21,18 @@
  * (an id outside the table, a read that failed or stalled) has its index name the poison row (a
  * tier row whose every value decodes to NaN) at every position, so the device gets no stale or
  * wrong rows;
- * the first error is kept for step_service_error, which the Python side raises. Then the copy of
- * the staged rows and the index (one span of the pinned buffer) and the write of READY, queued on
- * the service's stream. The thread polls REQUEST spinning for SPIN_NS after a step, then sleeping
+ * the first error is kept for step_service_error, which the Python side raises. Then READY. The
+ * thread makes no CUDA call: only its host stores release the device's waits, so no device work
+ * queued by any thread can hold them (runtime/device/steps.py). The thread polls REQUEST spinning for SPIN_NS after a step, then sleeping
  * SLEEP_NS apart, and IDLE_SLEEP_NS apart once idle for IDLE_NS. */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <string.h>
 #include <sys/prctl.h>
-#include <dlfcn.h>
 
 #include "../../core/native/rows.h"
-#include "cuda.h"
 #include "disk_reads.h"
 #include "hostcache.h"
-#include "memops.h"
 #include "pool.h"
 #include "stage.h"
 #include "steps.h"
@@ -55,7 +53,7 @@ typedef struct {
 } step_stats;
 
 /* What failed a step (the first failure since step_service_error took the last). */
-enum { FAILED_NONE, FAILED_ID, FAILED_READ, FAILED_COUNT, FAILED_CONTEXT, FAILED_COPY, FAILED_NO_READER };
+enum { FAILED_NONE, FAILED_ID, FAILED_READ, FAILED_COUNT, FAILED_NO_READER };
 
 typedef struct {
     stage_call *call;
@@ -69,11 +67,9 @@ typedef struct {
     int async_reads;            /* the reader's reads go through native AIO (not one pread at a time) */
     PyObject *cache;            /* the host cache's capsule (held), or NULL */
     int failure;                /* FAILED_*, under stats_lock */
-    long long failure_value;    /* the id, errno (SHORT_READ), count or CUDA error */
+    long long failure_value;    /* the id, errno (SHORT_READ) or count */
     long long failure_offset;   /* the file offset of a failed read */
-    void *context, *stream;
-    unsigned long long device_span; /* 0: no device, the thread stores READY itself */
-    int broken;                      /* the thread cannot use the device's context (step_service checked it) */
+    int device_copies;          /* a device copies each step's span (counted in copied_bytes) */
     _Atomic int stopping;
     int running;
     pthread_t thread;
@@ -126,19 +122,7 @@ static void record_failure(service *server, int kind, long long value, long long
     pthread_mutex_unlock(&server->stats_lock);
 }
 
-/* Queue the span's copy [low, high) and READY = 1 on the service's stream; 0 or a CUDA error. */
-static cuda_result complete_on_device(service *server, size_t low, size_t high)
-{
-    const char *span = server->call->request.out;
-    cuda_result result = 0;
-    if (high > low)
-        result = cuda.copy_to_device(server->device_span + low, span + low, high - low, server->stream);
-    if (result == 0)
-        result = write_value32(server->stream, (unsigned long long)(uintptr_t)&server->flags[READY], 1, 0);
-    return result;
-}
-
-/* One step of `count` ids: staged (or failed: the poison row everywhere), copied, READY. */
+/* One step of `count` ids: staged (or failed: the poison row everywhere), then READY. */
 static void serve(service *server, Py_ssize_t count)
 {
     uint64_t began = monotonic_ns();
@@ -146,11 +130,7 @@ static void serve(service *server, Py_ssize_t count)
     stage_request *request = &call->request;
     Py_ssize_t first, disk = 0, cache_hits = 0, read_ahead_hits = 0;
     int cached = 0;
-    if (server->broken) {
-        record_failure(server, FAILED_CONTEXT, 0, 0);
-        first = -1;
-        count = count < server->capacity ? count : server->capacity;
-    } else if (count <= server->capacity) {
+    if (count <= server->capacity) {
         Py_ssize_t parts = server->threads;
         if (parts > count / server->part_ids)
             parts = count / server->part_ids > 0 ? count / server->part_ids : 1;
@@ -194,7 +174,9 @@ static void serve(service *server, Py_ssize_t count)
             request->index[i] = server->poison_row;
     }
     int late = load_flag(server, ARRIVED) != 0;
-    size_t low = (size_t)first * (size_t)request->row_bytes;
+    /* The device copies the span `count` positions can use: their last `count` staging rows
+     * (disk rows fill the staging rows from their end) through their index. */
+    size_t low = (size_t)(call->out_rows - count) * (size_t)request->row_bytes;
     size_t high = (size_t)((const char *)(request->index + count) - request->out);
     uint64_t took = monotonic_ns() - began;
     pthread_mutex_lock(&server->stats_lock);
@@ -210,31 +192,17 @@ static void serve(service *server, Py_ssize_t count)
     stats->late_steps += late;
     stats->host_ns += took;
     stats->late_host_ns += late ? took : 0;
-    stats->copied_bytes += server->device_span ? high - low : 0;
+    stats->copied_bytes += server->device_copies ? high - low : 0;
     stats->blocks_read = server->reader.blocks_read;
     stats->bytes_read = server->reader.blocks_read * (uint64_t)server->reader.block;
     pthread_mutex_unlock(&server->stats_lock);
-    if (!server->device_span || server->broken) {
-        store_flag(server, READY, 1);
-        return;
-    }
-    cuda_result result = complete_on_device(server, low, high);
-    if (result != 0) {
-        /* Nothing else can release the device: READY from the host (its rows are the last step's). */
-        record_failure(server, FAILED_COPY, result, 0);
-        store_flag(server, READY, 1);
-    }
+    store_flag(server, READY, 1); /* release: the staged span is visible before it */
 }
 
 static void *service_main(void *argument)
 {
     service *server = argument;
     prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); /* its polls sleep SLEEP_NS, not the default 50 us more */
-    if (server->device_span) {
-        /* Relaxed capture mode: another thread's graph capture neither refuses nor is broken by its calls. */
-        int mode = 2;
-        server->broken = cuda.set_context(server->context) != 0 || cuda.exchange_capture_mode(&mode) != 0;
-    }
     for (;;) {
         int32_t count = next_request(server);
         if (count == 0)
@@ -272,26 +240,26 @@ static void service_destroy(PyObject *capsule)
     PyMem_RawFree(server);
 }
 
-/* step_service(flags, disk, poison_row, (threads, part_ids), device, *the arguments of stage) -> service
+/* step_service(flags, disk, poison_row, (threads, part_ids), device_copies, *the arguments of stage) -> service
  * A step's stage is split over up to `threads` threads, parts of at least part_ids ids. `disk`:
  * None (rows not in the page cache fail their step) or (fd, data_offset, file_end, page_size,
  * depth, timeout, cache, aio_asynchronous) for disk_reads.c (a read wait of `timeout` seconds with
  * no progress fails the step; `cache`: a host cache of hostcache_new for the table's rows, or None;
  * `aio_asynchronous`: the file system is known to serve native AIO asynchronously, no probe), the
  * descriptor held open by the caller until the service is stopped.
- * `device`: None (the thread stores READY) or (context, stream, span_address): the device address
- * of `out`'s first byte, the staged rows and index following it as in the pinned buffer. */
+ * `device_copies`: a device copies each step's span from the pinned buffer (counted in copied_bytes). */
 PyObject *step_service(PyObject *self, PyObject *args)
 {
     if (PyTuple_GET_SIZE(args) < 5) {
         PyErr_SetString(PyExc_TypeError,
-                        "step_service(flags, disk, poison_row, (threads, part_ids), device, *stage arguments)");
+                        "step_service(flags, disk, poison_row, (threads, part_ids), device_copies, *stage arguments)");
         return NULL;
     }
-    PyObject *disk = PyTuple_GET_ITEM(args, 1), *device = PyTuple_GET_ITEM(args, 4);
+    PyObject *disk = PyTuple_GET_ITEM(args, 1);
+    int device_copies = PyObject_IsTrue(PyTuple_GET_ITEM(args, 4));
     long poison_row = PyLong_AsLong(PyTuple_GET_ITEM(args, 2));
     Py_ssize_t threads, part_ids;
-    if (PyErr_Occurred() || !PyArg_ParseTuple(PyTuple_GET_ITEM(args, 3), "nn;threads must be (threads, part_ids)",
+    if (device_copies < 0 || PyErr_Occurred() || !PyArg_ParseTuple(PyTuple_GET_ITEM(args, 3), "nn;threads must be (threads, part_ids)",
                                               &threads, &part_ids))
         return NULL;
     int fd = -1, depth = 0, aio_asynchronous = 0;
@@ -307,21 +275,6 @@ PyObject *step_service(PyObject *self, PyObject *args)
     host_cache *rows_cache = cache == Py_None ? NULL : host_cache_of(cache);
     if (cache != Py_None && !rows_cache)
         return NULL;
-    void *context = NULL, *stream = NULL;
-    unsigned long long span = 0;
-    if (device != Py_None
-        && (!PyArg_ParseTuple(device, "O&O&K;device must be (context, stream, span_address)", parse_pointer,
-                              &context, parse_pointer, &stream, &span)
-            || memops_ready() != 0))
-        return NULL;
-    if (device != Py_None) {
-        void *previous = NULL;
-        cuda_result result = enter_context(context, &previous);
-        if (result != 0)
-            return PyErr_Format(PyExc_RuntimeError, "step_service: the CUDA context cannot be made current (CUDA "
-                                "error %d)", result);
-        leave_context(context, previous);
-    }
     service *server = PyMem_RawCalloc(1, sizeof(service));
     if (!server)
         return PyErr_NoMemory();
@@ -373,9 +326,7 @@ PyObject *step_service(PyObject *self, PyObject *args)
             server->cache = cache;
         }
     }
-    server->context = context;
-    server->stream = stream;
-    server->device_span = span;
+    server->device_copies = device_copies;
     pthread_mutex_init(&server->stats_lock, NULL);
     PyObject *capsule = PyCapsule_New(server, SERVICE_CAPSULE, service_destroy);
     if (!capsule) {
@@ -435,7 +386,7 @@ PyObject *step_service_stats(PyObject *self, PyObject *args)
 
 /* step_service_error(service, take) -> None or (kind, value, offset): the first failure since the
  * last taken (kinds: "id" the id, "read" errno, -1 for a short read or -2 for a stalled disk, and the offset, "count",
- * "context", "copy" the CUDA error, "no_reader"); with `take`, cleared. */
+ * "no_reader"); with `take`, cleared. */
 PyObject *step_service_error(PyObject *self, PyObject *args)
 {
     PyObject *capsule;
@@ -445,7 +396,7 @@ PyObject *step_service_error(PyObject *self, PyObject *args)
     service *server = PyCapsule_GetPointer(capsule, SERVICE_CAPSULE);
     if (!server)
         return NULL;
-    static const char *kinds[] = {"none", "id", "read", "count", "context", "copy", "no_reader"};
+    static const char *kinds[] = {"none", "id", "read", "count", "no_reader"};
     pthread_mutex_lock(&server->stats_lock);
     int kind = server->failure;
     long long value = server->failure_value, offset = server->failure_offset;

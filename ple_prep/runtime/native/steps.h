@@ -9,9 +9,8 @@ PyObject *step_service(PyObject *self, PyObject *args);
 PyObject *step_service_stop(PyObject *self, PyObject *args);
 PyObject *step_service_stats(PyObject *self, PyObject *args);
 PyObject *step_service_error(PyObject *self, PyObject *args);
-PyObject *stream_write_value(PyObject *self, PyObject *args);
-PyObject *stream_wait_value(PyObject *self, PyObject *args);
 PyObject *queue_step_start(PyObject *self, PyObject *args);
+PyObject *queue_step_fetch(PyObject *self, PyObject *args);
 PyObject *queue_step_arrival(PyObject *self, PyObject *args);
 PyObject *queue_step_finish(PyObject *self, PyObject *args);
 PyObject *step_handles(PyObject *self, PyObject *args);
@@ -24,10 +23,9 @@ PyObject *launch_graph(PyObject *self, PyObject *args);
     {"step_service_stop", step_service_stop, METH_VARARGS, "Stop and join a step service's thread."}, \
     {"step_service_stats", step_service_stats, METH_VARARGS, "A step service's counters since its start."}, \
     {"step_service_error", step_service_error, METH_VARARGS, "A step service's first failure since the last."}, \
-    {"stream_write_value", stream_write_value, METH_VARARGS, "cuStreamWriteValue32 on a stream (captured too)."}, \
-    {"stream_wait_value", stream_wait_value, METH_VARARGS, "cuStreamWaitValue32 (>=) on a stream (captured too)."}, \
     {"queue_step_start", queue_step_start, METH_VARARGS, "A step's ids copy to pinned memory and its request."}, \
-    {"queue_step_arrival", queue_step_arrival, METH_VARARGS, "A step's wait for its rows, its flags beside it."}, \
+    {"queue_step_fetch", queue_step_fetch, METH_VARARGS, "A step's wait for its staged rows, then their copy."}, \
+    {"queue_step_arrival", queue_step_arrival, METH_VARARGS, "A step's arrival at the PLE layer, marked beside."}, \
     {"queue_step_finish", queue_step_finish, METH_VARARGS, "A step's side stream joined to the caller's."}, \
     {"step_handles", step_handles, METH_VARARGS, "A step lookup's own CUDA streams and events."}, \
     {"drop_handles", drop_handles, METH_VARARGS, "step_handles' streams and events destroyed."}, \
