@@ -48,19 +48,18 @@ class GraphCache:
         self._launchable = launchable
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.execs: dict[int, int] = {}
-        self._small_outputs: dict[int, torch.Tensor] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
 
     def size_for(self, count: int) -> int:
         """The positions of the graph an eager finish of `count` positions replays."""
         return min(self._buffers.capacity, max(GRAPH_MIN_IDS, 1 << (count - 1).bit_length()))
 
     def output_view(self, count: int) -> torch.Tensor:
-        """output[:count]; for a small request (a decode step's, every step) made once."""
-        if count > INLINE_IDS:
-            return self._buffers.output[:count]
-        view = self._small_outputs.get(count)
+        """output[:count], made once per count (a slice costs a finish's host more than its launch;
+        at most `capacity` small views)."""
+        view = self._outputs.get(count)
         if view is None:
-            view = self._small_outputs[count] = self._buffers.output[:count]
+            view = self._outputs[count] = self._buffers.output[:count]
         return view
 
     def capture(self, size: int, with_copy: bool, stream) -> torch.cuda.CUDAGraph:

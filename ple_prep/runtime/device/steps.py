@@ -20,22 +20,18 @@ start queues the fetch too, on a side stream forked from the current one (so it 
 work between start and finish, decoder layer 0), and finish joins it; else (a piecewise graph may
 end between start and finish, and a capture may not end with a side stream unjoined) start queues
 only the request on the current stream and finish queues the fetch there. `finish` then queues the
-index and decode into `output`; the write marking the device's arrival (ARRIVED) goes on a stream
-of its own forked beside them (each stream memory operation on the current stream holds the work
-behind it: BENCHMARKS.md, "Serving inside vLLM's CUDA graphs"). Only the thread's host store
-releases a wait: a device wait that other queued device work must release can hang where the
-streams share one of the device's hardware queues (docs/RUNTIME.md, "A step in one CUDA graph").
-Nothing in either call waits on the host, and neither depends on the host's state of the step, so
-the same calls run eagerly, inside breakable piecewise graphs and inside one FULL graph replayed
-with new ids every step: the device does the same work each time, the thread does the host work
-each time it is asked. If the thread is late the device waits at the fetch only. A failed step's positions
-read a poison row, which decodes to NaN everywhere, never a stale or a wrong row; the error is kept
-for `check` (called by the next `start`; `pending_error` reads it without taking it). On the CPU
-the host does the device's part (the flags are stored and waited for by the caller), through the
-same thread. Disk-tier rows not in the page cache come from the table's host cache where it holds
-them (runtime/hostcache.py, shared with the thread under the cache's own lock, never the GIL), the
-others are read from the file and admitted into it; `Table.read_ahead` fills that same cache, so a
-prompt's later chunks read ahead are served from memory (docs/RUNTIME.md, "Host cache and read-ahead").
+index and decode into `output`, the write marking the device's arrival (ARRIVED) beside them on a
+stream of its own (a stream memory operation on the current stream holds the work behind it).
+Only the thread's host store releases a wait (docs/RUNTIME.md, "A step in one CUDA graph", why).
+Neither call waits on the host or depends on the host's state of the step, so the same calls run
+eagerly, inside breakable piecewise graphs and inside one FULL graph replayed with new ids every
+step. If the thread is late the device waits at the fetch only. A failed step's positions read a
+poison row, which decodes to NaN everywhere, never a stale or a wrong row; the error is kept for
+`check` (called by the next `start`; `pending_error` reads it without taking it). On the CPU the
+host does the device's part (the caller stores and waits for the flags), through the same thread.
+Disk-tier rows not in the page cache come from the table's host cache (runtime/hostcache.py, under
+its own lock, never the GIL), the others are read from the file and admitted into it, which
+`Table.read_ahead` fills too (docs/RUNTIME.md, "Host cache and read-ahead").
 A step whose reads make no progress for `read_timeout` fails (ReadTimeout at `check`); the thread
 abandons the stuck reads with their buffer and serves the next step (docs/RELIABILITY.md, section 10).
 """
@@ -66,7 +62,7 @@ except ImportError:  # built only where a C compiler was there at install (setup
     _native = None
 
 # The flags' words (runtime/native/steps.c), a cache line apart.
-REQUEST, ARRIVED, READY, FLAG_WORDS = 0, 16, 32, 48
+REQUEST, ARRIVED, READY, FAILED, FLAG_WORDS = 0, 16, 32, 48, 64
 # On the CPU `finish` waits for the thread at most this long before it gives up on the step.
 HOST_WAIT_SECONDS = 120.0
 # Cold reads the service thread keeps in flight (O_DIRECT, native AIO), as the runtime's DirectReader
@@ -131,6 +127,8 @@ class StepLookup:
         self._flags_array = self._flags.numpy()
         self._started: int | None = None
         self._started_beside = False  # the last start's copy went on the side stream
+        self._held_ids: torch.Tensor | None = None
+        self._device_index = self.device.index if self.device.type == "cuda" else -1
         # An eager finish's device half, as CUDA graphs by size (GraphCache keeps them), launched
         # through their exec handles.
         self._graphs = GraphCache(buffers, self.device, self._device_half_here, False)
@@ -145,10 +143,7 @@ class StepLookup:
             # arrival's write (finish); events: start's fork, finish's arrival, the joins of each.
             (self._side, self._arrival), events = _native.step_handles(self._context, 2, 4)
             self._fork, self._done, self._arrive, self._arrived = events
-            handles = (self._context, (self._arrival,), events)  # destroyed with the service
-            # The side stream, for the allocator (ids.record_stream): kept for the process's life,
-            # as the allocator records on it whenever the caller frees those ids.
-            self._side_stream = torch.cuda.ExternalStream(self._side, device=self.device)
+            handles = (self._context, (self._side, self._arrival), events)  # destroyed with the service
             # The caller's current stream as a raw handle: a torch Stream object costs more to build
             # than the driver calls start and finish queue on it.
             self._current_stream = raw_stream_of(torch, self.device.index)
@@ -187,10 +182,11 @@ class StepLookup:
         `finish_in_same_graph`: during a capture, the caller's finish is captured in the same CUDA
         graph (a FULL graph), so start's copy may run beside the work between them; outside a
         capture it always does."""
-        self.check()
-        if ids.device != self.device:
+        if self._flags_array[FAILED]:  # the thread kept a failure: a word read, not a call per step
+            self.check()
+        if ids.get_device() != self._device_index:
             raise ValueError(f"ids on {ids.device}, this lookup serves {self.device}")
-        if ids.dtype != torch.int64:
+        if ids.dtype is not torch.int64:
             raise TypeError(f"row ids must be int64, not {ids.dtype}")
         if self._started is not None:
             raise RuntimeError("start() called again before finish() or drop() of the previous start()")
@@ -204,16 +200,16 @@ class StepLookup:
             return
         if not ids.is_contiguous():  # read in row-major order, as the CPU's reshape does
             ids = ids.contiguous()
-        side = 0
-        if finish_in_same_graph or not torch.cuda.is_current_stream_capturing():
-            side = self._side
-            ids.record_stream(self._side_stream)  # the allocator must not hand its memory out before the copy
-        self._started_beside = bool(side)
-        stream = self._current_stream()
-        _native.queue_step_start(stream, side, self._fork, self._ids_address, ids.data_ptr(),
-                                 8 * count, self._flag_address + 4 * REQUEST, count)
-        if side:
-            self._queue_fetch(side, count)
+        # Held until finish has joined the copy to the caller's stream, so the allocator cannot hand
+        # their memory to that stream's work before (ids.record_stream costs more than the calls).
+        self._held_ids = ids
+        low, high = self.buffers.span_of(count, count)
+        # Beside the caller's work outside a capture, and in a capture whose graph holds the finish
+        # (the compiled helper asks the driver whether the stream is being captured).
+        self._started_beside = _native.queue_step_start(
+            self._current_stream(), self._side, self._fork, self._ids_address, ids.data_ptr(), 8 * count,
+            self._flag_address + 4 * REQUEST, count, finish_in_same_graph, self._flag_address + 4 * READY,
+            self._span_device + low, self._span_host + low, high - low)
 
     def _queue_fetch(self, stream: int, count: int) -> None:
         """Queue on `stream` the wait for the staged rows of `count` ids, READY's reset, their span's copy."""
@@ -236,33 +232,32 @@ class StepLookup:
             self.check()
             return self._index_and_decode(count)
         stream = self._current_stream()
-        self._join_fetch(stream, started)
-        if torch.cuda.is_current_stream_capturing():
-            return self._device_half(count, stream)
         size = self._graphs.size_for(count)
-        launch = self._graph_execs.get(size)
-        if launch is None:
-            graph = self._graphs.capture(size, False, torch.cuda.current_stream(self.device))
-            launch = self._graph_execs[size] = graph_exec(graph) or 0
-        if launch:
-            _native.launch_graph(launch, stream)
-        else:  # a torch without graph exec handles
-            self._graphs.graphs[(size, False)].replay()
-        return self._graphs.output_view(count)
-
-    def _join_fetch(self, stream: int, started: int) -> None:
-        """`stream` waits for the last start's fetch: the side stream joined, or the fetch queued here."""
-        if self._started_beside:
-            _native.queue_step_finish(stream, self._side, self._done)
+        launch = self._graph_execs.get(size, 0) if self._started_beside else 0
+        self._held_ids = None
+        if self._started_beside:  # the side stream joined, and outside a capture the graph launched
+            capturing = _native.queue_step_finish(stream, self._side, self._done, launch)
         else:
+            capturing = torch.cuda.is_current_stream_capturing()
             self._queue_fetch(stream, started)
+        if capturing:
+            return self._device_half(count, stream)
+        if not launch:
+            if size not in self._graph_execs:  # captured once per size, then launched by handle
+                graph = self._graphs.capture(size, False, torch.cuda.current_stream(self.device))
+                self._graph_execs[size] = graph_exec(graph) or 0
+            if self._graph_execs[size]:
+                _native.launch_graph(self._graph_execs[size], stream)
+            else:  # a torch without graph exec handles
+                self._graphs.graphs[(size, False)].replay()
+        return self._graphs.output_view(count)
 
     def _device_half(self, count: int, stream: int) -> torch.Tensor:
         """The index and decode of the fetched rows, queued on `stream` (the current one); the
         device's arrival marked beside them on the arrival stream, joined after."""
         _native.queue_step_arrival(stream, self._arrival, self._arrive, self._flag_address + 4 * ARRIVED)
         values = self._index_and_decode(count)
-        _native.queue_step_finish(stream, self._arrival, self._arrived)
+        _native.queue_step_finish(stream, self._arrival, self._arrived, 0)
         return values
 
     def _device_half_here(self, count: int) -> torch.Tensor:
@@ -291,7 +286,12 @@ class StepLookup:
             self._wait_on_host()
             _native.step_service_error(self._service, True)
             return
-        self._join_fetch(self._current_stream(), started)
+        stream = self._current_stream()
+        if self._started_beside:
+            _native.queue_step_finish(stream, self._side, self._done, 0)
+        else:
+            self._queue_fetch(stream, started)
+        self._held_ids = None
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         self.start(ids)

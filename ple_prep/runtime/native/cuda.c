@@ -32,6 +32,7 @@ static void load_cuda(void)
         {(void **)&cuda.event_record, "cuEventRecord"},
         {(void **)&cuda.event_synchronize, "cuEventSynchronize"},
         {(void **)&cuda.graph_launch, "cuGraphLaunch"},
+        {(void **)&cuda.stream_is_capturing, "cuStreamIsCapturing"},
         {(void **)&cuda.get_error_name, "cuGetErrorName"},
     };
     for (size_t k = 0; k < sizeof(symbols) / sizeof(symbols[0]); k++)

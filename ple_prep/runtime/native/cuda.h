@@ -25,6 +25,7 @@ typedef struct {
     cuda_result (*event_record)(void *, void *);
     cuda_result (*event_synchronize)(void *);
     cuda_result (*graph_launch)(void *, void *);
+    cuda_result (*stream_is_capturing)(void *, int *);
     cuda_result (*get_error_name)(cuda_result, const char **);
 } cuda_driver;
 extern cuda_driver cuda;

@@ -34,47 +34,76 @@ int memops_ready(void)
     return -1;
 }
 
-/* queue_step_start(stream, side, fork, target, source, bytes, flag, count): the copy of `bytes` from
- * device address `source` into pinned `target`, then the write of `count` into pinned int32 `flag`:
- * a step's start in a few driver calls, a fraction of a torch copy's cost on the H200's host
- * (BENCHMARKS.md). On `stream` (captured where it captures), or, with a `side` stream, there after
- * a record of event `fork` on `stream`: beside the caller's work that follows on `stream` (joined
- * again by queue_step_finish's `done`). */
+/* The wait until the service thread's host store of 1 into ready_flag, its reset to 0 and the copy
+ * of `bytes` staged rows and index from pinned `source` to device `target`, on `stream`. The wait
+ * is released by the host alone, never by other device work: a wait that other queued device work
+ * must release can hang where their streams share one of the device's hardware queues
+ * (docs/RUNTIME.md, "A step in one CUDA graph"). */
+static cuda_result queue_fetch(void *stream, unsigned long long ready_flag, unsigned long long target,
+                               const void *source, Py_ssize_t bytes)
+{
+    cuda_result result = wait_value32(stream, ready_flag, 1, 0 /* CU_STREAM_WAIT_VALUE_GEQ */);
+    if (result == 0)
+        result = write_value32(stream, ready_flag, 0, 0);
+    if (result == 0 && bytes > 0)
+        result = cuda.copy_to_device(target, source, (size_t)bytes, stream);
+    return result;
+}
+
+/* Whether `stream` is being captured (an invalidated capture counts: its calls fail there). */
+static cuda_result capturing(void *stream, int *status)
+{
+    cuda_result result = cuda.stream_is_capturing(stream, status);
+    *status = *status != 0;
+    return result;
+}
+
+/* queue_step_start(stream, side, fork, target, source, bytes, flag, count, beside_in_capture,
+ * ready_flag, span_target, span_source, span_bytes) -> whether it went beside: a step's start in
+ * one call of the helper, a fraction of torch calls' cost on the H200's host (BENCHMARKS.md). The
+ * copy of `bytes` from device address `source` into pinned `target` and the write of `count` into
+ * pinned int32 `flag` (the request). Where `stream` is not being captured, or is and
+ * `beside_in_capture` (the finish comes in the same graph), they go on `side` after a record of
+ * event `fork` on `stream` (beside the caller's work that follows on `stream`; joined again by
+ * queue_step_finish's `done`), followed there by the fetch of `span_bytes` from pinned span_source
+ * to span_target; else on `stream`, and the finish queues the fetch (queue_step_fetch). */
 PyObject *queue_step_start(PyObject *self, PyObject *args)
 {
-    void *stream, *side, *fork, *target;
-    unsigned long long source, flag;
-    Py_ssize_t bytes;
+    void *stream, *side, *fork, *target, *span_source;
+    unsigned long long source, flag, ready_flag, span_target;
+    Py_ssize_t bytes, span_bytes;
     unsigned int count;
-    if (!PyArg_ParseTuple(args, "O&O&O&O&KnKI", parse_pointer, &stream, parse_pointer, &side, parse_pointer, &fork,
-                          parse_pointer, &target, &source, &bytes, &flag, &count) || memops_ready() != 0)
+    int beside_in_capture, beside = 0;
+    if (!PyArg_ParseTuple(args, "O&O&O&O&KnKIpKKO&n", parse_pointer, &stream, parse_pointer, &side, parse_pointer,
+                          &fork, parse_pointer, &target, &source, &bytes, &flag, &count, &beside_in_capture,
+                          &ready_flag, &span_target, parse_pointer, &span_source, &span_bytes)
+        || memops_ready() != 0)
         return NULL;
-    if (bytes < 0) {
+    if (bytes < 0 || span_bytes < 0) {
         PyErr_SetString(PyExc_ValueError, "queue_step_start: bytes < 0");
         return NULL;
     }
-    cuda_result result = 0;
-    if (side) {
+    cuda_result result = capturing(stream, &beside);
+    beside = !beside || beside_in_capture;
+    void *on = stream;
+    if (result == 0 && beside) {
         result = cuda.event_record(fork, stream);
         if (result == 0)
             result = cuda.stream_wait_event(side, fork, 0);
-        stream = side;
+        on = side;
     }
     if (result == 0)
-        result = cuda.copy_to_host(target, source, (size_t)bytes, stream);
+        result = cuda.copy_to_host(target, source, (size_t)bytes, on);
     if (result == 0)
-        result = write_value32(stream, flag, count, 0);
+        result = write_value32(on, flag, count, 0);
+    if (result == 0 && beside)
+        result = queue_fetch(side, ready_flag, span_target, span_source, span_bytes);
     if (result != 0)
         return PyErr_Format(PyExc_RuntimeError, "queueing a step's start failed (CUDA error %d)", result);
-    Py_RETURN_NONE;
+    return PyBool_FromLong(beside);
 }
 
-/* queue_step_fetch(stream, ready_flag, device_target, host_source, bytes): a step's wait on
- * `stream` until the service thread's host store of 1 into ready_flag, ready_flag's reset to 0
- * and the copy of `bytes` staged rows and index from pinned `host_source` to device_target. The
- * wait is released by the host alone, never by other device work: a wait that other queued
- * device work must release can hang where their streams share one of the device's hardware
- * queues (docs/RUNTIME.md, "A step in one CUDA graph"). */
+/* queue_step_fetch(stream, ready_flag, target, source, bytes): the fetch above, on `stream`. */
 PyObject *queue_step_fetch(PyObject *self, PyObject *args)
 {
     void *stream, *source;
@@ -87,11 +116,7 @@ PyObject *queue_step_fetch(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "queue_step_fetch: bytes < 0");
         return NULL;
     }
-    cuda_result result = wait_value32(stream, ready_flag, 1, 0 /* CU_STREAM_WAIT_VALUE_GEQ */);
-    if (result == 0)
-        result = write_value32(stream, ready_flag, 0, 0);
-    if (result == 0 && bytes > 0)
-        result = cuda.copy_to_device(target, source, (size_t)bytes, stream);
+    cuda_result result = queue_fetch(stream, ready_flag, target, source, bytes);
     if (result != 0)
         return PyErr_Format(PyExc_RuntimeError, "queueing a step's fetch failed (CUDA error %d)", result);
     Py_RETURN_NONE;
@@ -117,20 +142,27 @@ PyObject *queue_step_arrival(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* queue_step_finish(stream, side, done): `stream` waits for everything queued on `side` so far (a
- * record of event `done` there): a capture may not end with a side stream unjoined. */
+/* queue_step_finish(stream, side, done, graph) -> whether `stream` is being captured: `stream`
+ * waits for everything queued on `side` so far (a record of event `done` there; a capture may not
+ * end with a side stream unjoined), then, where it is not captured and `graph` is not 0, launches
+ * that graph exec on it (an eager finish's device half in one call). */
 PyObject *queue_step_finish(PyObject *self, PyObject *args)
 {
-    void *stream, *side, *done;
-    if (!PyArg_ParseTuple(args, "O&O&O&", parse_pointer, &stream, parse_pointer, &side, parse_pointer, &done)
-        || cuda_ready() != 0)
+    void *stream, *side, *done, *graph;
+    int captured = 0;
+    if (!PyArg_ParseTuple(args, "O&O&O&O&", parse_pointer, &stream, parse_pointer, &side, parse_pointer, &done,
+                          parse_pointer, &graph) || cuda_ready() != 0)
         return NULL;
     cuda_result result = cuda.event_record(done, side);
     if (result == 0)
         result = cuda.stream_wait_event(stream, done, 0);
+    if (result == 0)
+        result = capturing(stream, &captured);
+    if (result == 0 && graph && !captured)
+        result = cuda.graph_launch(graph, stream);
     if (result != 0)
         return PyErr_Format(PyExc_RuntimeError, "joining a step's side stream failed (CUDA error %d)", result);
-    Py_RETURN_NONE;
+    return PyBool_FromLong(captured);
 }
 
 /* The streams (handles[0]) and events (handles[1]) the two tuples hold as ints destroyed (the

@@ -10,6 +10,8 @@
  *   flags[READY]    the thread stores 1 once the step's rows and index are staged in pinned
  *                   memory; the device waits for 1, writes 0 and copies them (on the CPU the
  *                   caller waits and resets it).
+ *   flags[FAILED]   the thread stores 1 when it keeps a failure, step_service_error's take stores
+ *                   0: the caller's start reads it before it asks for the failure.
  * The device writes the request of step n + 1 after its reset of READY for step n, so a step's
  * flags never mix with the next one's.
  *
@@ -40,7 +42,8 @@
 #define REQUEST 0
 #define ARRIVED 16
 #define READY 32
-#define FLAG_WORDS 48
+#define FAILED 48
+#define FLAG_WORDS 64
 #define SPIN_NS 200000
 #define SLEEP_NS 20000
 #define IDLE_NS 100000000
@@ -118,6 +121,7 @@ static void record_failure(service *server, int kind, long long value, long long
         server->failure = kind;
         server->failure_value = value;
         server->failure_offset = offset;
+        store_flag(server, FAILED, 1);
     }
     pthread_mutex_unlock(&server->stats_lock);
 }
@@ -286,7 +290,7 @@ PyObject *step_service(PyObject *self, PyObject *args)
     stage_call *call = stage_args ? new_stage_call(stage_args) : NULL;
     Py_XDECREF(stage_args);
     const char *refused = !call ? NULL
-        : server->flags_view.len < FLAG_WORDS * (Py_ssize_t)sizeof(int32_t) ? "step_service: flags must be 48 int32"
+        : server->flags_view.len < FLAG_WORDS * (Py_ssize_t)sizeof(int32_t) ? "step_service: flags must be 64 int32"
         : (const char *)call->request.index < call->request.out + call->out_rows * call->request.row_bytes
             ? "step_service: index must follow out in one buffer"
         : poison_row < 0 || poison_row >= call->request.num_resident + call->out_rows
@@ -400,8 +404,10 @@ PyObject *step_service_error(PyObject *self, PyObject *args)
     pthread_mutex_lock(&server->stats_lock);
     int kind = server->failure;
     long long value = server->failure_value, offset = server->failure_offset;
-    if (take)
+    if (take && kind != FAILED_NONE) {
         server->failure = FAILED_NONE;
+        store_flag(server, FAILED, 0);
+    }
     pthread_mutex_unlock(&server->stats_lock);
     if (kind == FAILED_NONE)
         Py_RETURN_NONE;
