@@ -335,6 +335,39 @@ def test_graph_replays_queued_back_to_back_with_the_host_ahead_serve_every_step(
 
 
 @needs_cuda
+def test_eager_cold_steps_beside_busy_streams_never_wait_on_other_device_work(table, tmp_path):
+    """Back-to-back eager steps whose rows the thread reads from the drive while 32 other streams (more
+    than the device's hardware queues) hold queued work: only the thread's host store releases a step's
+    wait, so no step can sit behind a copy queued after it on a shared queue (docs/RUNTIME.md)."""
+    copy = tmp_path / table.path.name
+    shutil.copy(table.path, copy)
+    shutil.copy(manifest_path(table.path), manifest_path(copy))
+    busy = [torch.cuda.Stream() for _ in range(32)]
+    with open_table(copy, read_path="direct", host_cache_bytes=0) as cold:
+        lookup = steps.StepLookup(cold, device="cuda", resident_bytes=0, max_ids=64 * 16)
+        try:
+            requests = [token_ids(table, 1 + seed % 4, seed).reshape(-1) for seed in range(60)]
+            outputs = []
+            evict(copy)
+            for k, request in enumerate(requests):
+                with torch.cuda.stream(busy[k % len(busy)]):
+                    torch.cuda._sleep(200_000)
+                lookup.start(torch.from_numpy(request).cuda())
+                outputs.append(lookup.finish().clone())
+            done = torch.cuda.Event()
+            done.record()
+            deadline = time.monotonic() + 60
+            while not done.query():
+                assert time.monotonic() < deadline, "eager steps did not finish: a wait was never released"
+                time.sleep(0.01)
+            for request, values in zip(requests, outputs):
+                assert np.array_equal(bits(values), expected_bits(table, request))
+            lookup.check()
+        finally:
+            lookup.close()
+
+
+@needs_cuda
 def test_a_collection_due_during_an_eager_finish_s_capture_waits_until_after_it(table, monkeypatch):
     """The first eager finish of a size captures its device half; a CUDA graph left in a reference
     cycle and collected during that capture would end it with an error (a graph may not be destroyed
