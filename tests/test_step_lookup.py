@@ -28,6 +28,16 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+def wait_for_queued_work(failure: str, seconds: float = 60) -> None:
+    """Polled, not synchronized: a hang fails the test with `failure` instead of holding it."""
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.monotonic() + seconds
+    while not done.query():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.01)
+
+
 @pytest.fixture(scope="module", params=["fp8_checkpoint", "bf16_checkpoint", "nvfp4_checkpoint"])
 def table(request, tmp_path_factory, converted_table):
     checkpoint = request.getfixturevalue(request.param)
@@ -320,12 +330,7 @@ def test_graph_replays_queued_back_to_back_with_the_host_ahead_serve_every_step(
         poison(lookup)
         for _ in requests:
             graph.replay()
-        done = torch.cuda.Event()
-        done.record()
-        deadline = time.monotonic() + 60
-        while not done.query():
-            assert time.monotonic() < deadline, "queued replays did not finish: a step's flags were lost"
-            time.sleep(0.01)
+        wait_for_queued_work("queued replays did not finish: a step's flags were lost")
         for k, request in enumerate(requests):
             assert np.array_equal(bits(history[k]), expected_bits(table, request)), k
         lookup.check()
@@ -354,12 +359,7 @@ def test_eager_cold_steps_beside_busy_streams_never_wait_on_other_device_work(ta
                     torch.cuda._sleep(200_000)
                 lookup.start(torch.from_numpy(request).cuda())
                 outputs.append(lookup.finish().clone())
-            done = torch.cuda.Event()
-            done.record()
-            deadline = time.monotonic() + 60
-            while not done.query():
-                assert time.monotonic() < deadline, "eager steps did not finish: a wait was never released"
-                time.sleep(0.01)
+            wait_for_queued_work("eager steps did not finish: a wait was never released")
             for request, values in zip(requests, outputs):
                 assert np.array_equal(bits(values), expected_bits(table, request))
             lookup.check()
