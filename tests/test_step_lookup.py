@@ -156,6 +156,23 @@ def test_an_id_outside_the_table_fails_its_step_naming_the_id_and_the_next_step_
         lookup.close()
 
 
+@needs_cuda
+def test_the_start_after_a_failed_step_raises_its_cause_and_the_next_start_is_served(table):
+    lookup = steps.StepLookup(table, device="cuda", resident_bytes=1000 * table.row_bytes, max_ids=64 * 16)
+    try:
+        ids = token_ids(table, 2, 3).reshape(-1).copy()
+        ids[0] = table.num_rows + 3
+        lookup.start(torch.from_numpy(ids).cuda())
+        lookup.finish()
+        torch.cuda.synchronize()
+        good = token_ids(table, 3, 4)
+        with pytest.raises(IndexError, match=f"row id {table.num_rows + 3} is outside"):
+            lookup.start(torch.from_numpy(good.reshape(-1)).cuda())
+        assert np.array_equal(bits(serve(lookup, good)), expected_bits(table, good))
+    finally:
+        lookup.close()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_an_io_error_fails_its_step_and_the_next_step_is_served(table, device, tmp_path):
     """A truncated copy: the direct read of a row past its end fails; rows before it still serve."""

@@ -5,8 +5,9 @@
  * Three int32 words in pinned memory, a cache line apart, carry a step:
  *   flags[REQUEST]  the device writes the step's id count after copying its ids into the pinned
  *                   ids buffer (a stream memory operation); the thread takes it and writes 0;
- *   flags[ARRIVED]  the device writes 1 when it reaches the PLE layer, just before it waits: the
- *                   thread, finding it set when the rows are ready, counts the step as late;
+ *   flags[ARRIVED]  the device writes 1 when it reaches the step's finish (beside its wait for
+ *                   the fetch): the thread, finding it set when the rows are ready, counts the
+ *                   step as late;
  *   flags[READY]    the thread stores 1 once the step's rows and index are staged in pinned
  *                   memory; the device waits for 1, writes 0 and copies them (on the CPU the
  *                   caller waits and resets it).
@@ -25,8 +26,9 @@
  * wrong rows;
  * the first error is kept for step_service_error, which the Python side raises. Then READY. The
  * thread makes no CUDA call: only its host stores release the device's waits, so no device work
- * queued by any thread can hold them (runtime/device/steps.py). The thread polls REQUEST spinning for SPIN_NS after a step, then sleeping
- * SLEEP_NS apart, and IDLE_SLEEP_NS apart once idle for IDLE_NS. */
+ * queued by any thread can hold them (runtime/device/steps.py). The thread polls REQUEST spinning
+ * for SPIN_NS after a step, then sleeping SLEEP_NS apart, and IDLE_SLEEP_NS apart once idle for
+ * IDLE_NS. */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <string.h>
