@@ -45,7 +45,9 @@ def test_convert_planned_while_hashing_writes_the_same_table(fp8_checkpoint, tmp
                                                   source.num_rows))
         given = convert(source, tmp_path / "given.bin", layout=layout)
         rows = source.read_rows(0, source.num_rows)
-        steps = -(-source.num_rows // 7) if head_steps is None else head_steps
+        # The hasher reads no more rows than the page cache may keep.
+        steps = min(-(-source.num_rows // 7) if head_steps is None else head_steps,
+                    -(-source.num_rows // 7) if cached_steps is None else cached_steps)
         reads, enough = [0], threading.Event()
 
         def counted(read):
@@ -58,7 +60,7 @@ def test_convert_planned_while_hashing_writes_the_same_table(fp8_checkpoint, tmp
                 return out
             return counting
 
-        # Rows left in the page cache are read through the source, the others with DirectRows.
+        # Rows the hasher left in the page cache are read through the source, the others with DirectRows.
         monkeypatch.setattr(DirectRows, "read", counted(DirectRows.read))
         monkeypatch.setattr(type(source), "read_rows", counted(type(source).read_rows))
 

@@ -9,6 +9,7 @@ page cache and the write is retried.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -40,6 +41,23 @@ def set_direct(descriptor: int, direct: bool) -> bool:
     except OSError:
         return False
     return True
+
+
+def preallocate(descriptor: int, nbytes: int) -> None:
+    """Give the file its first `nbytes` of blocks up front (Linux fallocate, mode 0), where the
+    filesystem can: O_DIRECT writes into a hole allocate as they go, which on the 2-core VM's disk
+    took 16 MiB writes beside 8 MiB reads from 787-948 MB/s (into allocated blocks) down to 177-486
+    MB/s (fio, depth 2 each). A full disk raises; elsewhere nothing is done (no zeros are written,
+    as posix_fallocate's fallback would)."""
+    try:
+        fallocate = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return
+    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if fallocate(descriptor, 0, 0, nbytes) != 0:
+        error = ctypes.get_errno()
+        if error in (errno.ENOSPC, errno.EDQUOT):
+            raise OSError(error, os.strerror(error))
 
 
 def write_all(descriptor: int, pages: np.ndarray) -> None:
@@ -141,8 +159,10 @@ class DirectRows:
 
     def _descriptor(self, path) -> int:
         if path not in self._descriptors:
+            # Readers on several threads may open it at once: one descriptor is kept.
             descriptor = open_regular(path, "source file")
             if not set_direct(descriptor, True):
                 self.direct = False
-            self._descriptors[path] = descriptor
+            if self._descriptors.setdefault(path, descriptor) != descriptor:
+                os.close(descriptor)
         return self._descriptors[path]

@@ -43,9 +43,15 @@ from ..format.pages import pack_rows
 from .direct_io import DIRECT_IO_ALIGNMENT, DirectRows, aligned_zeros, pwrite_all, set_direct
 
 # Source chunks read ahead of the thread that splits them, and page chunks written behind it.
-READ_AHEAD = 2
-WRITE_BEHIND = 2
+READ_AHEAD = 4
+WRITE_BEHIND = 3
 PREFETCH_AHEAD = 3
+# Reads and writes in flight at once, each on a thread of its own: the virtual disk moves
+# sequential O_DIRECT I/O about as fast as the bytes it has queued (fio, 8 MiB blocks, reads and
+# writes side by side: depth 1 about 0.5 + 0.5 GB/s, depth 4 about 1.7 + 0.8 GB/s; BENCHMARKS.md,
+# "The model's whole table, offline").
+READ_WORKERS = 2
+WRITE_WORKERS = 2
 # Chunks whose placed rows wait to be staged on the staging thread, which copies them into their
 # buckets' buffers and writes the full ones (the split goes on meanwhile).
 STAGE_BEHIND = 4
@@ -54,6 +60,11 @@ STAGE_BEHIND = 4
 # small writes scattered over the file, which kept the staging thread writing most of the time.
 STAGE_BUFFER_BYTES = 64 << 20
 STAGE_BUFFER_MAX = 1 << 20
+# Full staging buffers written at once, and spare buffers that take a bucket's next rows meanwhile:
+# the staging thread wrote them one at a time (a few ms each, scattered over the file beside the
+# pages' writes) and held the split back most of the time.
+STAGE_WRITERS = 4
+STAGE_SPARE_BUFFERS = 16
 
 
 def _bucket_of_rank(order: RowOrder, bucket_rows: int) -> np.ndarray:
@@ -70,48 +81,55 @@ def _bucket_of_rank(order: RowOrder, bucket_rows: int) -> np.ndarray:
 
 class _PageSink:
     """Pages written at their place in the file, each chunk's CRC folded into its checksum block
-    (chunks of one block arrive in file order); the block `skip_block` is left for the caller."""
+    (chunks of one block arrive in file order); the block `skip_block` is left for the caller.
+    A chunk's buffer is reused once both its CRC and its write are done."""
 
     def __init__(self, descriptor: int, header: Header, pages_per_chunk: int, block_bytes: int,
-                 skip_block: int, writer: concurrent.futures.Executor):
-        self.descriptor, self.header, self.writer = descriptor, header, writer
+                 skip_block: int, checksummer: concurrent.futures.Executor,
+                 writer: concurrent.futures.Executor):
+        self.descriptor, self.header = descriptor, header
+        self.checksummer, self.writer = checksummer, writer
         self.pages_per_block = block_bytes // header.page_size
         self.skip_block = skip_block
         self.crcs: dict[int, int] = {}
         self.buffers = [aligned_zeros(pages_per_chunk * header.page_size).reshape(pages_per_chunk, -1)
                         for _ in range(WRITE_BEHIND + 1)]
-        self.pending: collections.deque[concurrent.futures.Future] = collections.deque()
+        self.pending: collections.deque[tuple[concurrent.futures.Future, ...]] = collections.deque()
         self.count = 0
 
     def write(self, first_page: int, rows: np.ndarray) -> None:
         while len(self.pending) >= len(self.buffers):
-            self.pending.popleft().result()
+            self._wait_oldest()
         pages = pack_rows(rows, self.buffers[self.count % len(self.buffers)], self.header.rows_per_page)
         self.count += 1
-        self.pending.append(self.writer.submit(self._checksum_and_write, first_page, pages))
+        offset = self.header.data_offset + first_page * self.header.page_size
+        self.pending.append((self.checksummer.submit(self._checksum, first_page, pages),
+                             self.writer.submit(pwrite_all, self.descriptor, pages, offset)))
 
-    def _checksum_and_write(self, first_page: int, pages: np.ndarray) -> None:
-        """On the writer's one thread, so the CRCs of a block's chunks fold in file order; the CRC
-        takes the CPU there rather than on the thread splitting the source."""
+    def _checksum(self, first_page: int, pages: np.ndarray) -> None:
+        """On the checksum thread alone, so the CRCs of a block's chunks fold in file order; the
+        CRC takes the CPU there rather than on the thread splitting the source."""
         block = first_page // self.pages_per_block
         if block != self.skip_block:
             self.crcs[block] = zlib.crc32(pages, self.crcs.get(block, 0))
-        pwrite_all(self.descriptor, pages, self.header.data_offset + first_page * self.header.page_size)
+
+    def _wait_oldest(self) -> None:
+        for future in self.pending.popleft():
+            future.result()
 
     def finish(self) -> None:
         while self.pending:
-            self.pending.popleft().result()
+            self._wait_oldest()
 
 
 def write_access_ordered(source: TableSource, order: RowOrder, header: Header, descriptor: int,
                          path: Path, pages_per_chunk: int, block_bytes: int,
                          progress: Callable[[int], None] | None,
-                         head: tuple[Any, int, int] | None = None) -> tuple[dict[int, int], str]:
+                         head: tuple[Any, int] | None = None) -> tuple[dict[int, int], str]:
     """Write the data region of `header`'s file (its header and map already written through
     `descriptor`, the file at `path`, as long as the header says); returns the CRC of every checksum
     block of `block_bytes` and the SHA-256 of the rows in source order (continuing `head`, a SHA-256
-    already fed that many of the first rows, of which the third number are in the page cache, where
-    given)."""
+    already fed that many of the first rows, read through the page cache, where given)."""
     chunk_rows = pages_per_chunk * header.rows_per_page
     boundary_page = order.num_placed // header.rows_per_page
     meeting_block = min(boundary_page, header.num_pages - 1) * header.page_size // block_bytes
@@ -121,15 +139,17 @@ def write_access_ordered(source: TableSource, order: RowOrder, header: Header, d
     staging = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
     if _staging_alignment(header) > 1:
         set_direct(staging, True)
-    stages = [concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"convert-{name}")
-              for name in ("prefetch", "read", "hash", "stage", "write")]
-    prefetcher, reader, hasher, stager, writer = stages
-    sink = _PageSink(descriptor, header, pages_per_chunk, block_bytes, meeting_block, writer)
-    digest, hashed_rows, cached_rows = head or (hashlib.sha256(), 0, 0)
+    workers = {"read": READ_WORKERS, "stage-write": STAGE_WRITERS, "write": WRITE_WORKERS}
+    stages = [concurrent.futures.ThreadPoolExecutor(max_workers=workers.get(name, 1),
+                                                    thread_name_prefix=f"convert-{name}")
+              for name in ("prefetch", "read", "hash", "stage", "stage-write", "crc", "write")]
+    prefetcher, reader, hasher, stager, flusher, checksummer, writer = stages
+    sink = _PageSink(descriptor, header, pages_per_chunk, block_bytes, meeting_block, checksummer, writer)
+    digest, cached_rows = head or (hashlib.sha256(), 0)
     try:
         with DirectRows(source) as direct:
             held = _stream_source(source, direct, order, header, sink, staging, bucket, chunk_rows,
-                                  (prefetcher, reader, hasher, stager), (digest, hashed_rows, cached_rows),
+                                  (prefetcher, reader, hasher, stager, flusher), (digest, cached_rows),
                                   progress)
         del bucket
         _write_placed(order, header, sink, staging, chunk_rows, held, reader)
@@ -148,8 +168,8 @@ def _stream_source(source: TableSource, direct: DirectRows, order: RowOrder, hea
                    progress: Callable[[int], None] | None) -> np.ndarray | None:
     """Step 1; returns the first chunk of unplaced rows when the placed region ends inside its
     first page (the chunk's rows from its first slot, placed ones zero), for step 2 to write."""
-    prefetcher, reader, hasher, stager = threads
-    digest, hashed_rows, cached_rows = hashing
+    prefetcher, reader, hasher, stager, flusher = threads
+    digest, cached_rows = hashing
     num_placed, num_rows, rows_per_page = order.num_placed, header.num_rows, header.rows_per_page
     first_row = header.first_row
     boundary_page, head = divmod(num_placed, rows_per_page)
@@ -183,15 +203,15 @@ def _stream_source(source: TableSource, direct: DirectRows, order: RowOrder, hea
     page_stop = min(header.num_pages, (page // sink.buffers[0].shape[0] + 1) * sink.buffers[0].shape[0])
     filled = head
     held = None
-    staged = _Staging(staging, header, sink.buffers[0].shape[0], -(-num_placed // chunk_rows))
+    staged = _Staging(staging, header, sink.buffers[0].shape[0], -(-num_placed // chunk_rows), flusher)
     placed_so_far = 0
     reads = collections.deque(reader.submit(read, i) for i in range(min(READ_AHEAD, len(starts))))
     hashes: collections.deque[concurrent.futures.Future] = collections.deque()
     stagings: collections.deque[concurrent.futures.Future] = collections.deque()
     for index, start in enumerate(starts):
         rows = reads.popleft().result()
-        if start + len(rows) > hashed_rows:
-            hashes.append(hasher.submit(digest.update, rows[max(0, hashed_rows - start):]))
+        if start + len(rows) > cached_rows:
+            hashes.append(hasher.submit(digest.update, rows[max(0, cached_rows - start):]))
         while len(hashes) > 2:
             hashes.popleft().result()
         if index + READ_AHEAD < len(starts):
@@ -249,17 +269,24 @@ def _staging_alignment(header: Header) -> int:
 class _Staging:
     """Placed rows appended, packed back to back, to their buckets' staging (`_stage_offset`),
     through a buffer a bucket: a full buffer is one aligned write, so staging takes a few large
-    writes instead of one small write per bucket per chunk. `finish` writes what the buffers hold,
-    rounded up to `_staging_alignment`: the bytes past a bucket's rows lie in its own pages, which
-    step 2 writes whole. Runs on the staging thread alone."""
+    writes instead of one small write per bucket per chunk. The writes run on `flusher`, the bucket
+    going on in a spare buffer; a written buffer becomes a spare. `finish` writes what the buffers
+    hold, rounded up to `_staging_alignment` (the bytes past a bucket's rows lie in its own pages,
+    which step 2 writes whole), and waits for every write. Called from the staging thread alone."""
 
-    def __init__(self, descriptor: int, header: Header, pages_per_chunk: int, buckets: int):
+    def __init__(self, descriptor: int, header: Header, pages_per_chunk: int, buckets: int,
+                 flusher: concurrent.futures.Executor):
         self.descriptor, self.header, self.pages_per_chunk = descriptor, header, pages_per_chunk
+        self.flusher = flusher
         share = STAGE_BUFFER_BYTES // max(1, buckets) // DIRECT_IO_ALIGNMENT * DIRECT_IO_ALIGNMENT
         self.capacity = min(STAGE_BUFFER_MAX, max(DIRECT_IO_ALIGNMENT, share))
-        self.buffers = aligned_zeros(max(1, buckets) * self.capacity).reshape(max(1, buckets), self.capacity)
+        count = max(1, buckets) + STAGE_SPARE_BUFFERS
+        self.buffers = aligned_zeros(count * self.capacity).reshape(count, self.capacity)
+        self.current = list(range(buckets))  # the buffer each bucket fills
+        self.spare = collections.deque(range(buckets, count))
+        self.flushes: collections.deque[tuple[concurrent.futures.Future, int]] = collections.deque()
         self.filled = [0] * buckets   # bytes in each bucket's buffer
-        self.written = [0] * buckets  # bytes of each bucket already in the file
+        self.written = [0] * buckets  # bytes of each bucket already in the file or being written
 
     def append(self, rows: np.ndarray, buckets: np.ndarray) -> None:
         """Rows grouped by bucket (ascending row order within each), with their buckets."""
@@ -271,7 +298,7 @@ class _Staging:
             while len(piece):
                 filled = self.filled[number]
                 taken = min(self.capacity - filled, len(piece))
-                self.buffers[number, filled:filled + taken] = piece[:taken]
+                self.buffers[self.current[number], filled:filled + taken] = piece[:taken]
                 piece = piece[taken:]
                 self.filled[number] = filled + taken
                 if filled + taken == self.capacity:
@@ -282,12 +309,21 @@ class _Staging:
             if filled:
                 align = _staging_alignment(self.header)
                 self._flush(number, -(-filled // align) * align)
+        while self.flushes:
+            self.flushes.popleft()[0].result()
 
     def _flush(self, number: int, length: int) -> None:
         offset = _stage_offset(self.header, number, self.pages_per_chunk) + self.written[number]
-        pwrite_all(self.descriptor, self.buffers[number, :length], offset)
+        buffer = self.current[number]
+        self.flushes.append((self.flusher.submit(pwrite_all, self.descriptor, self.buffers[buffer, :length], offset),
+                             buffer))
         self.written[number] += self.filled[number]
         self.filled[number] = 0
+        if not self.spare:
+            done, free = self.flushes.popleft()
+            done.result()
+            self.spare.append(free)
+        self.current[number] = self.spare.popleft()
 
 
 def _write_placed(order: RowOrder, header: Header, sink: _PageSink, staging: int, chunk_rows: int,

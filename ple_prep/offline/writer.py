@@ -46,7 +46,7 @@ from ..format.layout import TableLayout
 from ..format.manifest import MANIFEST_FORMAT, manifest_path, spec_digest, write_manifest
 from ..format.order import RowOrder
 from ..format.pages import pack_rows, rows_in_block
-from .direct_io import DIRECT_IO_ALIGNMENT, DirectRows, aligned_zeros, set_direct, write_all
+from .direct_io import DIRECT_IO_ALIGNMENT, DirectRows, aligned_zeros, preallocate, set_direct, write_all
 from .ordered import write_access_ordered
 from .progress import Journal, Resumable, progress_name, truncate_after, verify_prefix
 from .progress import identity as run_identity
@@ -65,9 +65,10 @@ PREFETCH_AHEAD = 3
 # Slack beyond the file size so the free-space check does not pass with zero bytes to spare.
 FREE_SPACE_MARGIN = 16 << 20
 # Source bytes read and hashed per step while a layout is planned (`_HeadHasher`), and the share
-# of the memory the kernel reports available that the rows kept in the page cache may take.
+# of the memory the kernel reports available that the rows it leaves in the page cache may take
+# (a half: at the model's geometry about what the disk reads while the plan runs).
 WARM_STEP_BYTES = 8 << 20
-WARM_SHARE_OF_AVAILABLE = 4
+WARM_SHARE_OF_AVAILABLE = 2
 # glibc's mallopt: blocks of at least this many bytes get a mapping of their own (`bound_heap`).
 # Just above the planner's per-step temporaries (at most 8 MiB: RANK_BUILD_ROWS int64 values), so
 # the heap reuses them instead of each step faulting fresh zeroed pages in (system time that grows
@@ -104,16 +105,17 @@ def _available_memory() -> int:
 
 class _HeadHasher:
     """While a layout is planned (CPU only, the disk idle), a thread reads rows from `first_row`
-    on in source order and folds them into the table's SHA-256, so the write hashes only the rest.
-    The first rows, up to a quarter of the memory available, are read through the page cache and
-    left there (`cached`): the write reads them back from memory, so the disk time of the plan is
-    not lost (the write is bound by the disk, which reads and writes share). Later ones are read
-    with O_DIRECT where the source allows (`DirectRows`), or dropped from the cache once hashed."""
+    on in source order through the page cache and folds them into the table's SHA-256, so the
+    write hashes only the rest. It reads no more than the page cache may keep for the write, half
+    of the memory the kernel reports available: the write reads those rows back from memory (the
+    disk time of the plan is not lost; the write is bound by the disk, which its reads and writes
+    share), and no source byte is read from the disk twice."""
 
     def __init__(self, source: TableSource, first_row: int, num_rows: int):
-        self.source, self.first_row, self.num_rows = source, first_row, num_rows
-        self.digest, self.rows, self.cached = hashlib.sha256(), 0, 0
-        self.cached_rows = _available_memory() // WARM_SHARE_OF_AVAILABLE // max(1, source.row_bytes)
+        self.source, self.first_row = source, first_row
+        cached_rows = _available_memory() // WARM_SHARE_OF_AVAILABLE // max(1, source.row_bytes)
+        self.num_rows = min(num_rows, cached_rows)
+        self.digest, self.rows = hashlib.sha256(), 0
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="convert-head", daemon=True)
@@ -127,49 +129,39 @@ class _HeadHasher:
         self._thread.join()
 
     def _run(self) -> None:
-        step = max(1, WARM_STEP_BYTES // max(1, self.source.row_bytes))
+        row_bytes = max(1, self.source.row_bytes)
+        step = max(1, WARM_STEP_BYTES // row_bytes)
         end = self.first_row + self.num_rows
+        buffers = [aligned_zeros(step * row_bytes).reshape(step, row_bytes) for _ in range(2)]
+
+        def read(start: int) -> np.ndarray:
+            stop = min(start + step, end)
+            self.source.prefetch(stop, min(stop + step, end))
+            buffer = buffers[(start - self.first_row) // step % 2]
+            return self.source.read_rows(start, stop, out=buffer[:stop - start])
+
+        # The next step is copied on a thread of its own while this one is hashed. It stops before
+        # the source closes.
+        reader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="convert-head-read")
         try:
-            with DirectRows(self.source) as direct:
-                buffers = [direct.buffer(step) for _ in range(2)]
-
-                def read(start: int) -> np.ndarray:
-                    stop = min(start + step, end)
-                    buffer = buffers[(start - self.first_row) // step % 2]
-                    if start - self.first_row < self.cached_rows or not direct.direct:
-                        self.source.prefetch(stop, stop + step)
-                    if start - self.first_row < self.cached_rows:
-                        rows = buffer[:(stop - start) * self.source.row_bytes].reshape(stop - start, -1)
-                        return self.source.read_rows(start, stop, out=rows)
-                    return direct.read(start, stop, buffer)
-
-                # The next step is read on a thread of its own while this one is hashed: a direct
-                # read has no kernel read-ahead to overlap it. It stops before the files close.
-                reader = concurrent.futures.ThreadPoolExecutor(max_workers=1,
-                                                               thread_name_prefix="convert-head-read")
-                try:
-                    ahead = reader.submit(read, self.first_row)
-                    while self.rows < self.num_rows and not self._stop.is_set():
-                        rows = ahead.result()
-                        start, following = self.first_row + self.rows, self.first_row + self.rows + len(rows)
-                        if following < end:
-                            ahead = reader.submit(read, following)  # into the other buffer
-                        self.digest.update(rows)
-                        if self.rows < self.cached_rows:
-                            self.cached = self.rows + len(rows)
-                        elif not direct.direct:
-                            self.source.drop_cached(start, following)
-                        self.rows += len(rows)
-                finally:
-                    reader.shutdown(wait=True, cancel_futures=True)
+            ahead = reader.submit(read, self.first_row)
+            while self.rows < self.num_rows and not self._stop.is_set():
+                rows = ahead.result()
+                following = self.first_row + self.rows + len(rows)
+                if following < end:
+                    ahead = reader.submit(read, following)  # into the other buffer
+                self.digest.update(rows)
+                self.rows += len(rows)
         except BaseException as exc:  # the write reads and reports the source itself
             self._error = exc
+        finally:
+            reader.shutdown(wait=True, cancel_futures=True)
 
-    def hashed(self) -> tuple[Any, int, int]:
-        """(the running SHA-256, rows folded into it, how many of those were left in the page
+    def hashed(self) -> tuple[Any, int]:
+        """(the running SHA-256, how many of the first rows it was fed, all read through the page
         cache); call after the block. Nothing is kept where the thread failed: the write reads the
         source again and raises there."""
-        return (hashlib.sha256(), 0, 0) if self._error is not None else (self.digest, self.rows, self.cached)
+        return (hashlib.sha256(), 0) if self._error is not None else (self.digest, self.rows)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -322,7 +314,7 @@ def check_outputs(source: TableSource, targets: tuple[Path, ...]) -> None:
 
 def _convert_locked(source: TableSource, out: Path, manifest_out: Path, options: WriteOptions,
                     layout: TableLayout | None, rows: RowRange,
-                    progress: Callable[[int], None] | None, head: tuple[Any, int, int] | None) -> dict[str, Any]:
+                    progress: Callable[[int], None] | None, head: tuple[Any, int] | None) -> dict[str, Any]:
     resumable = _find_resumable(out) if options.resume else None
     for final in (out, manifest_out, progress_name(out)):
         remove_stale_partials(final, keep=resumable and (resumable.data, resumable.journal))
@@ -448,7 +440,7 @@ class _ChunkReader:
 
 def _write_data(source: TableSource, order: RowOrder, output: _Output,
                 progress: Callable[[int], None] | None,
-                head: tuple[Any, int, int] | None = None) -> tuple[dict[str, Any], str]:
+                head: tuple[Any, int] | None = None) -> tuple[dict[str, Any], str]:
     """Stream the rows into the partial file; returns the checksums and the sha256 of the rows read.
 
     Four stages overlap, each on its own thread so each stays in order: reading runs up to
@@ -462,9 +454,9 @@ def _write_data(source: TableSource, order: RowOrder, output: _Output,
 
     Each finished checksum block is fsynced and then listed in the progress journal, so that
     `resume` can continue after the blocks a killed run wrote (they are re-read and re-checked).
-    `head` (`_HeadHasher.hashed`: a SHA-256 already fed the first rows, their count, and how many
-    of them the page cache holds) is continued by an access-ordered write (a source-order one
-    hashes from the start).
+    `head` (`_HeadHasher.hashed`: a SHA-256 already fed the first rows, read through the page
+    cache, and their count) is continued by an access-ordered write (a source-order one hashes
+    from the start).
     """
     header = output.header
     pages_per_block = CHECKSUM_BLOCK_BYTES // header.page_size
@@ -531,7 +523,7 @@ def _write_data(source: TableSource, order: RowOrder, output: _Output,
 
 def _write_access_ordered(source: TableSource, order: RowOrder, output: _Output, header_crc: int,
                           pages_per_chunk: int, progress: Callable[[int], None] | None,
-                          head: tuple[Any, int, int] | None) -> tuple[dict[str, Any], str]:
+                          head: tuple[Any, int] | None) -> tuple[dict[str, Any], str]:
     """`_write_data` for a table with placed rows: one pass over the source (offline/ordered.py).
     Its journal names the run but lists no block, so a resume starts afresh."""
     header = output.header
@@ -539,6 +531,7 @@ def _write_access_ordered(source: TableSource, order: RowOrder, output: _Output,
     try:
         _write_head(descriptor, output, 0)
         output.prefix = None
+        preallocate(descriptor, header.file_size)
         os.ftruncate(descriptor, header.file_size)
         crcs, table_digest = write_access_ordered(source, order, header, descriptor, output.path,
                                                   pages_per_chunk, CHECKSUM_BLOCK_BYTES, progress, head)
