@@ -100,10 +100,7 @@ class TableSource:
 
     def _descriptor(self, path: Path) -> int:
         if path not in self._descriptors:
-            # Readers on several threads may open it at once: one descriptor is kept.
-            descriptor = open_regular(path, "source file")
-            if self._descriptors.setdefault(path, descriptor) != descriptor:
-                os.close(descriptor)
+            self._descriptors[path] = open_regular(path, "source file")
         return self._descriptors[path]
 
     def _pread_into(self, path: Path, buffer: memoryview, offset: int) -> None:

@@ -43,15 +43,9 @@ from ..format.pages import pack_rows
 from .direct_io import DIRECT_IO_ALIGNMENT, DirectRows, aligned_zeros, pwrite_all, set_direct
 
 # Source chunks read ahead of the thread that splits them, and page chunks written behind it.
-READ_AHEAD = 4
-WRITE_BEHIND = 3
+READ_AHEAD = 2
+WRITE_BEHIND = 2
 PREFETCH_AHEAD = 3
-# Reads and writes in flight at once, each on a thread of its own: the virtual disk moves
-# sequential O_DIRECT I/O about as fast as the bytes it has queued (fio, 8 MiB blocks, reads and
-# writes side by side: depth 1 about 0.5 + 0.5 GB/s, depth 4 about 1.7 + 0.8 GB/s; BENCHMARKS.md,
-# "The model's whole table, offline").
-READ_WORKERS = 2
-WRITE_WORKERS = 2
 # Chunks whose placed rows wait to be staged on the staging thread, which copies them into their
 # buckets' buffers and writes the full ones (the split goes on meanwhile).
 STAGE_BEHIND = 4
@@ -81,45 +75,37 @@ def _bucket_of_rank(order: RowOrder, bucket_rows: int) -> np.ndarray:
 
 class _PageSink:
     """Pages written at their place in the file, each chunk's CRC folded into its checksum block
-    (chunks of one block arrive in file order); the block `skip_block` is left for the caller.
-    A chunk's buffer is reused once both its CRC and its write are done."""
+    (chunks of one block arrive in file order); the block `skip_block` is left for the caller."""
 
     def __init__(self, descriptor: int, header: Header, pages_per_chunk: int, block_bytes: int,
-                 skip_block: int, checksummer: concurrent.futures.Executor,
-                 writer: concurrent.futures.Executor):
-        self.descriptor, self.header = descriptor, header
-        self.checksummer, self.writer = checksummer, writer
+                 skip_block: int, writer: concurrent.futures.Executor):
+        self.descriptor, self.header, self.writer = descriptor, header, writer
         self.pages_per_block = block_bytes // header.page_size
         self.skip_block = skip_block
         self.crcs: dict[int, int] = {}
         self.buffers = [aligned_zeros(pages_per_chunk * header.page_size).reshape(pages_per_chunk, -1)
                         for _ in range(WRITE_BEHIND + 1)]
-        self.pending: collections.deque[tuple[concurrent.futures.Future, ...]] = collections.deque()
+        self.pending: collections.deque[concurrent.futures.Future] = collections.deque()
         self.count = 0
 
     def write(self, first_page: int, rows: np.ndarray) -> None:
         while len(self.pending) >= len(self.buffers):
-            self._wait_oldest()
+            self.pending.popleft().result()
         pages = pack_rows(rows, self.buffers[self.count % len(self.buffers)], self.header.rows_per_page)
         self.count += 1
-        offset = self.header.data_offset + first_page * self.header.page_size
-        self.pending.append((self.checksummer.submit(self._checksum, first_page, pages),
-                             self.writer.submit(pwrite_all, self.descriptor, pages, offset)))
+        self.pending.append(self.writer.submit(self._checksum_and_write, first_page, pages))
 
-    def _checksum(self, first_page: int, pages: np.ndarray) -> None:
-        """On the checksum thread alone, so the CRCs of a block's chunks fold in file order; the
-        CRC takes the CPU there rather than on the thread splitting the source."""
+    def _checksum_and_write(self, first_page: int, pages: np.ndarray) -> None:
+        """On the writer's one thread, so the CRCs of a block's chunks fold in file order; the CRC
+        takes the CPU there rather than on the thread splitting the source."""
         block = first_page // self.pages_per_block
         if block != self.skip_block:
             self.crcs[block] = zlib.crc32(pages, self.crcs.get(block, 0))
-
-    def _wait_oldest(self) -> None:
-        for future in self.pending.popleft():
-            future.result()
+        pwrite_all(self.descriptor, pages, self.header.data_offset + first_page * self.header.page_size)
 
     def finish(self) -> None:
         while self.pending:
-            self._wait_oldest()
+            self.pending.popleft().result()
 
 
 def write_access_ordered(source: TableSource, order: RowOrder, header: Header, descriptor: int,
@@ -139,12 +125,11 @@ def write_access_ordered(source: TableSource, order: RowOrder, header: Header, d
     staging = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
     if _staging_alignment(header) > 1:
         set_direct(staging, True)
-    workers = {"read": READ_WORKERS, "stage-write": STAGE_WRITERS, "write": WRITE_WORKERS}
-    stages = [concurrent.futures.ThreadPoolExecutor(max_workers=workers.get(name, 1),
+    stages = [concurrent.futures.ThreadPoolExecutor(max_workers=STAGE_WRITERS if name == "stage-write" else 1,
                                                     thread_name_prefix=f"convert-{name}")
-              for name in ("prefetch", "read", "hash", "stage", "stage-write", "crc", "write")]
-    prefetcher, reader, hasher, stager, flusher, checksummer, writer = stages
-    sink = _PageSink(descriptor, header, pages_per_chunk, block_bytes, meeting_block, checksummer, writer)
+              for name in ("prefetch", "read", "hash", "stage", "stage-write", "write")]
+    prefetcher, reader, hasher, stager, flusher, writer = stages
+    sink = _PageSink(descriptor, header, pages_per_chunk, block_bytes, meeting_block, writer)
     digest, cached_rows = head or (hashlib.sha256(), 0)
     try:
         with DirectRows(source) as direct:
