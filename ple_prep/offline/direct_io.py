@@ -27,11 +27,10 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 def aligned_zeros(nbytes: int) -> np.ndarray:
     """Zeroed bytes at a page-aligned address (anonymous memory), as O_DIRECT needs, in huge pages
-    where the kernel gives them. A disk request holds at most max_segments pieces of contiguous
-    memory (254 on the 2-core VM's virtio disk: 1 MiB of 4 KiB pages; with 2 MiB pages its
-    max_sectors_kb, 4 MiB, bounds it): in 4 KiB pages the convert at the model's geometry sent
-    53,000 writes and streamed at about 0.45 + 0.45 GB/s, in huge pages 14,800 writes at about
-    0.9 + 0.9 GB/s (BENCHMARKS.md, "The model's whole table, offline")."""
+    where the kernel gives them: a disk request holds at most max_segments pieces of contiguous
+    memory (254 on a virtio disk: 1 MiB of 4 KiB pages), so 4 KiB pages split the convert's I/O into
+    small requests the disk moved at half the rate (docs/benchmark-history.md, "What moved the
+    convert, 2026-12-03")."""
     # Private: a shared anonymous mapping is shmem, which this kernel's settings keep in 4 KiB pages.
     memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
@@ -53,11 +52,11 @@ def set_direct(descriptor: int, direct: bool) -> bool:
 
 
 def preallocate(descriptor: int, nbytes: int) -> None:
-    """Give the file its first `nbytes` of blocks up front (Linux fallocate, mode 0), where the
-    filesystem can: O_DIRECT writes into a hole allocate as they go, which on the 2-core VM's disk
-    took 16 MiB writes beside 8 MiB reads from 787-948 MB/s (into allocated blocks) down to 177-486
-    MB/s (fio, depth 2 each). A full disk raises; elsewhere nothing is done (no zeros are written,
-    as posix_fallocate's fallback would)."""
+    """Give the file its first `nbytes` of blocks up front (Linux fallocate, mode 0) where the
+    filesystem can: O_DIRECT writes into a hole allocate as they go, several times slower beside
+    the source's reads (docs/benchmark-history.md, "What moved the convert, 2026-12-03"). A full
+    disk raises; elsewhere nothing is done (no zeros are written, as posix_fallocate's fallback
+    would)."""
     try:
         fallocate = ctypes.CDLL(None, use_errno=True).fallocate
     except (OSError, AttributeError):

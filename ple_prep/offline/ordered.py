@@ -55,8 +55,9 @@ STAGE_BEHIND = 4
 STAGE_BUFFER_BYTES = 64 << 20
 STAGE_BUFFER_MAX = 1 << 20
 # Full staging buffers written at once, and spare buffers that take a bucket's next rows meanwhile:
-# the staging thread wrote them one at a time (a few ms each, scattered over the file beside the
-# pages' writes) and held the split back most of the time.
+# written one at a time (scattered over the file beside the pages' writes), they kept the staging
+# thread waiting and the split waiting on it (docs/benchmark-history.md, "What moved the convert,
+# 2026-12-03").
 STAGE_WRITERS = 4
 STAGE_SPARE_BUFFERS = 16
 
