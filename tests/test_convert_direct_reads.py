@@ -130,3 +130,26 @@ def test_direct_rows_leave_a_source_with_reads_of_its_own_to_them(gguf_joined):
             rows = direct.read(10, 500, direct.buffer(490))
         opened.__class__ = Inverted.__mro__[1]
         assert np.array_equal(rows, 255 - opened.read_rows(10, 500))
+
+
+def test_preallocate_gives_the_file_its_blocks(tmp_path):
+    from ple_prep.offline.direct_io import preallocate
+
+    descriptor = os.open(tmp_path / "t.bin", os.O_RDWR | os.O_CREAT)
+    try:
+        preallocate(descriptor, 3 << 20)
+        found = os.fstat(descriptor)
+    finally:
+        os.close(descriptor)
+    if found.st_size == 0:
+        pytest.skip("this file system has no fallocate")
+    assert found.st_size == 3 << 20 and found.st_blocks * 512 >= 3 << 20
+
+
+def test_aligned_zeros_are_zeros_at_a_page_boundary_each_of_its_own():
+    from ple_prep.offline.direct_io import DIRECT_IO_ALIGNMENT, aligned_zeros
+
+    first, second = aligned_zeros(3 << 20), aligned_zeros(3 << 20)
+    assert first.ctypes.data % DIRECT_IO_ALIGNMENT == 0 and not first.any()
+    first[:] = 7
+    assert not second.any() and (first == 7).all()
