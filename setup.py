@@ -13,10 +13,10 @@ FLAGS = ["-O2", "-fvisibility=hidden"]
 
 setup(ext_modules=[
     Extension("ple_prep.core._native",
-              [CORE + "module.c", CORE + "pagesums.c", CORE + "ngramcount.c", CORE + "pack.c", *SHARED],
+              [CORE + "module.c", CORE + "pagesums.c", CORE + "ngramcount.c", CORE + "pack.c", CORE + "rankindex.c", *SHARED],
               extra_compile_args=FLAGS, optional=True,
               depends=[CORE + name for name in ("buffers.h", "guard.h", "pagesums.h", "rows.h", "ngramcount.h",
-                                                 "pack.h")]),
+                                                 "pack.h", "rankindex.h")]),
     Extension("ple_prep.runtime._native",
               [RUNTIME + name for name in ("module.c", "view.c", "stage.c", "pool.c", "jobs.c", "cuda.c", "hostcache.c",
                                            "steps.c", "memops.c", "disk_reads.c", "disk_fill.c", "readahead.c")]

@@ -221,7 +221,19 @@ def test_header_pack_unpack_round_trip():
         Header.unpack(raw[:20] + struct.pack("<I", 44) + raw[24:], header.file_size)
 
 
-def test_row_order_slot_arithmetic():
+@pytest.fixture(params=["compiled", "numpy"])
+def index_builder(request, monkeypatch):
+    """The rank index built by the compiled helper, or by its numpy fallback."""
+    from ple_prep.format import order as order_module
+
+    if request.param == "compiled" and order_module._native is None:
+        pytest.skip("the compiled helper is not built here")
+    if request.param == "numpy":
+        monkeypatch.setattr(order_module, "_native", None)
+    return request.param
+
+
+def test_row_order_slot_arithmetic(index_builder):
     order = RowOrder.from_placed(np.array([9, 2, 5]), 12)
     # Slots 0-2 hold rows 9, 2, 5; the rest follow in source order: 0, 1, 3, 4, 6, 7, 8, 10, 11.
     assert order.rows_at(0, 12).tolist() == [9, 2, 5, 0, 1, 3, 4, 6, 7, 8, 10, 11]
@@ -237,3 +249,28 @@ def test_row_order_slot_arithmetic():
         RowOrder.from_buffer(np.array([4, 1, 4], dtype="<u4").tobytes(), 3, 12).build_rank_index()
     # Format v2 stores the slots' rows alone: 4 bytes a placed row.
     assert order.to_bytes() == np.array([9, 2, 5], dtype="<u4").tobytes()
+
+
+@pytest.mark.parametrize("chunk_slots", [1, 3, 1000, 1 << 20])
+def test_rank_index_and_chunks_by_rank_are_the_same_from_the_helper_and_numpy(chunk_slots, monkeypatch):
+    from ple_prep.format import order as order_module
+
+    compiled_helper = order_module._native
+    if compiled_helper is None:
+        pytest.skip("the compiled helper is not built here")
+    rows = np.random.default_rng(chunk_slots).permutation(3_000_017)[:1_100_003].astype(np.uint32)
+    compiled = RowOrder(3_000_017, rows)
+    built = compiled.rank_index, compiled.chunks_by_rank(chunk_slots)
+    monkeypatch.setattr(order_module, "_native", None)
+    fallback = RowOrder(3_000_017, rows)
+    expected = fallback.rank_index, fallback.chunks_by_rank(chunk_slots)
+    assert np.array_equal(built[0].rank_words, expected[0].rank_words)
+    assert np.array_equal(built[0].sorted_slots, expected[0].sorted_slots)
+    assert built[1].dtype == expected[1].dtype and np.array_equal(built[1], expected[1])
+    # Each placed row's slot, rows ascending: what the index promises, checked without it.
+    assert np.array_equal(built[0].sorted_slots, np.argsort(rows, kind="stable"))
+    assert np.array_equal(built[1], np.argsort(rows, kind="stable") // chunk_slots)
+    poisoned = np.full(len(rows), 0xFFFFFFFF, dtype=np.uint32)  # every entry must be written
+    monkeypatch.setattr(order_module, "_native", compiled_helper)
+    assert np.array_equal(RowOrder(3_000_017, rows).chunks_by_rank(chunk_slots, poisoned),
+                          np.argsort(rows, kind="stable") // chunk_slots)

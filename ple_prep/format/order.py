@@ -11,8 +11,9 @@ their bits (placed or not) and the count of placed rows before them, so one cach
 (2 bits a row: 80 MB for the real table), and `sorted_slots`, the slot of each placed row in row
 order (4 bytes a placed row). Both lie in huge pages, so the random reads take no TLB misses. The
 compiled helper (core/native/slots.c) walks them in one loop; numpy does the same in a dozen passes.
-Building them takes a few passes over `slot_rows` (no sort of it); a table builds them when it
-opens (runtime/table.py), so no request pays for it.
+Building them takes two passes over `slot_rows` (no sort of it; core/native/rankindex.c, or numpy's
+passes over pieces of it); a table builds them when it opens (runtime/table.py), so no request pays
+for it.
 """
 from __future__ import annotations
 
@@ -166,15 +167,35 @@ class RowOrder:
 
     def build_rank_index(self) -> RankIndex:
         """`rank_index`, computed from `slot_rows`: each placed row's rank goes to its slot."""
+        return RankIndex(self.rank_words, self.chunks_by_rank(1, _huge_page_array((self.num_placed,), np.uint32)))
+
+    def chunks_by_rank(self, chunk_slots: int, out: np.ndarray | None = None) -> np.ndarray:
+        """For each placed row, rows ascending, the chunk of `chunk_slots` slots holding it (slot //
+        chunk_slots), into `out` or an array of the smallest unsigned type that holds them."""
+        if out is None:
+            chunks = -(-self.num_placed // chunk_slots)
+            out = np.empty(self.num_placed, dtype=np.uint8 if chunks <= 1 << 8 else np.uint16 if chunks <= 1 << 16
+                           else np.uint32)
         rank_words = self.rank_words
-        sorted_slots = _huge_page_array((self.num_placed,), np.uint32)
+        if _native is not None:
+            _native.slots_by_rank(np.ascontiguousarray(self.slot_rows), rank_words, out, chunk_slots, out.itemsize)
+            return out
         for start in range(0, self.num_placed, RANK_BUILD_ROWS):
             rows = self.slot_rows[start:start + RANK_BUILD_ROWS].astype(np.int64)
             _, rank = _rank(rank_words, rows)
-            sorted_slots[rank] = np.arange(start, start + len(rows), dtype=np.uint32)
-        return RankIndex(rank_words, sorted_slots)
+            out[rank] = np.arange(start, start + len(rows), dtype=np.int64) // chunk_slots
+        return out
 
     def _build_rank_words(self) -> np.ndarray:
+        if _native is not None:
+            rank_words = _huge_page_array((-(-self.num_rows // 64), 2), np.uint64)
+            counted = _native.rank_bits(np.ascontiguousarray(self.slot_rows), self.num_rows, rank_words)
+            if counted < 0:
+                raise BadInput(f"{self._name}: the row-order map places row {-1 - counted} of a "
+                               f"{self.num_rows}-row table (corrupt file)")
+            if counted != self.num_placed:
+                raise BadInput(f"{self._name}: the row-order map places a row twice (corrupt file)")
+            return rank_words
         bits = np.zeros(-(-self.num_rows // 64), dtype=np.uint64)
         for start in range(0, self.num_placed, RANK_BUILD_ROWS):
             rows = np.sort(self.slot_rows[start:start + RANK_BUILD_ROWS]).astype(np.int64)
@@ -212,10 +233,6 @@ class RowOrder:
         bits = np.ascontiguousarray(self.rank_words[first:last, 0])
         unpacked = np.unpackbits(bits.view(np.uint8), bitorder="little").view(bool)
         return unpacked[start - 64 * first:stop - 64 * first]
-
-    def ranks_of_placed(self, rows: np.ndarray) -> np.ndarray:
-        """int64 rank (placed rows below it) of each placed local row."""
-        return _rank(self.rank_words, np.asarray(rows, dtype=np.int64))[1]
 
     def rows_at(self, start: int, stop: int) -> np.ndarray:
         """Local row ids held by slots [start, stop), int64."""

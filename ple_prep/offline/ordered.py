@@ -38,7 +38,7 @@ import numpy as np
 from ..converters.base import TableSource
 from ..core.fileio import read_exactly
 from ..format.header import Header
-from ..format.order import RANK_BUILD_ROWS, RowOrder
+from ..format.order import RowOrder
 from ..format.pages import pack_rows
 from .direct_io import DIRECT_IO_ALIGNMENT, DirectRows, aligned_zeros, pwrite_all, set_direct
 
@@ -60,18 +60,6 @@ STAGE_BUFFER_MAX = 1 << 20
 # 2026-12-03").
 STAGE_WRITERS = 4
 STAGE_SPARE_BUFFERS = 16
-
-
-def _bucket_of_rank(order: RowOrder, bucket_rows: int) -> np.ndarray:
-    """For each placed row in ascending row order, the bucket of slots it belongs to."""
-    buckets = -(-order.num_placed // bucket_rows)
-    dtype = np.uint8 if buckets <= 1 << 8 else np.uint16 if buckets <= 1 << 16 else np.uint32
-    bucket = np.empty(order.num_placed, dtype=dtype)
-    for start in range(0, order.num_placed, RANK_BUILD_ROWS):
-        rows = order.slot_rows[start:start + RANK_BUILD_ROWS]
-        slots = np.arange(start, start + len(rows), dtype=np.int64)
-        bucket[order.ranks_of_placed(rows)] = slots // bucket_rows
-    return bucket
 
 
 class _PageSink:
@@ -120,7 +108,7 @@ def write_access_ordered(source: TableSource, order: RowOrder, header: Header, d
     chunk_rows = pages_per_chunk * header.rows_per_page
     boundary_page = order.num_placed // header.rows_per_page
     meeting_block = min(boundary_page, header.num_pages - 1) * header.page_size // block_bytes
-    bucket = _bucket_of_rank(order, chunk_rows)
+    bucket = order.chunks_by_rank(chunk_rows)  # each placed row's bucket, rows ascending
     # A descriptor of its own for staging (its writes and reads are aligned, so O_DIRECT where the
     # page size allows): the page cache would take every staged byte, written once and read once.
     staging = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))

@@ -18,6 +18,8 @@
  *     The n-gram hash and the profile's counting (ngramcount.c).
  * pack_groups, take_new_rows
  *     The planner's page packing and its new rows of each group (pack.c).
+ * rank_bits, slots_by_rank
+ *     The construction of format/order.py's rank index (rankindex.c).
  *
  * The runtime's staging, thread pool and CUDA driver calls are ple_prep.runtime._native
  * (runtime/native/module.c), which builds on rows.h and buffers.h here.
@@ -28,6 +30,7 @@
 #include "guard.h"
 #include "ngramcount.h"
 #include "pack.h"
+#include "rankindex.h"
 #include "pagesums.h"
 #include "rows.h"
 
@@ -181,6 +184,7 @@ static PyMethodDef methods[] = {
     {"slot_of", slot_of, METH_VARARGS, "File slots of row ids from the rank index."},
     NGRAMCOUNT_METHODS
     PACK_METHODS
+    RANKINDEX_METHODS
     {NULL, NULL, 0, NULL},
 };
 
