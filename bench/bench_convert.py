@@ -54,12 +54,13 @@ def build_checkpoint(folder: Path, base: int, num_files: int) -> Path:
 
 
 def run_timed(command: list[str], stdout=subprocess.DEVNULL,
-              min_free: tuple[Path, int] | None = None) -> tuple[float, int, bytes]:
-    """(seconds, peak RSS bytes, stdout) of one child process, measured on that child alone. With
-    `min_free` (folder, bytes), the child is killed when the folder's disk has less free space
-    (the disk is shared: a benchmark must never fill it)."""
+              min_free: tuple[Path, int] | None = None, cwd: Path = REPO) -> tuple[float, int, bytes]:
+    """(seconds, peak RSS bytes, stdout) of one child process, measured on that child alone, run in
+    `cwd` (`python -m ple_prep` there runs that checkout's). With `min_free` (folder, bytes), the
+    child is killed when the folder's disk has less free space (the disk is shared: a benchmark
+    must never fill it)."""
     started = time.perf_counter()
-    process = subprocess.Popen(command, stdout=stdout, stderr=subprocess.PIPE, cwd=REPO)
+    process = subprocess.Popen(command, stdout=stdout, stderr=subprocess.PIPE, cwd=cwd)
     done, starved = threading.Event(), threading.Event()
 
     def watch() -> None:

@@ -12,7 +12,10 @@ Steps, in order (seconds and peak RSS of each child, from os.wait4):
 3. convert: `ple-prep convert --profile` (cold page cache) against `cat` of the .gguf into a file
    on the same disk (cold, fsynced), alternating which goes first (the last round's convert goes
    last), `--rounds` pairs; ratio = copy seconds / convert seconds of a round. The last convert's
-   table is kept for the next steps.
+   table is kept for the next steps. With `--old-tree OLD` (a checkout of an older commit, its
+   compiled helper built: `git worktree add OLD COMMIT`, then `python setup.py build_ext --inplace`
+   there), that checkout's convert runs in each round too, the three in turn, and `old_ratio` is its
+   seconds over this one's.
 4. verify: `ple-prep verify --sample N` against the checkpoint.
 5. first gather: bench/first_gather.py (the first gather after open against a later one).
 6. bench: `ple-prep bench` of the table (real-text gathers, cold and warm; fio when installed).
@@ -55,10 +58,11 @@ def check_room(folder: Path, needed: int) -> None:
 
 
 def step(name: str, command: list[str], results: dict, stdout=subprocess.DEVNULL,
-         watch: Path | None = None) -> None:
+         watch: Path | None = None, tree: Path = REPO) -> None:
     """Run one child; its seconds and peak RSS (the largest process of its tree) into results.
-    `watch`: a folder whose disk must keep FLOOR_BYTES free while it runs."""
-    seconds, rss, _ = run_timed(command, stdout=stdout, min_free=(watch, FLOOR_BYTES) if watch else None)
+    `watch`: a folder whose disk must keep FLOOR_BYTES free while it runs; `tree`: the checkout
+    whose ple_prep it runs."""
+    seconds, rss, _ = run_timed(command, stdout=stdout, min_free=(watch, FLOOR_BYTES) if watch else None, cwd=tree)
     results[name] = {"seconds": round(seconds, 2), "peak_rss_mib": round(rss / 2**20, 1)}
     print(f"{name}: {seconds:.1f} s, peak RSS {rss / 2**20:.0f} MiB", file=sys.stderr)
 
@@ -108,6 +112,7 @@ def main() -> None:
                         help="Tokenizer training text when not cached (small runs: less).")
     parser.add_argument("--fio-seconds", type=float, default=8.0)
     parser.add_argument("--keep", action="store_true", help="Keep the checkpoint afterwards.")
+    parser.add_argument("--old-tree", type=Path, help="A checkout of an older ple-prep to convert beside this one.")
     parser.add_argument("--prompts-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.prompts_only:
@@ -128,9 +133,12 @@ def main() -> None:
     rounds = []
     for index in range(args.rounds):
         pair = {}
-        # Alternating, except that the last round ends with its convert: its table is kept, and
-        # a copy beside it would need the source's size again on the disk.
-        order = ("copy", "convert") if index % 2 == 0 or index == args.rounds - 1 else ("convert", "copy")
+        # In turn, except that the last round ends with its convert: its table is kept, and a
+        # copy beside it would need the source's size again on the disk.
+        names = ["copy", "convert"] + (["old"] if args.old_tree else [])
+        order = names[index % len(names):] + names[:index % len(names)]
+        if index == args.rounds - 1:
+            order = [name for name in order if name != "convert"] + ["convert"]
         for name in order:
             evict(model)
             check_room(args.dir, model.stat().st_size)
@@ -147,22 +155,24 @@ def main() -> None:
                 evict(copy)
                 copy.unlink()
             else:
-                last = index == args.rounds - 1
+                last = index == args.rounds - 1 and name == "convert"
                 measured: dict = {}
                 try:
-                    step("convert", CLI + ["convert", "--model", str(model), "--profile", str(profile), "--out",
-                                           str(table), "--map-fraction", str(args.map_fraction), "--force", "--quiet"],
-                         measured, watch=args.dir)
+                    step(name, CLI + ["convert", "--model", str(model), "--profile", str(profile), "--out",
+                                      str(table), "--map-fraction", str(args.map_fraction), "--force", "--quiet"],
+                         measured, watch=args.dir, tree=args.old_tree.resolve() if name == "old" else REPO)
                 except SystemExit:
                     for partial in args.dir.glob(f".{table.name}*.partial"):
                         partial.unlink()
                     raise
-                pair["convert_s"], pair["convert_peak_rss_mib"] = (measured["convert"]["seconds"],
-                                                                   measured["convert"]["peak_rss_mib"])
+                pair[f"{name}_s"], pair[f"{name}_peak_rss_mib"] = (measured[name]["seconds"],
+                                                                   measured[name]["peak_rss_mib"])
                 if not last:
                     for path in (table, table.with_name(table.name + ".json")):
                         path.unlink()
         pair["ratio"] = round(pair["copy_s"] / pair["convert_s"], 3)
+        if args.old_tree:
+            pair["old_ratio"] = round(pair["old_s"] / pair["convert_s"], 3)
         rounds.append(pair)
         print(f"round {index}: {pair}", file=sys.stderr)
     manifest = json.loads(table.with_name(table.name + ".json").read_text())
