@@ -1,6 +1,7 @@
 /* The rank index of format/order.py built from a map's `slot_rows` (uint32, the placed rows in slot
- * order): one loop a pass where numpy takes a dozen, so opening the model's table (tens of millions
- * of placed rows) and planning one cost a fraction of a second here.
+ * order): one loop a pass where numpy takes a dozen, as opening the model's table (tens of millions
+ * of placed rows) and planning one do (docs/benchmark-history.md, "What moved the convert,
+ * 2026-12-03").
  *
  * rank_bits(slot_rows, num_rows, rank_words) -> placed rows counted, or the first row >= num_rows
  *     rank_words (words, 2) uint64: column 0 each 64 rows' bits (placed or not), column 1 the
@@ -13,8 +14,6 @@
  * It refuses (ValueError) a row the bits do not hold, so no write lands outside `out`.
  */
 #include "rankindex.h"
-
-#include <string.h>
 
 #include "buffers.h"
 #include "rows.h"
