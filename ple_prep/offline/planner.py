@@ -399,10 +399,12 @@ def plan_for_source(source: TableSource, profile: Profile | Path, *, page_size: 
     release = isinstance(profile, Path)
     order = plan_order(load(("train",)), num_rows, rows_per_page, max_placed=limit, first_row=first_row,
                        release_counts=release).order
-    residency = residency_hints(order, load(("heldout",)), row_bytes=source.row_bytes,
-                                rows_per_page=rows_per_page, page_size=page_size, first_row=first_row)
-    del order
+    # Both parts read once more: the hints read the held-out part, the written order both (each
+    # read decompresses the whole file, per-row arrays and all).
     both = load(PARTS)
+    residency = residency_hints(order, both, row_bytes=source.row_bytes, rows_per_page=rows_per_page,
+                                page_size=page_size, first_row=first_row)
+    del order
     plan = plan_order(both, num_rows, rows_per_page, max_placed=limit, first_row=first_row, parts=PARTS,
                       release_counts=release)
     return TableLayout(plan.order, plan.layout(both, map_fraction), tuple(residency))
