@@ -382,7 +382,8 @@ def plan_for_source(source: TableSource, profile: Profile | Path, *, page_size: 
     cost 8 page reads, so the held-out part's groups are worth placing). The hints are measured on
     the held-out requests against an order planned from the training part alone, which never saw
     them: an honest estimate, a little below what the written order serves. Given a profile file,
-    at most what one plan needs is in memory at a time."""
+    each plan's counts are dropped once sorted: what is in memory at a time is one plan's, or the
+    training order and the counts of both parts while the hints are measured."""
     num_rows = source.num_rows - first_row if num_rows is None else num_rows
     limit = max_placed_rows(num_rows, source.row_bytes, map_fraction)
     if not 0 < source.row_bytes <= page_size:
