@@ -13,7 +13,7 @@ FLAGS = ["-O2", "-fvisibility=hidden"]
 
 setup(ext_modules=[
     Extension("ple_prep.core._native",
-              [CORE + "module.c", CORE + "pagesums.c", CORE + "ngramcount.c", CORE + "pack.c", CORE + "rankindex.c", *SHARED],
+              [CORE + name for name in ("module.c", "pagesums.c", "ngramcount.c", "pack.c", "rankindex.c")] + SHARED,
               extra_compile_args=FLAGS, optional=True,
               depends=[CORE + name for name in ("buffers.h", "guard.h", "pagesums.h", "rows.h", "ngramcount.h",
                                                  "pack.h", "rankindex.h")]),
