@@ -24,7 +24,8 @@ replay, the two graphs alternating in blocks; p50 and p90 of each and their rati
   then the same with each side's table keeping open_table's default host cache (cold_host_cache);
 - exact: warm, cold and mixed (half the pages cached) steps with every buffer poisoned before each;
 - host: how long `start` and `finish` hold the host while the GPU has >= 50 ms of queued work, and
-  a replay's launch;
+  a replay's launch: each call alone after a synchronize, and calls back to back as vLLM's host
+  thread runs ahead of the device (host_section);
 - faults (`--faults-table`, a small table): an id outside the table, and an I/O error (a truncated
   copy read with O_DIRECT), each during FULL replay: the step's time, its values, the raised cause,
   and the next step.
@@ -55,6 +56,9 @@ from ple_prep.runtime import open_table  # noqa: E402
 from ple_prep.runtime.device import EmbeddingSource, StepLookup  # noqa: E402
 from ple_prep.tools.benchmark import evict  # noqa: E402
 from ple_prep.tools.realtext import real_text_row_ids  # noqa: E402
+
+# torch.cuda._sleep's cycles for about 50-60 ms of queued GPU work on an H200 (measured each run).
+SLEEP_CYCLES = 100_000_000
 
 
 def percentiles(ms: list[float]) -> dict:
@@ -291,9 +295,9 @@ def warm_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
                                                   decode[:200])
     chunk_proxy = lookup_graph(lookup, pool_of(chunks[:4]), chunk_other)
     report["exact_poisoned_warm_chunk"] = exact_replays(table, lookup, chunk_proxy, chunks[:4])
-    report["host"] = host_section(lookup, decode, chunks, chunk_proxy)
+    report["host"] = host_section(lookup, table, decode, chunks, chunk_proxy)
     rows = PrefetchedRows(table, device="cuda", resident_bytes=resident, max_tokens=CHUNK_TOKENS, heads=16)
-    report["host"]["plugin"] = host_section(rows, decode, chunks, None, reshape=True)
+    report["host"]["plugin"] = host_section(rows, table, decode, chunks, None, reshape=True)
     rows.close()
     lookup.close()
     del full
@@ -335,17 +339,35 @@ class PythonBusy:
         self._thread.join()
 
 
-def host_section(lookup, decode: list[np.ndarray], chunks: list[np.ndarray], proxy: ProxyStep | None,
+def queued_sleep_ms() -> float:
+    """GPU ms of `torch.cuda._sleep(SLEEP_CYCLES)`, by events."""
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    begin.record()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end)
+
+
+def host_section(lookup, table, decode: list[np.ndarray], chunks: list[np.ndarray], proxy: ProxyStep | None,
                  reshape: bool = False) -> dict:
-    """Host seconds of start, finish and a replay's launch while the GPU has >= 50 ms of queued work
-    (`lookup`: a StepLookup, or the plugin's PrefetchedRows with (tokens, 16) ids)."""
-    report = {}
-    for name, requests in (("decode", decode[:50]), ("chunk", chunks[:16])):
+    """Host ms of start, finish and a replay's launch while the GPU has >= 50 ms of queued work
+    (`lookup`: a StepLookup, or the plugin's PrefetchedRows with (tokens, 16) ids), two ways.
+    `after_sync`: each call on its own, after a synchronize and one sleep kernel queued (the host's
+    caches as an idle wait leaves them). `back_to_back`: blocks of calls one after another behind
+    three sleep kernels, as vLLM's host thread runs ahead of the device under asynchronous
+    scheduling; `least_queued_ms` is the GPU work still queued at the last call of any block (the
+    sleeps' time less the host's since they were queued), and some of the steps' values are checked
+    bit for bit once the device has served them."""
+    sleep_ms = queued_sleep_ms()
+    report = {"sleep_kernel_ms": round(sleep_ms, 2)}
+    for name, requests, blocks in (("decode", decode[:50], 4), ("chunk", chunks[:12], 4)):
+        as_ids = [torch.from_numpy(ids.copy() if reshape else ids.reshape(-1).copy()).cuda() for ids in requests]
         starts, finishes, busy = [], [], True
-        for ids in requests[:1] + requests:  # the first of each size once more: its eager graph captured
-            device_ids = torch.from_numpy(ids.copy() if reshape else ids.reshape(-1).copy()).cuda()
+        for device_ids in as_ids[:1] + as_ids:  # the first of each size once more: its eager graph captured
             torch.cuda.synchronize()
-            torch.cuda._sleep(100_000_000)  # about 50 ms at the H200's clock
+            torch.cuda._sleep(SLEEP_CYCLES)
             began = time.perf_counter()
             lookup.start(device_ids)
             middle = time.perf_counter()
@@ -354,20 +376,56 @@ def host_section(lookup, decode: list[np.ndarray], chunks: list[np.ndarray], pro
             busy &= not torch.cuda.current_stream().query()
             starts.append((middle - began) * 1e3)
             finishes.append((ended - middle) * 1e3)
+        torch.cuda.synchronize()
+        after_sync = {"start": percentiles(starts[1:]), "finish": percentiles(finishes[1:]), "gpu_still_busy": busy}
+        starts, finishes, least, exact = [], [], float("inf"), True
+        history = torch.empty((len(as_ids), as_ids[0].numel() * table.values_per_row), dtype=torch.bfloat16,
+                              device="cuda")
+        for _ in range(blocks):
             torch.cuda.synchronize()
-        report[name] = {"start": percentiles(starts[1:]), "finish": percentiles(finishes[1:]),
-                        "gpu_still_busy": busy}
+            for _ in range(3):
+                torch.cuda._sleep(SLEEP_CYCLES)
+            queued = time.perf_counter()
+            for k, device_ids in enumerate(as_ids):
+                began = time.perf_counter()
+                lookup.start(device_ids)
+                middle = time.perf_counter()
+                values = lookup.finish()
+                ended = time.perf_counter()
+                history[k].copy_(values.reshape(-1))
+                starts.append((middle - began) * 1e3)
+                finishes.append((ended - middle) * 1e3)
+            least = min(least, 3 * sleep_ms - (time.perf_counter() - queued) * 1e3)
+            busy &= not torch.cuda.current_stream().query()
+            torch.cuda.synchronize()
+            lookup.check()
+            for k in range(0, len(requests), 7):
+                got = history[k].cpu().view(torch.int16).numpy().view(np.uint16)
+                exact &= bool(np.array_equal(got, bf16_bits(table, requests[k].reshape(-1)).reshape(-1)))
+        report[name] = {"after_sync": after_sync,
+                        "back_to_back": {"start": percentiles(starts), "finish": percentiles(finishes),
+                                         "least_queued_ms": round(least, 1), "gpu_still_busy": busy,
+                                         "bit_exact": exact}}
     if proxy is None:
         return report
     launches = []
     for _ in range(4):
         torch.cuda.synchronize()
-        torch.cuda._sleep(100_000_000)
+        torch.cuda._sleep(SLEEP_CYCLES)
         began = time.perf_counter()
         proxy.graph.replay()
         launches.append((time.perf_counter() - began) * 1e3)
+    torch.cuda.synchronize()
+    report["full_graph_replay_launch"] = {"after_sync": percentiles(launches)}
+    launches = []
+    for _ in range(4):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        for _ in range(5):
+            began = time.perf_counter()
+            proxy.graph.replay()
+            launches.append((time.perf_counter() - began) * 1e3)
         torch.cuda.synchronize()
-    report["full_graph_replay_launch"] = percentiles(launches)
+    report["full_graph_replay_launch"]["back_to_back"] = percentiles(launches)
     return report
 
 

@@ -2,14 +2,27 @@
  * functions of ple_prep.runtime._native that runtime/device/steps.py queues on its streams. */
 #include <dlfcn.h>
 #include <pthread.h>
+#include <string.h>
 
 #include "cuda.h"
 #include "memops.h"
 #include "steps.h"
 
-/* Stream memory operations: cuStreamWriteValue32 and cuStreamWaitValue32, beside cuda.c's table. */
+/* Stream memory operations: cuStreamWriteValue32 and cuStreamBatchMemOp, beside cuda.c's table. */
 cuda_result (*write_value32)(void *, unsigned long long, uint32_t, unsigned);
-cuda_result (*wait_value32)(void *, unsigned long long, uint32_t, unsigned);
+
+/* One operation of cuStreamBatchMemOp: CUstreamBatchMemOpParams's layout for a 32-bit wait or write. */
+typedef union {
+    struct {
+        unsigned operation; /* CU_STREAM_MEM_OP_WAIT_VALUE_32 (1) or _WRITE_VALUE_32 (2) */
+        unsigned long long address, value;
+        unsigned flags;
+        unsigned long long alias;
+    } value;
+    unsigned long long pad[6];
+} stream_memop;
+enum { WAIT_VALUE_32 = 1, WRITE_VALUE_32 = 2 };
+static cuda_result (*batch_memops)(void *, unsigned, stream_memop *, unsigned);
 static pthread_once_t memops_once = PTHREAD_ONCE_INIT;
 
 static void load_memops(void)
@@ -19,8 +32,7 @@ static void load_memops(void)
         return;
     write_value32 = (cuda_result(*)(void *, unsigned long long, uint32_t, unsigned))dlsym(library,
                                                                                           "cuStreamWriteValue32_v2");
-    wait_value32 = (cuda_result(*)(void *, unsigned long long, uint32_t, unsigned))dlsym(library,
-                                                                                         "cuStreamWaitValue32_v2");
+    batch_memops = (cuda_result(*)(void *, unsigned, stream_memop *, unsigned))dlsym(library, "cuStreamBatchMemOp_v2");
 }
 
 int memops_ready(void)
@@ -28,23 +40,39 @@ int memops_ready(void)
     if (cuda_ready() != 0)
         return -1;
     pthread_once(&memops_once, load_memops);
-    if (write_value32 && wait_value32)
+    if (write_value32 && batch_memops)
         return 0;
-    PyErr_SetString(PyExc_OSError, "the CUDA driver has no stream memory operations (cuStreamWriteValue32_v2)");
+    PyErr_SetString(PyExc_OSError,
+                    "the CUDA driver has no stream memory operations (cuStreamWriteValue32_v2, cuStreamBatchMemOp_v2)");
     return -1;
 }
 
-/* The wait until the service thread's host store of 1 into ready_flag, its reset to 0 and the copy
- * of `bytes` staged rows and index from pinned `source` to device `target`, on `stream`. The wait
- * is released by the host alone, never by other device work: a wait that other queued device work
- * must release can hang where their streams share one of the device's hardware queues
- * (docs/RUNTIME.md, "A step in one CUDA graph"). */
-static cuda_result queue_fetch(void *stream, unsigned long long ready_flag, unsigned long long target,
-                               const void *source, Py_ssize_t bytes)
+static void set_memop(stream_memop *operation, unsigned kind, unsigned long long address, uint32_t value)
 {
-    cuda_result result = wait_value32(stream, ready_flag, 1, 0 /* CU_STREAM_WAIT_VALUE_GEQ */);
-    if (result == 0)
-        result = write_value32(stream, ready_flag, 0, 0);
+    memset(operation, 0, sizeof(*operation));
+    operation->value.operation = kind;
+    operation->value.address = address;
+    operation->value.value = value;
+}
+
+/* Unless request_flag is 0, the write of `count` into it (the request); the wait until the service
+ * thread's host store of 1 into ready_flag, its reset to 0 and the copy of `bytes` staged rows and
+ * index from pinned `source` to device `target`, on `stream`. The writes and the wait go in one
+ * driver call: each call costs the host microseconds (BENCHMARKS.md). The wait is released by the
+ * host alone, never by other device work: a wait that other queued device work must release can
+ * hang where their streams share one of the device's hardware queues (docs/RUNTIME.md, "A step in
+ * one CUDA graph"). */
+static cuda_result queue_fetch(void *stream, unsigned long long request_flag, uint32_t count,
+                               unsigned long long ready_flag, unsigned long long target, const void *source,
+                               Py_ssize_t bytes)
+{
+    stream_memop operations[3];
+    unsigned used = 0;
+    if (request_flag)
+        set_memop(&operations[used++], WRITE_VALUE_32, request_flag, count);
+    set_memop(&operations[used++], WAIT_VALUE_32, ready_flag, 1); /* flags 0: CU_STREAM_WAIT_VALUE_GEQ */
+    set_memop(&operations[used++], WRITE_VALUE_32, ready_flag, 0);
+    cuda_result result = batch_memops(stream, used, operations, 0);
     if (result == 0 && bytes > 0)
         result = cuda.copy_to_device(target, source, (size_t)bytes, stream);
     return result;
@@ -94,10 +122,10 @@ PyObject *queue_step_start(PyObject *self, PyObject *args)
     }
     if (result == 0)
         result = cuda.copy_to_host(target, source, (size_t)bytes, on);
-    if (result == 0)
-        result = write_value32(on, flag, count, 0);
     if (result == 0 && beside)
-        result = queue_fetch(side, ready_flag, span_target, span_source, span_bytes);
+        result = queue_fetch(side, flag, count, ready_flag, span_target, span_source, span_bytes);
+    else if (result == 0)
+        result = write_value32(on, flag, count, 0);
     if (result != 0)
         return PyErr_Format(PyExc_RuntimeError, "queueing a step's start failed (CUDA error %d)", result);
     return PyBool_FromLong(beside);
@@ -116,7 +144,7 @@ PyObject *queue_step_fetch(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "queue_step_fetch: bytes < 0");
         return NULL;
     }
-    cuda_result result = queue_fetch(stream, ready_flag, target, source, bytes);
+    cuda_result result = queue_fetch(stream, 0, 0, ready_flag, target, source, bytes);
     if (result != 0)
         return PyErr_Format(PyExc_RuntimeError, "queueing a step's fetch failed (CUDA error %d)", result);
     Py_RETURN_NONE;
