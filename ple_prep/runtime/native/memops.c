@@ -2,6 +2,7 @@
  * functions of ple_prep.runtime._native that runtime/device/steps.py queues on its streams. */
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "cuda.h"
@@ -22,6 +23,10 @@ typedef union {
     unsigned long long pad[6];
 } stream_memop;
 enum { WAIT_VALUE_32 = 1, WRITE_VALUE_32 = 2 };
+_Static_assert(sizeof(stream_memop) == 48 && offsetof(stream_memop, value.address) == 8
+                   && offsetof(stream_memop, value.value) == 16 && offsetof(stream_memop, value.flags) == 24
+                   && offsetof(stream_memop, value.alias) == 32,
+               "stream_memop must match CUstreamBatchMemOpParams");
 static cuda_result (*batch_memops)(void *, unsigned, stream_memop *, unsigned);
 static pthread_once_t memops_once = PTHREAD_ONCE_INIT;
 
