@@ -25,6 +25,12 @@ resident budget.
 seen n-gram's 8 rows on its own page, 3 groups a page in hotness order, so each seen n-gram costs
 one page read at most, and a row of an unseen n-gram is read from the page of the hottest group
 holding it (or from the tail in source order); the file grows by the rows copied.
+
+--group-keyed G adds a layout with no per-row map (not built: measured to decide): the hottest
+seen groups, as many as copying their 8 rows grows the file by the fraction G, each on its own
+page (3 groups a page, hottest first), then the whole table in source order (25 rows a page). A
+token's group is found by its key in a map of the placed groups (12 bytes a group, charged: a
+64-bit key of its rows and its number), else its rows are read from the table's copy.
 """
 from __future__ import annotations
 
@@ -116,6 +122,39 @@ class DuplicatedLayout:
         return pages
 
 
+class GroupKeyedLayout:
+    """The --group-keyed layout: the hottest groups copied onto pages of their own, then the table."""
+
+    def __init__(self, profile, spec: NgramSpec, num_rows: int, growth: float):
+        keys, orders = _hot_groups(profile, PARTS)
+        placed = int(growth * num_rows) // spec.heads_per_ngram
+        keys, orders = keys[:placed], orders[:placed]
+        self.groups = len(keys)
+        groups_per_page = ROWS_PER_PAGE // spec.heads_per_ngram
+        self.group_page = (np.arange(self.groups) // groups_per_page).astype(np.int32)
+        self.grouped_pages = -(-self.groups // groups_per_page)
+        self.table_pages = -(-num_rows // ROWS_PER_PAGE)
+        self.map_bytes = 12 * self.groups
+        self.by_order = {}
+        for order in np.unique(orders):
+            chosen = np.flatnonzero(orders == order)
+            by_key = np.argsort(keys[chosen])
+            self.by_order[int(order)] = (keys[chosen][by_key], chosen[by_key])
+
+    def pages(self, mixed: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Per token, the page of each of its 16 rows as this layout reads them."""
+        pages = (self.grouped_pages + rows // ROWS_PER_PAGE).astype(np.int64)
+        heads = rows.shape[1] // mixed.shape[1]
+        for column in range(mixed.shape[1]):
+            if column + 2 not in self.by_order:
+                continue
+            sorted_keys, group = self.by_order[column + 2]
+            where = np.minimum(np.searchsorted(sorted_keys, mixed[:, column]), len(sorted_keys) - 1)
+            seen = sorted_keys[where] == mixed[:, column]
+            pages[seen, column * heads:(column + 1) * heads] = self.group_page[group[where[seen]]][:, None]
+        return pages
+
+
 def first_of_each_page(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per token (a row of `pages`; -1 = no page), its pages sorted and a mask of each distinct one."""
     pages = np.sort(pages, axis=1)
@@ -139,6 +178,7 @@ def main() -> None:
     parser.add_argument("--map-fraction", type=float, default=DEFAULT_MAP_FRACTION)
     parser.add_argument("--base", type=int, default=20_000_000)
     parser.add_argument("--duplicates", action="store_true")
+    parser.add_argument("--group-keyed", type=float, metavar="GROWTH")
     args = parser.parse_args()
     started = time.perf_counter()
     corpus = real_corpus.load()
@@ -197,6 +237,7 @@ def main() -> None:
     clock = time.perf_counter()
     tokens = 0
     duplicated = DuplicatedLayout(profile, spec, num_rows) if args.duplicates else None
+    keyed = None if args.group_keyed is None else GroupKeyedLayout(profile, spec, num_rows, args.group_keyed)
     for mixed, row_ids in evaluation_row_ids(spec, *corpus["evaluation"]):
         tokens += len(row_ids)
         if duplicated is not None:
@@ -204,6 +245,12 @@ def main() -> None:
             for budget in budgets.values():
                 budget["duplicated"] = budget.get("duplicated", 0) + int(
                     np.count_nonzero(dup_fresh & (dup_sorted >= budget["charged_pages"])))
+        if keyed is not None:
+            keyed_sorted, keyed_fresh = first_of_each_page(keyed.pages(mixed, row_ids))
+            for fraction, budget in budgets.items():
+                resident = max(0, int(fraction * table_bytes) - keyed.map_bytes) // PAGE_SIZE
+                budget["group_keyed"] = budget.get("group_keyed", 0) + int(
+                    np.count_nonzero(keyed_fresh & (keyed_sorted >= resident)))
         prepared_page = slot_of_row[row_ids] // ROWS_PER_PAGE
         prepared_sorted, prepared_fresh = first_of_each_page(prepared_page.reshape(row_ids.shape))
         byte = row_ids * ROW_BYTES
@@ -239,9 +286,13 @@ def main() -> None:
         result["duplicated"] = {"groups": duplicated.groups, "distinct_seen_rows": duplicated.distinct_seen_rows,
                                 "copied_rows": 8 * duplicated.groups - duplicated.distinct_seen_rows,
                                 "file_growth": round(duplicated.num_pages / prepared_pages - 1, 4)}
+    if keyed is not None:
+        result["group_keyed"] = {"groups": keyed.groups, "map_bytes": keyed.map_bytes,
+                                 "file_growth": round(keyed.grouped_pages / keyed.table_pages, 4)}
     for fraction, budget in budgets.items():
         per_k = {key: round(1000 * budget[key] / tokens, 1)
-                 for key in ("prepared", "prepared_charged", "checkpoint", "duplicated") if key in budget}
+                 for key in ("prepared", "prepared_charged", "checkpoint", "duplicated", "group_keyed")
+                 if key in budget}
         result["budgets"].append({
             "budget": f"{fraction:.0%}", "resident_bytes": budget["resident_pages"] * PAGE_SIZE,
             "page_reads_per_1000_tokens": per_k,
@@ -249,6 +300,8 @@ def main() -> None:
             "ratio_map_charged": round(budget["prepared_charged"] / budget["checkpoint"], 3),
             **({"ratio_duplicated_map_charged": round(budget["duplicated"] / budget["checkpoint"], 3)}
                if "duplicated" in budget else {}),
+            **({"ratio_group_keyed_map_charged": round(budget["group_keyed"] / budget["checkpoint"], 3)}
+               if "group_keyed" in budget else {}),
             "row_hit_fraction": {"prepared": round(budget["prepared_row_hits"] / (16 * tokens), 4),
                                  "checkpoint": round(budget["checkpoint_row_hits"] / (16 * tokens), 4)},
         })
