@@ -92,7 +92,7 @@ def test_convert_identity_order_map(converted):
         ids = np.arange(FIXTURE_ROWS)
         assert np.array_equal(table.slot_of(ids), ids)
         assert np.array_equal(table.page_of(ids), ids // 25)
-        assert table.order.is_identity
+        assert table.order.num_placed == 0
 
 
 def test_convert_checksums_match_independent_crc(converted):
@@ -238,17 +238,17 @@ def test_row_order_slot_arithmetic(index_builder):
     # Slots 0-2 hold rows 9, 2, 5; the rest follow in source order: 0, 1, 3, 4, 6, 7, 8, 10, 11.
     assert order.rows_at(0, 12).tolist() == [9, 2, 5, 0, 1, 3, 4, 6, 7, 8, 10, 11]
     assert order.slot_of(np.arange(12)).tolist() == [3, 4, 1, 5, 6, 2, 7, 8, 9, 0, 10, 11]
-    restored = RowOrder.from_buffer(order.to_bytes(), 3, 12)
+    restored = RowOrder.from_buffer(order.map_bytes(), 3, 12)
     assert restored.rows_at(0, 12).tolist() == order.rows_at(0, 12).tolist()
     with pytest.raises(BadInput, match="twice"):
         RowOrder.from_placed(np.array([1, 1]), 12)
     # A stored map is checked when its index is built (at open): a row outside, or one twice.
     with pytest.raises(BadInput, match="places row 15 of a 12-row table"):
-        RowOrder.from_buffer(RowOrder.from_placed(np.array([1, 12 + 3]), 20).to_bytes(), 2, 12).build_rank_index()
+        RowOrder.from_buffer(RowOrder.from_placed(np.array([1, 12 + 3]), 20).map_bytes(), 2, 12).build_rank_index()
     with pytest.raises(BadInput, match="twice"):
         RowOrder.from_buffer(np.array([4, 1, 4], dtype="<u4").tobytes(), 3, 12).build_rank_index()
     # Format v2 stores the slots' rows alone: 4 bytes a placed row.
-    assert order.to_bytes() == np.array([9, 2, 5], dtype="<u4").tobytes()
+    assert order.map_bytes().tobytes() == np.array([9, 2, 5], dtype="<u4").tobytes()
 
 
 @pytest.mark.parametrize("chunk_slots", [1, 3, 1000, 1 << 20])

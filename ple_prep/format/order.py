@@ -67,10 +67,6 @@ class RowOrder:
     def num_placed(self) -> int:
         return len(self.slot_rows)
 
-    @property
-    def is_identity(self) -> bool:
-        return bool(np.array_equal(self.slot_rows, np.arange(self.num_placed)))
-
     @classmethod
     def identity(cls, num_rows: int) -> "RowOrder":
         return cls(num_rows, np.zeros(0, dtype=ORDER_DTYPE))
@@ -85,9 +81,10 @@ class RowOrder:
         order.rank_words  # noqa: B018 (the property checks that no row is placed twice)
         return order
 
-    def to_bytes(self) -> bytes:
-        """The map as format v2 stores it."""
-        return np.ascontiguousarray(self.slot_rows, dtype=ORDER_DTYPE).tobytes()
+    def map_bytes(self) -> np.ndarray:
+        """The map as format v2 stores it, as uint8 (a view of `slot_rows` where it is stored so
+        already: the map may be hundreds of MB)."""
+        return np.ascontiguousarray(self.slot_rows, dtype=ORDER_DTYPE).view(np.uint8)
 
     @classmethod
     def from_buffer(cls, buffer, num_placed: int, num_rows: int, name: str = "file",
@@ -215,15 +212,6 @@ class RowOrder:
         return rank_words
 
     # --- What the writer and verify read ---------------------------------------------------------
-
-    def placed_below(self, row: int) -> int:
-        """Placed rows below local row `row` (0 <= row <= num_rows)."""
-        if not self.num_placed or row == 0:
-            return 0
-        if row == self.num_rows:
-            return self.num_placed
-        word = self.rank_words[row >> 6]
-        return int(word[1]) + int(_popcount(word[:1] & np.uint64((1 << (row & 63)) - 1))[0])
 
     def placed_mask(self, start: int, stop: int) -> np.ndarray:
         """bool per local row in [start, stop): placed or not."""

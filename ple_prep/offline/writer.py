@@ -28,7 +28,6 @@ from ..core.constants import (
     HEADER_SIZE,
     HEADER_STRUCT,
     MAGIC,
-    ORDER_DTYPE,
 )
 from ..core.errors import BadInput
 from ..core.fileio import (
@@ -342,7 +341,7 @@ def _convert_locked(source: TableSource, out: Path, manifest_out: Path, options:
         prefix = aligned_zeros(header.data_offset)
         packed = header.pack()
         prefix[:len(packed)] = np.frombuffer(packed, dtype=np.uint8)
-        map_bytes = np.ascontiguousarray(layout.order.slot_rows, dtype=ORDER_DTYPE).view(np.uint8)
+        map_bytes = layout.order.map_bytes()
         prefix[header.order_offset:header.order_offset + len(map_bytes)] = map_bytes
         return header, prefix, run_identity(header, prefix, fingerprint, CHECKSUM_BLOCK_BYTES)
 
