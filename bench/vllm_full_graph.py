@@ -64,7 +64,8 @@ SLEEP_CYCLES = 100_000_000
 def percentiles(ms: list[float]) -> dict:
     values = np.array(ms)
     return {"n": len(values), "p50_ms": round(float(np.percentile(values, 50)), 4),
-            "p90_ms": round(float(np.percentile(values, 90)), 4), "max_ms": round(float(values.max()), 4)}
+            "p90_ms": round(float(np.percentile(values, 90)), 4), "p99_ms": round(float(np.percentile(values, 99)), 4),
+            "max_ms": round(float(values.max()), 4)}
 
 
 class ProxyStep:
