@@ -180,6 +180,8 @@ def main() -> None:
     parser.add_argument("--duplicates", action="store_true")
     parser.add_argument("--group-keyed", type=float, metavar="GROWTH")
     args = parser.parse_args()
+    if args.group_keyed is not None and not 0 < args.group_keyed <= 1:
+        parser.error("--group-keyed takes a file growth between 0 and 1")
     started = time.perf_counter()
     corpus = real_corpus.load()
     spec = NgramSpec.from_config(fixture_config(base=args.base))
