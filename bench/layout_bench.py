@@ -77,20 +77,42 @@ def evaluation_row_ids(spec: NgramSpec, tokens: np.ndarray, starts: np.ndarray):
         first = last
 
 
-class DuplicatedLayout:
-    """The --duplicates layout: every seen group's 8 rows on the page of the group, 3 groups a
-    page in hotness order; rows of no seen group follow in source order."""
+class GroupPages:
+    """Seen groups (hottest first) on pages of their own, 3 a page: each group's page, and the
+    groups by their key for a token's lookup."""
 
-    def __init__(self, profile, spec: NgramSpec, num_rows: int):
-        keys, orders = _hot_groups(profile, PARTS)
+    def __init__(self, keys: np.ndarray, orders: np.ndarray, spec: NgramSpec):
         self.groups = len(keys)
         groups_per_page = ROWS_PER_PAGE // spec.heads_per_ngram
         self.group_page = (np.arange(self.groups) // groups_per_page).astype(np.int32)
+        self.grouped_pages = -(-self.groups // groups_per_page)
         self.by_order = {}
         for order in np.unique(orders):
             chosen = np.flatnonzero(orders == order)
             by_key = np.argsort(keys[chosen])
             self.by_order[int(order)] = (keys[chosen][by_key], chosen[by_key])
+
+    def read_groups_from_their_pages(self, pages: np.ndarray, mixed: np.ndarray) -> np.ndarray:
+        """`pages` (per token, each of its 16 rows' page) with the rows of each placed group the
+        token's n-grams are read from that group's page."""
+        heads = pages.shape[1] // mixed.shape[1]
+        for column in range(mixed.shape[1]):
+            if column + 2 not in self.by_order:
+                continue
+            sorted_keys, group = self.by_order[column + 2]
+            where = np.minimum(np.searchsorted(sorted_keys, mixed[:, column]), len(sorted_keys) - 1)
+            seen = sorted_keys[where] == mixed[:, column]
+            pages[seen, column * heads:(column + 1) * heads] = self.group_page[group[where[seen]]][:, None]
+        return pages
+
+
+class DuplicatedLayout(GroupPages):
+    """The --duplicates layout: every seen group's 8 rows on the page of the group, 3 groups a
+    page in hotness order; rows of no seen group follow in source order."""
+
+    def __init__(self, profile, spec: NgramSpec, num_rows: int):
+        keys, orders = _hot_groups(profile, PARTS)
+        super().__init__(keys, orders, spec)
         # A row of an unseen n-gram is read from the hottest group's page holding it: assign the
         # coldest chunks first so hotter ones overwrite (and, inside a chunk, the hottest last).
         self.page_of_row = np.full(num_rows, -1, dtype=np.int32)
@@ -103,7 +125,6 @@ class DuplicatedLayout:
                 rows[chosen] = rows_of_mixed(keys[start:stop][chosen], int(order), spec)
             pages = np.repeat(self.group_page[start:stop], spec.heads_per_ngram)
             self.page_of_row[rows[::-1].reshape(-1)] = pages.reshape(-1, spec.heads_per_ngram)[::-1].reshape(-1)
-        self.grouped_pages = int(self.group_page[-1]) + 1 if self.groups else 0
         unseen = self.page_of_row < 0
         self.distinct_seen_rows = int(num_rows - np.count_nonzero(unseen))
         tail = int(np.count_nonzero(unseen))
@@ -112,47 +133,23 @@ class DuplicatedLayout:
 
     def pages(self, mixed: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Per token, the page of each of its 16 rows as this layout reads them."""
-        pages = self.page_of_row[rows]
-        heads = rows.shape[1] // mixed.shape[1]
-        for column in range(mixed.shape[1]):
-            sorted_keys, group = self.by_order[column + 2]
-            where = np.minimum(np.searchsorted(sorted_keys, mixed[:, column]), len(sorted_keys) - 1)
-            seen = sorted_keys[where] == mixed[:, column]
-            pages[seen, column * heads:(column + 1) * heads] = self.group_page[group[where[seen]]][:, None]
-        return pages
+        return self.read_groups_from_their_pages(self.page_of_row[rows], mixed)
 
 
-class GroupKeyedLayout:
+class GroupKeyedLayout(GroupPages):
     """The --group-keyed layout: the hottest groups copied onto pages of their own, then the table."""
 
     def __init__(self, profile, spec: NgramSpec, num_rows: int, growth: float):
         keys, orders = _hot_groups(profile, PARTS)
         placed = int(growth * num_rows) // spec.heads_per_ngram
-        keys, orders = keys[:placed], orders[:placed]
-        self.groups = len(keys)
-        groups_per_page = ROWS_PER_PAGE // spec.heads_per_ngram
-        self.group_page = (np.arange(self.groups) // groups_per_page).astype(np.int32)
-        self.grouped_pages = -(-self.groups // groups_per_page)
+        super().__init__(keys[:placed], orders[:placed], spec)
         self.table_pages = -(-num_rows // ROWS_PER_PAGE)
         self.map_bytes = 12 * self.groups
-        self.by_order = {}
-        for order in np.unique(orders):
-            chosen = np.flatnonzero(orders == order)
-            by_key = np.argsort(keys[chosen])
-            self.by_order[int(order)] = (keys[chosen][by_key], chosen[by_key])
 
     def pages(self, mixed: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Per token, the page of each of its 16 rows as this layout reads them."""
-        pages = (self.grouped_pages + rows // ROWS_PER_PAGE).astype(np.int64)
-        heads = rows.shape[1] // mixed.shape[1]
-        for column in range(mixed.shape[1]):
-            if column + 2 not in self.by_order:
-                continue
-            sorted_keys, group = self.by_order[column + 2]
-            where = np.minimum(np.searchsorted(sorted_keys, mixed[:, column]), len(sorted_keys) - 1)
-            seen = sorted_keys[where] == mixed[:, column]
-            pages[seen, column * heads:(column + 1) * heads] = self.group_page[group[where[seen]]][:, None]
-        return pages
+        return self.read_groups_from_their_pages((self.grouped_pages + rows // ROWS_PER_PAGE).astype(np.int64),
+                                                 mixed)
 
 
 def first_of_each_page(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
