@@ -147,10 +147,12 @@ class StepLookup:
             # The caller's current stream as a raw handle: a torch Stream object costs more to build
             # than the driver calls start and finish queue on it.
             self._current_stream = raw_stream_of(torch, self.device.index)
-            self._flag_address = self._flags.data_ptr()
-            self._ids_address = self._ids.data_ptr()
-            self._span_device = buffers.span.data_ptr()
-            self._span_host = buffers.host_span.data_ptr()
+            flags = self._flags.data_ptr()
+            self._flag_address = flags
+            # What a step's start and fetch queue, held by the helper: a call passes only what changes.
+            self._queue = _native.step_queue(self._side, self._fork, self._ids.data_ptr(), flags + 4 * REQUEST,
+                                             flags + 4 * READY, buffers.span.data_ptr(), buffers.host_span.data_ptr(),
+                                             buffers.capacity, buffers.row_bytes, buffers.index_at)
             buffers.index[:] = self._poison
         header = table.header
         self._descriptor = _disk_descriptor(table.descriptor)
@@ -184,15 +186,11 @@ class StepLookup:
         capture it always does."""
         if self._flags_array[FAILED]:  # the thread kept a failure: a word read, not a call per step
             self.check()
-        if ids.get_device() != self._device_index:
-            raise ValueError(f"ids on {ids.device}, this lookup serves {self.device}")
-        if ids.dtype is not torch.int64:
-            raise TypeError(f"row ids must be int64, not {ids.dtype}")
         if self._started is not None:
             raise RuntimeError("start() called again before finish() or drop() of the previous start()")
         count = ids.numel()
-        if not 0 < count <= self.capacity:
-            raise ValueError(f"{count} row ids: this lookup takes 1 to max_ids = {self.capacity}")
+        if ids.get_device() != self._device_index or ids.dtype is not torch.int64 or not 0 < count <= self.capacity:
+            self._refuse(ids, count)
         self._started = count
         if not self._cuda:
             self.host_ids[:count] = ids.reshape(-1).numpy()
@@ -203,19 +201,18 @@ class StepLookup:
         # Held until finish has joined the copy to the caller's stream, so the allocator cannot hand
         # their memory to that stream's work before (ids.record_stream costs more than the calls).
         self._held_ids = ids
-        low, high = self.buffers.span_of(count, count)
         # Beside the caller's work outside a capture, and in a capture whose graph holds the finish
         # (the compiled helper asks the driver whether the stream is being captured).
-        self._started_beside = _native.queue_step_start(
-            self._current_stream(), self._side, self._fork, self._ids_address, ids.data_ptr(), 8 * count,
-            self._flag_address + 4 * REQUEST, count, finish_in_same_graph, self._flag_address + 4 * READY,
-            self._span_device + low, self._span_host + low, high - low)
+        self._started_beside = _native.queue_step_start(self._queue, self._current_stream(), ids.data_ptr(),
+                                                        finish_in_same_graph, count)
 
-    def _queue_fetch(self, stream: int, count: int) -> None:
-        """Queue on `stream` the wait for the staged rows of `count` ids, READY's reset, their span's copy."""
-        low, high = self.buffers.span_of(count, count)
-        _native.queue_step_fetch(stream, self._flag_address + 4 * READY, self._span_device + low,
-                                 self._span_host + low, high - low)
+    def _refuse(self, ids: torch.Tensor, count: int) -> None:
+        """Raise why `ids` cannot be started."""
+        if ids.get_device() != self._device_index:
+            raise ValueError(f"ids on {ids.device}, this lookup serves {self.device}")
+        if ids.dtype is not torch.int64:
+            raise TypeError(f"row ids must be int64, not {ids.dtype}")
+        raise ValueError(f"{count} row ids: this lookup takes 1 to max_ids = {self.capacity}")
 
     def finish(self, count: int | None = None) -> torch.Tensor:
         """Queue the wait for the last start's rows and their index and decode: bf16 (count,
@@ -239,7 +236,7 @@ class StepLookup:
             capturing = _native.queue_step_finish(stream, self._side, self._done, launch)
         else:
             capturing = torch.cuda.is_current_stream_capturing()
-            self._queue_fetch(stream, started)
+            _native.queue_step_fetch(self._queue, stream, started)
         if capturing:
             return self._device_half(count, stream)
         if not launch:
@@ -290,7 +287,7 @@ class StepLookup:
         if self._started_beside:
             _native.queue_step_finish(stream, self._side, self._done, 0)
         else:
-            self._queue_fetch(stream, started)
+            _native.queue_step_fetch(self._queue, stream, started)
         self._held_ids = None
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:

@@ -91,65 +91,128 @@ static cuda_result capturing(void *stream, int *status)
     return result;
 }
 
-/* queue_step_start(stream, side, fork, target, source, bytes, flag, count, beside_in_capture,
- * ready_flag, span_target, span_source, span_bytes) -> whether it went beside: a step's start in
- * one call of the helper, a fraction of torch calls' cost on the H200's host (BENCHMARKS.md). The
- * copy of `bytes` from device address `source` into pinned `target` and the write of `count` into
- * pinned int32 `flag` (the request). Where `stream` is not being captured, or is and
- * `beside_in_capture` (the finish comes in the same graph), they go on `side` after a record of
- * event `fork` on `stream` (beside the caller's work that follows on `stream`; joined again by
- * queue_step_finish's `done`), followed there by the fetch of `span_bytes` from pinned span_source
- * to span_target; else on `stream`, and the finish queues the fetch (queue_step_fetch). */
-PyObject *queue_step_start(PyObject *self, PyObject *args)
+/* A step lookup's fixed addresses, so that a step's start and fetch pass only what changes: each
+ * argument parsed costs the host time on every step, most in the first call after an idle wait,
+ * whose caches are cold (BENCHMARKS.md, "Serving inside vLLM's CUDA graphs"). */
+typedef struct {
+    void *side, *fork;                 /* the lookup's side stream and its fork event */
+    void *ids_target;                  /* the pinned host copy of a step's ids */
+    unsigned long long request_flag, ready_flag;
+    unsigned long long span_device;    /* the device span (device/buffers.py), and its pinned mirror */
+    char *span_host;
+    Py_ssize_t capacity, row_bytes, index_at;
+} step_queue;
+#define STEP_QUEUE_CAPSULE "ple_prep.step_queue"
+
+static void step_queue_destroy(PyObject *capsule)
 {
-    void *stream, *side, *fork, *target, *span_source;
-    unsigned long long source, flag, ready_flag, span_target;
-    Py_ssize_t bytes, span_bytes;
-    unsigned int count;
-    int beside_in_capture, beside = 0;
-    if (!PyArg_ParseTuple(args, "O&O&O&O&KnKIpKKO&n", parse_pointer, &stream, parse_pointer, &side, parse_pointer,
-                          &fork, parse_pointer, &target, &source, &bytes, &flag, &count, &beside_in_capture,
-                          &ready_flag, &span_target, parse_pointer, &span_source, &span_bytes)
-        || memops_ready() != 0)
+    PyMem_Free(PyCapsule_GetPointer(capsule, STEP_QUEUE_CAPSULE));
+}
+
+/* step_queue(side, fork, ids_target, request_flag, ready_flag, span_device, span_host, capacity,
+ * row_bytes, index_at) -> a capsule holding them (the handles stay the caller's: step_handles). */
+PyObject *new_step_queue(PyObject *self, PyObject *args)
+{
+    step_queue made;
+    if (!PyArg_ParseTuple(args, "O&O&O&KKKO&nnn", parse_pointer, &made.side, parse_pointer, &made.fork,
+                          parse_pointer, &made.ids_target, &made.request_flag, &made.ready_flag, &made.span_device,
+                          parse_pointer, &made.span_host, &made.capacity, &made.row_bytes, &made.index_at))
         return NULL;
-    if (bytes < 0 || span_bytes < 0) {
-        PyErr_SetString(PyExc_ValueError, "queue_step_start: bytes < 0");
+    if (made.capacity < 1 || made.row_bytes < 1 || made.index_at < made.capacity * made.row_bytes) {
+        PyErr_SetString(PyExc_ValueError, "step_queue: the span's layout is inconsistent");
         return NULL;
     }
+    step_queue *queue = PyMem_Malloc(sizeof(*queue));
+    if (!queue)
+        return PyErr_NoMemory();
+    *queue = made;
+    PyObject *capsule = PyCapsule_New(queue, STEP_QUEUE_CAPSULE, step_queue_destroy);
+    if (!capsule)
+        PyMem_Free(queue);
+    return capsule;
+}
+
+/* A fast call's queue (its first argument), raw `stream` (its second) and `count` (its last). */
+static step_queue *parse_step_call(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t wanted, const char *name,
+                                   void **stream, Py_ssize_t *count)
+{
+    if (nargs != wanted) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, wanted, nargs);
+        return NULL;
+    }
+    step_queue *queue = PyCapsule_GetPointer(args[0], STEP_QUEUE_CAPSULE);
+    if (!queue || !parse_pointer(args[1], stream))
+        return NULL;
+    *count = PyLong_AsSsize_t(args[nargs - 1]);
+    if (*count == -1 && PyErr_Occurred())
+        return NULL;
+    if (*count < 1 || *count >= queue->capacity) { /* the span's first staging row is never staged into */
+        PyErr_Format(PyExc_ValueError, "%s: %zd ids, this lookup takes 1 to %zd", name, *count, queue->capacity - 1);
+        return NULL;
+    }
+    if (memops_ready() != 0)
+        return NULL;
+    return queue;
+}
+
+/* The staged span of `count` ids (their rows, from the span's end, and their index) to the device,
+ * after the wait for READY and its reset, on `stream`; the request's write first unless `request` is 0. */
+static cuda_result queue_span_fetch(const step_queue *queue, void *stream, Py_ssize_t count, int request)
+{
+    Py_ssize_t low = (queue->capacity - count) * queue->row_bytes, high = queue->index_at + 4 * count;
+    return queue_fetch(stream, request ? queue->request_flag : 0, (uint32_t)count, queue->ready_flag,
+                       queue->span_device + (unsigned long long)low, queue->span_host + low, high - low);
+}
+
+/* queue_step_start(queue, stream, ids, beside_in_capture, count) -> whether it went beside: a step's
+ * start in one call of the helper, a fraction of torch calls' cost on the H200's host (BENCHMARKS.md).
+ * The copy of `count` int64 ids from device address `ids` into the queue's pinned ids and the write of
+ * `count` into its request flag. Where `stream` is not being captured, or is and `beside_in_capture`
+ * (the finish comes in the same graph), they go on the side stream after a record of the fork event
+ * on `stream` (beside the caller's work that follows on `stream`; joined again by
+ * queue_step_finish), followed there by the fetch of the staged span; else on `stream`, and the
+ * finish queues the fetch (queue_step_fetch). */
+PyObject *queue_step_start(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    void *stream;
+    Py_ssize_t count;
+    step_queue *queue = parse_step_call(args, nargs, 5, "queue_step_start", &stream, &count);
+    if (!queue)
+        return NULL;
+    unsigned long long ids = PyLong_AsUnsignedLongLong(args[2]);
+    int beside_in_capture = PyObject_IsTrue(args[3]);
+    if (PyErr_Occurred() || beside_in_capture < 0)
+        return NULL;
+    int beside = 0;
     cuda_result result = capturing(stream, &beside);
     beside = !beside || beside_in_capture;
     void *on = stream;
     if (result == 0 && beside) {
-        result = cuda.event_record(fork, stream);
+        result = cuda.event_record(queue->fork, stream);
         if (result == 0)
-            result = cuda.stream_wait_event(side, fork, 0);
-        on = side;
+            result = cuda.stream_wait_event(queue->side, queue->fork, 0);
+        on = queue->side;
     }
     if (result == 0)
-        result = cuda.copy_to_host(target, source, (size_t)bytes, on);
+        result = cuda.copy_to_host(queue->ids_target, ids, (size_t)count * 8, on);
     if (result == 0 && beside)
-        result = queue_fetch(side, flag, count, ready_flag, span_target, span_source, span_bytes);
+        result = queue_span_fetch(queue, on, count, 1);
     else if (result == 0)
-        result = write_value32(on, flag, count, 0);
+        result = write_value32(on, queue->request_flag, (uint32_t)count, 0);
     if (result != 0)
         return PyErr_Format(PyExc_RuntimeError, "queueing a step's start failed (CUDA error %d)", result);
     return PyBool_FromLong(beside);
 }
 
-/* queue_step_fetch(stream, ready_flag, target, source, bytes): the fetch above, on `stream`. */
-PyObject *queue_step_fetch(PyObject *self, PyObject *args)
+/* queue_step_fetch(queue, stream, count): the fetch above, on `stream`. */
+PyObject *queue_step_fetch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    void *stream, *source;
-    unsigned long long ready_flag, target;
-    Py_ssize_t bytes;
-    if (!PyArg_ParseTuple(args, "O&KKO&n", parse_pointer, &stream, &ready_flag, &target, parse_pointer, &source,
-                          &bytes) || memops_ready() != 0)
+    void *stream;
+    Py_ssize_t count;
+    step_queue *queue = parse_step_call(args, nargs, 3, "queue_step_fetch", &stream, &count);
+    if (!queue)
         return NULL;
-    if (bytes < 0) {
-        PyErr_SetString(PyExc_ValueError, "queue_step_fetch: bytes < 0");
-        return NULL;
-    }
-    cuda_result result = queue_fetch(stream, 0, 0, ready_flag, target, source, bytes);
+    cuda_result result = queue_span_fetch(queue, stream, count, 0);
     if (result != 0)
         return PyErr_Format(PyExc_RuntimeError, "queueing a step's fetch failed (CUDA error %d)", result);
     Py_RETURN_NONE;

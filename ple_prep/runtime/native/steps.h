@@ -9,8 +9,9 @@ PyObject *step_service(PyObject *self, PyObject *args);
 PyObject *step_service_stop(PyObject *self, PyObject *args);
 PyObject *step_service_stats(PyObject *self, PyObject *args);
 PyObject *step_service_error(PyObject *self, PyObject *args);
-PyObject *queue_step_start(PyObject *self, PyObject *args);
-PyObject *queue_step_fetch(PyObject *self, PyObject *args);
+PyObject *new_step_queue(PyObject *self, PyObject *args);
+PyObject *queue_step_start(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *queue_step_fetch(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *queue_step_arrival(PyObject *self, PyObject *args);
 PyObject *queue_step_finish(PyObject *self, PyObject *args);
 PyObject *step_handles(PyObject *self, PyObject *args);
@@ -23,8 +24,11 @@ PyObject *launch_graph(PyObject *self, PyObject *args);
     {"step_service_stop", step_service_stop, METH_VARARGS, "Stop and join a step service's thread."}, \
     {"step_service_stats", step_service_stats, METH_VARARGS, "A step service's counters since its start."}, \
     {"step_service_error", step_service_error, METH_VARARGS, "A step service's first failure since the last."}, \
-    {"queue_step_start", queue_step_start, METH_VARARGS, "A step's ids copy to pinned memory and its request."}, \
-    {"queue_step_fetch", queue_step_fetch, METH_VARARGS, "A step's wait for its staged rows, then their copy."}, \
+    {"step_queue", new_step_queue, METH_VARARGS, "A step lookup's fixed addresses, for its start and fetch."}, \
+    {"queue_step_start", (PyCFunction)(void (*)(void))queue_step_start, METH_FASTCALL, \
+     "A step's ids copy to pinned memory and its request."}, \
+    {"queue_step_fetch", (PyCFunction)(void (*)(void))queue_step_fetch, METH_FASTCALL, \
+     "A step's wait for its staged rows, then their copy."}, \
     {"queue_step_arrival", queue_step_arrival, METH_VARARGS, "A step's arrival at the PLE layer, marked beside."}, \
     {"queue_step_finish", queue_step_finish, METH_VARARGS, "A step's side stream joined to the caller's."}, \
     {"step_handles", step_handles, METH_VARARGS, "A step lookup's own CUDA streams and events."}, \
