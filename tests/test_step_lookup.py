@@ -217,6 +217,24 @@ def test_bad_calls_are_refused(table):
         lookup.close()
 
 
+def test_the_helpers_step_queue_refuses_a_bad_layout_count_or_call_before_any_driver_call():
+    native = pytest.importorskip("ple_prep.runtime._native")
+    pinned = np.zeros(64, dtype=np.uint8)
+    address = pinned.ctypes.data
+    with pytest.raises(ValueError, match="inconsistent"):  # the index would overlap the staging rows
+        native.step_queue(1, 2, address, address, address + 4, 0, address, 8, 160, 8 * 160 - 4)
+    queue = native.step_queue(1, 2, address, address, address + 4, 0, address, 8, 160, 8 * 160)
+    for count in (0, 8):  # one staging row holds the poison row: 7 ids at most
+        with pytest.raises(ValueError, match=f"{count} ids, this lookup takes 1 to 7"):
+            native.queue_step_start(queue, 3, 4, False, count)
+        with pytest.raises(ValueError, match=f"{count} ids, this lookup takes 1 to 7"):
+            native.queue_step_fetch(queue, 3, count)
+    with pytest.raises(TypeError, match="takes 5 arguments .4 given."):
+        native.queue_step_start(queue, 3, 4, 1)
+    with pytest.raises(ValueError):  # not a step queue
+        native.queue_step_fetch(object(), 3, 1)
+
+
 def each_replay_serves_its_step(table, lookup, ids_buffer, consumer, replay, seeds) -> None:
     """Per seed: new ids in `ids_buffer`, every buffer poisoned, `replay()`; `consumer` then holds
     the table's values of those ids."""
