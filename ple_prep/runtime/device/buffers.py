@@ -62,7 +62,8 @@ class DeviceBuffers:
         self.output = torch.empty((capacity, table.values_per_row), dtype=torch.bfloat16, device=device)
 
     def span_of(self, disk: int, count: int) -> tuple[int, int]:
-        """Bytes [low, high) of the span a request of `count` positions with `disk` staged rows uses."""
+        """Bytes [low, high) of the span a request of `count` positions with `disk` staged rows uses
+        (runtime/native/memops.c computes the same for a step lookup's fetch)."""
         return (self.capacity - disk) * self.row_bytes, self.index_at + 4 * count
 
     def launch_copy(self, span: tuple[int, int], stream) -> None:

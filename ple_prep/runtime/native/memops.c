@@ -93,12 +93,12 @@ static cuda_result capturing(void *stream, int *status)
 
 /* A step lookup's fixed addresses, so that a step's start and fetch pass only what changes: each
  * argument parsed costs the host time on every step, most in the first call after an idle wait,
- * whose caches are cold (BENCHMARKS.md, "Serving inside vLLM's CUDA graphs"). */
+ * whose caches are cold (docs/benchmark-history.md, "A start that passes the helper only what changes"). */
 typedef struct {
     void *side, *fork;                 /* the lookup's side stream and its fork event */
     void *ids_target;                  /* the pinned host copy of a step's ids */
     unsigned long long request_flag, ready_flag;
-    unsigned long long span_device;    /* the device span (device/buffers.py), and its pinned mirror */
+    unsigned long long span_device;    /* the device span (DeviceBuffers.span_of's layout), and its pinned mirror */
     char *span_host;
     Py_ssize_t capacity, row_bytes, index_at;
 } step_queue;
