@@ -219,8 +219,8 @@ def test_bad_calls_are_refused(table):
 
 def test_the_helpers_step_queue_refuses_a_bad_layout_count_or_call_before_any_driver_call():
     native = pytest.importorskip("ple_prep.runtime._native")
-    pinned = np.zeros(64, dtype=np.uint8)
-    address = pinned.ctypes.data
+    memory = np.zeros(64, dtype=np.uint8)  # host addresses the queue only holds: nothing is queued
+    address = memory.ctypes.data
     with pytest.raises(ValueError, match="inconsistent"):  # the index would overlap the staging rows
         native.step_queue(1, 2, address, address, address + 4, 0, address, 8, 160, 8 * 160 - 4)
     queue = native.step_queue(1, 2, address, address, address + 4, 0, address, 8, 160, 8 * 160)
