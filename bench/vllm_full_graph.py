@@ -351,6 +351,26 @@ def queued_sleep_ms() -> float:
     return begin.elapsed_time(end)
 
 
+def after_sync_reference(calls: int) -> dict:
+    """Host ms of the cheapest torch calls at the moment `after_sync` times start: after a synchronize
+    and one sleep kernel queued (the floor any call pays there): `torch.cuda.current_stream()` (no
+    driver call) and one small kernel's launch, each the first call after the sleep's launch."""
+    scratch = torch.zeros(16, device="cuda")
+    report = {}
+    for name, call in (("torch_current_stream", torch.cuda.current_stream),
+                       ("kernel_launch", lambda: scratch.add_(1))):
+        times = []
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(SLEEP_CYCLES)
+            began = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - began) * 1e3)
+        torch.cuda.synchronize()
+        report[name] = percentiles(times)
+    return report
+
+
 def host_section(lookup, table, decode: list[np.ndarray], chunks: list[np.ndarray], proxy: ProxyStep | None,
                  reshape: bool = False) -> dict:
     """Host ms of start, finish and a replay's launch while the GPU has >= 50 ms of queued work
@@ -362,7 +382,7 @@ def host_section(lookup, table, decode: list[np.ndarray], chunks: list[np.ndarra
     sleeps' time less the host's since they were queued), and some of the steps' values are checked
     bit for bit once the device has served them."""
     sleep_ms = queued_sleep_ms()
-    report = {"sleep_kernel_ms": round(sleep_ms, 2)}
+    report = {"sleep_kernel_ms": round(sleep_ms, 2), "after_sync_reference": after_sync_reference(50)}
     for name, requests, blocks in (("decode", decode[:50], 4), ("chunk", chunks[:12], 4)):
         as_ids = [torch.from_numpy(ids.copy() if reshape else ids.reshape(-1).copy()).cuda() for ids in requests]
         starts, finishes, busy = [], [], True
