@@ -1,6 +1,7 @@
 """Disk page reads per 1,000 tokens: access-ordered layout against the checkpoint's own layout.
 
 Run: flock /tmp/ple-bench.lock python bench/layout_bench.py [--map-fraction F] [--base B] [--duplicates]
+     [--group-keyed G] [--split-copies G [--group-map-bytes B]]
 (F: most RAM the row-order map's lookup index may cost, as a fraction of the table, default 0.015;
 B: `ngram_vocab_size_base`, 20,000,000 for the real geometry, 2,500,000 for 1/8 of it.)
 
@@ -31,6 +32,13 @@ seen groups, as many as copying their 8 rows grows the file by the fraction G, e
 page (3 groups a page, hottest first), then the whole table in source order (25 rows a page). A
 token's group is found by its key in a map of the placed groups (12 bytes a group, charged: a
 64-bit key of its rows and its number), else its rows are read from the table's copy.
+
+--split-copies G adds the per-row layout with copies (not built: measured to decide): the seen
+groups the plan splits over more than one page, most page reads saved per copied row first (the
+profile's count times the pages beyond one, over the rows not on the group's home page), get their
+missing rows copied onto their home page as far as a file growth of G, found by a map of the
+copied groups (--group-map-bytes a group, default 12: a 64-bit key and a slot), charged with the
+per-row map's index. Optimistic: the home page is taken to have room for the copies.
 """
 from __future__ import annotations
 
@@ -152,6 +160,48 @@ class GroupKeyedLayout(GroupPages):
                                                  mixed)
 
 
+class SplitCopiesLayout(GroupPages):
+    """The --split-copies layout: the planned per-row order, and copies of the rows of the seen
+    groups it splits over pages, most page reads saved a copy first, as far as a file growth of
+    `growth`: each copied group read from one page, its home (the page holding most of its rows,
+    which is taken to have room for its copies: optimistic)."""
+
+    def __init__(self, profile, spec: NgramSpec, slot_of_row: np.ndarray, growth: float, map_bytes: float):
+        keys, orders, counts = _hot_groups(profile, PARTS, with_counts=True)
+        rows = np.empty((len(keys), spec.heads_per_ngram), dtype=np.int64)
+        for order in np.unique(orders):
+            chosen = orders == order
+            rows[chosen] = rows_of_mixed(keys[chosen], int(order), spec)
+        pages = np.sort(slot_of_row[rows] // ROWS_PER_PAGE, axis=1)
+        del rows
+        # Each group's longest run of one page in its sorted pages: its home and the rows there.
+        fresh = np.ones(pages.shape, dtype=bool)
+        fresh[:, 1:] = pages[:, 1:] != pages[:, :-1]
+        home, at_home = pages[:, 0].copy(), np.zeros(len(keys), dtype=np.int64)
+        current, length = home.copy(), np.zeros(len(keys), dtype=np.int64)
+        for column in range(pages.shape[1]):
+            current = np.where(fresh[:, column], pages[:, column], current)
+            length = np.where(fresh[:, column], 1, length + 1)
+            longer = length > at_home
+            home, at_home = np.where(longer, current, home), np.where(longer, length, at_home)
+        distinct = np.count_nonzero(fresh, axis=1)
+        copies = spec.heads_per_ngram - at_home
+        split = np.flatnonzero(distinct > 1)
+        saved_per_copy = counts[split] * (distinct[split] - 1) / copies[split]
+        by_saving = split[np.argsort(-saved_per_copy, kind="stable")]
+        copied = by_saving[:int(np.searchsorted(np.cumsum(copies[by_saving]), growth * len(slot_of_row),
+                                                side="right"))]
+        super().__init__(keys[copied], orders[copied], spec)
+        self.group_page = home[copied]
+        self.copied_rows = int(copies[copied].sum())
+        self.split_groups = len(split)
+        self.map_bytes = int(map_bytes * self.groups)
+
+    def pages(self, slot_of_row: np.ndarray, mixed: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Per token, the page of each of its 16 rows as this layout reads them."""
+        return self.read_groups_from_their_pages(slot_of_row[rows] // ROWS_PER_PAGE, mixed)
+
+
 def first_of_each_page(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per token (a row of `pages`; -1 = no page), its pages sorted and a mask of each distinct one."""
     pages = np.sort(pages, axis=1)
@@ -176,9 +226,12 @@ def main() -> None:
     parser.add_argument("--base", type=int, default=20_000_000)
     parser.add_argument("--duplicates", action="store_true")
     parser.add_argument("--group-keyed", type=float, metavar="GROWTH")
+    parser.add_argument("--split-copies", type=float, metavar="GROWTH")
+    parser.add_argument("--group-map-bytes", type=float, default=12.0)
     args = parser.parse_args()
-    if args.group_keyed is not None and not 0 < args.group_keyed <= 1:
-        parser.error("--group-keyed takes a file growth between 0 and 1")
+    for name in ("group_keyed", "split_copies"):
+        if getattr(args, name) is not None and not 0 < getattr(args, name) <= 1:
+            parser.error(f"--{name.replace('_', '-')} takes a file growth between 0 and 1")
     started = time.perf_counter()
     corpus = real_corpus.load()
     spec = NgramSpec.from_config(fixture_config(base=args.base))
@@ -237,6 +290,8 @@ def main() -> None:
     tokens = 0
     duplicated = DuplicatedLayout(profile, spec, num_rows) if args.duplicates else None
     keyed = None if args.group_keyed is None else GroupKeyedLayout(profile, spec, num_rows, args.group_keyed)
+    copies = None if args.split_copies is None else SplitCopiesLayout(profile, spec, slot_of_row, args.split_copies,
+                                                                     args.group_map_bytes)
     for mixed, row_ids in evaluation_row_ids(spec, *corpus["evaluation"]):
         tokens += len(row_ids)
         if duplicated is not None:
@@ -250,6 +305,12 @@ def main() -> None:
                 resident = max(0, int(fraction * table_bytes) - keyed.map_bytes) // PAGE_SIZE
                 budget["group_keyed"] = budget.get("group_keyed", 0) + int(
                     np.count_nonzero(keyed_fresh & (keyed_sorted >= resident)))
+        if copies is not None:
+            copies_sorted, copies_fresh = first_of_each_page(copies.pages(slot_of_row, mixed, row_ids))
+            for fraction, budget in budgets.items():
+                resident = max(0, int(fraction * table_bytes) - index_bytes - copies.map_bytes) // PAGE_SIZE
+                budget["split_copies"] = budget.get("split_copies", 0) + int(
+                    np.count_nonzero(copies_fresh & (copies_sorted >= resident)))
         prepared_page = slot_of_row[row_ids] // ROWS_PER_PAGE
         prepared_sorted, prepared_fresh = first_of_each_page(prepared_page.reshape(row_ids.shape))
         byte = row_ids * ROW_BYTES
@@ -288,9 +349,14 @@ def main() -> None:
     if keyed is not None:
         result["group_keyed"] = {"groups": keyed.groups, "map_bytes": keyed.map_bytes,
                                  "file_growth": round(keyed.grouped_pages / keyed.table_pages, 4)}
+    if copies is not None:
+        result["split_copies"] = {"split_groups": copies.split_groups, "copied_groups": copies.groups,
+                                  "copied_rows": copies.copied_rows, "group_map_bytes": copies.map_bytes,
+                                  "file_growth": round(copies.copied_rows / num_rows, 4)}
     for fraction, budget in budgets.items():
         per_k = {key: round(1000 * budget[key] / tokens, 1)
-                 for key in ("prepared", "prepared_charged", "checkpoint", "duplicated", "group_keyed")
+                 for key in ("prepared", "prepared_charged", "checkpoint", "duplicated", "group_keyed",
+                             "split_copies")
                  if key in budget}
         result["budgets"].append({
             "budget": f"{fraction:.0%}", "resident_bytes": budget["resident_pages"] * PAGE_SIZE,
@@ -301,6 +367,8 @@ def main() -> None:
                if "duplicated" in budget else {}),
             **({"ratio_group_keyed_map_charged": round(budget["group_keyed"] / budget["checkpoint"], 3)}
                if "group_keyed" in budget else {}),
+            **({"ratio_split_copies_maps_charged": round(budget["split_copies"] / budget["checkpoint"], 3)}
+               if "split_copies" in budget else {}),
             "row_hit_fraction": {"prepared": round(budget["prepared_row_hits"] / (16 * tokens), 4),
                                  "checkpoint": round(budget["checkpoint_row_hits"] / (16 * tokens), 4)},
         })

@@ -257,6 +257,9 @@ def test_groups_of_both_parts_rank_by_their_summed_counts(source_and_profile):
     expected = sorted(summed, key=lambda group: (-summed[group], group[0], group[1]))
     keys, orders = _hot_groups(profile, ("train", "heldout"))
     assert list(zip(orders.tolist(), keys.tolist())) == expected
+    *same, counts = _hot_groups(profile, ("train", "heldout"), with_counts=True)
+    assert np.array_equal(same[0], keys) and np.array_equal(same[1], orders)
+    assert counts.tolist() == [summed[group] for group in expected]
 
 
 def _merged_groups(profile):

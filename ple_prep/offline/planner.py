@@ -98,9 +98,10 @@ def _summed(pieces: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np
     return values, counts
 
 
-def _hot_groups(profile: Profile, parts: tuple[str, ...] = ("train",)) -> tuple[np.ndarray, np.ndarray]:
+def _hot_groups(profile: Profile, parts: tuple[str, ...] = ("train",), *,
+                with_counts: bool = False) -> tuple[np.ndarray, ...]:
     """The groups of these parts of the profile, their counts summed, hottest first (ties: lower
-    order, then hash): their mixed hashes (uint64) and orders (uint8)."""
+    order, then hash): their mixed hashes (uint64) and orders (uint8), and their counts if asked."""
     keys, counts, orders = [], [], []
     for order in sorted({order for part in parts for order in profile.parts[part].groups}):
         values, group_counts = _summed([profile.parts[part].groups[order] for part in parts
@@ -109,11 +110,11 @@ def _hot_groups(profile: Profile, parts: tuple[str, ...] = ("train",)) -> tuple[
         counts.append(group_counts)
         orders.append(np.full(len(values), order, dtype=np.uint8))
     if not keys:
-        return np.zeros(0, np.uint64), np.zeros(0, np.uint8)
+        return (np.zeros(0, np.uint64), np.zeros(0, np.uint8)) + ((np.zeros(0, np.uint64),) if with_counts else ())
     keys, counts, orders = np.concatenate(keys), np.concatenate(counts), np.concatenate(orders)
     hottest = np.lexsort((keys, orders, ~counts))
-    del counts
-    return keys[hottest], orders[hottest]
+    counts = (counts[hottest],) if with_counts else ()  # else freed before the keys are reordered
+    return (keys[hottest], orders[hottest]) + counts
 
 
 def _group_rows(keys: np.ndarray, orders: np.ndarray, spec, first_row: int, num_rows: int) -> np.ndarray:
