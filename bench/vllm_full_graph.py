@@ -351,58 +351,78 @@ def queued_sleep_ms() -> float:
     return begin.elapsed_time(end)
 
 
-def after_sync_reference(calls: int) -> dict:
-    """Host ms of the cheapest torch calls at the moment `after_sync` times start: after a synchronize
-    and one sleep kernel queued (the floor any call pays there): `torch.cuda.current_stream()` (no
-    driver call) and one small kernel's launch, each the first call after the sleep's launch."""
+def poll_stream() -> None:
+    """Wait for the current stream's work by polling it from Python (the thread never leaves the CPU)."""
+    stream = torch.cuda.current_stream()
+    while not stream.query():
+        pass
+
+
+def after_sync_reference(calls: int, sleep_ms: float) -> dict:
+    """Host ms of the cheapest torch calls at the moment `after_sync` times start, each the first call
+    after one sleep kernel's launch (the floor any call pays there): `torch.cuda.current_stream()` (no
+    driver call) and one small kernel's launch; after three ways of waiting as long: the device's
+    synchronize (`after_sync`'s), a host sleep, and `poll_stream`."""
     scratch = torch.zeros(16, device="cuda")
+    waits = {"synchronize": torch.cuda.synchronize, "host_sleep": lambda: time.sleep(sleep_ms / 1e3),
+             "python_poll": poll_stream}
     report = {}
-    for name, call in (("torch_current_stream", torch.cuda.current_stream),
-                       ("kernel_launch", lambda: scratch.add_(1))):
-        times = []
-        for _ in range(calls):
+    for wait_name, wait in waits.items():
+        for name, call in (("torch_current_stream", torch.cuda.current_stream),
+                           ("kernel_launch", lambda: scratch.add_(1))):
+            times = []
+            for _ in range(calls):
+                torch.cuda._sleep(SLEEP_CYCLES)
+                wait()
+                torch.cuda._sleep(SLEEP_CYCLES)
+                began = time.perf_counter()
+                call()
+                times.append((time.perf_counter() - began) * 1e3)
             torch.cuda.synchronize()
-            torch.cuda._sleep(SLEEP_CYCLES)
-            began = time.perf_counter()
-            call()
-            times.append((time.perf_counter() - began) * 1e3)
-        torch.cuda.synchronize()
-        report[name] = percentiles(times)
+            report[f"{name}_after_{wait_name}"] = percentiles(times)
     return report
 
 
 def host_section(lookup, table, decode: list[np.ndarray], chunks: list[np.ndarray], proxy: ProxyStep | None,
                  reshape: bool = False) -> dict:
     """Host ms of start, finish and a replay's launch while the GPU has >= 50 ms of queued work
-    (`lookup`: a StepLookup, or the plugin's PrefetchedRows with (tokens, 16) ids), two ways.
+    (`lookup`: a StepLookup, or the plugin's PrefetchedRows with (tokens, 16) ids), three ways.
     `after_sync`: each call on its own, after a synchronize and one sleep kernel queued (the host's
-    caches as an idle wait leaves them). `back_to_back`: blocks of calls one after another behind
+    caches as an idle wait leaves them); `after_python_poll`: the same after `poll_stream` instead.
+    `back_to_back`: blocks of calls one after another behind
     three sleep kernels, as vLLM's host thread runs ahead of the device under asynchronous
     scheduling; `least_queued_ms` is the GPU work still queued at the last call of any block (the
     sleeps' time less the host's since they were queued), and some of the steps' values are checked
     bit for bit once the device has served them."""
     sleep_ms = queued_sleep_ms()
-    report = {"sleep_kernel_ms": round(sleep_ms, 2), "after_sync_reference": after_sync_reference(50)}
+    report = {"sleep_kernel_ms": round(sleep_ms, 2), "after_sync_reference": after_sync_reference(30, sleep_ms)}
     for name, requests, blocks in (("decode", decode[:50], 4), ("chunk", chunks[:12], 4)):
         as_ids = [torch.from_numpy(ids.copy() if reshape else ids.reshape(-1).copy()).cuda() for ids in requests]
-        starts, finishes, busy = [], [], True
-        for device_ids in as_ids[:1] + as_ids:  # the first of each size once more: its eager graph captured
-            torch.cuda.synchronize()
-            torch.cuda._sleep(SLEEP_CYCLES)
-            began = time.perf_counter()
-            lookup.start(device_ids)
-            middle = time.perf_counter()
-            lookup.finish()
-            ended = time.perf_counter()
-            busy &= not torch.cuda.current_stream().query()
-            starts.append((middle - began) * 1e3)
-            finishes.append((ended - middle) * 1e3)
-        torch.cuda.synchronize()
-        after_sync = {"start": percentiles(starts[1:]), "finish": percentiles(finishes[1:]), "gpu_still_busy": busy}
-        starts, finishes, least, exact = [], [], float("inf"), True
-        history = torch.empty((len(as_ids), as_ids[0].numel() * table.values_per_row), dtype=torch.bfloat16,
-                              device="cuda")
-        for _ in range(blocks):
+        busy = True
+        alone = {}
+        for wait_name, wait in (("after_sync", torch.cuda.synchronize), ("after_python_poll", poll_stream)):
+            starts, finishes = [], []
+            for device_ids in as_ids[:1] + as_ids:  # the first of each size once more: its eager graph captured
+                wait()
+                torch.cuda._sleep(SLEEP_CYCLES)
+                began = time.perf_counter()
+                lookup.start(device_ids)
+                middle = time.perf_counter()
+                lookup.finish()
+                ended = time.perf_counter()
+                busy &= not torch.cuda.current_stream().query()
+                starts.append((middle - began) * 1e3)
+                finishes.append((ended - middle) * 1e3)
+            alone[wait_name] = {"start": percentiles(starts[1:]), "finish": percentiles(finishes[1:])}
+        alone["gpu_still_busy"] = busy
+        starts, finishes, least = [], [], float("inf")
+        # Some steps' values, checked once every block has run: a check between blocks (its decode of
+        # the table's rows on the host) would leave the next block's first call a host whose caches
+        # that check filled.
+        checked = range(0, len(requests), 7)
+        history = torch.empty((blocks, len(checked), as_ids[0].numel() * table.values_per_row),
+                              dtype=torch.bfloat16, device="cuda")
+        for block in range(blocks):
             torch.cuda.synchronize()
             for _ in range(3):
                 torch.cuda._sleep(SLEEP_CYCLES)
@@ -413,18 +433,24 @@ def host_section(lookup, table, decode: list[np.ndarray], chunks: list[np.ndarra
                 middle = time.perf_counter()
                 values = lookup.finish()
                 ended = time.perf_counter()
-                history[k].copy_(values.reshape(-1))
+                if k % 7 == 0:
+                    history[block, k // 7].copy_(values.reshape(-1))
                 starts.append((middle - began) * 1e3)
                 finishes.append((ended - middle) * 1e3)
             least = min(least, 3 * sleep_ms - (time.perf_counter() - queued) * 1e3)
             busy &= not torch.cuda.current_stream().query()
-            torch.cuda.synchronize()
-            lookup.check()
-            for k in range(0, len(requests), 7):
-                got = history[k].cpu().view(torch.int16).numpy().view(np.uint16)
-                exact &= bool(np.array_equal(got, bf16_bits(table, requests[k].reshape(-1)).reshape(-1)))
-        report[name] = {"after_sync": after_sync,
+        torch.cuda.synchronize()
+        lookup.check()
+        expected = [bf16_bits(table, requests[k].reshape(-1)).reshape(-1) for k in checked]
+        exact = all(np.array_equal(history[block, j].cpu().view(torch.int16).numpy().view(np.uint16), want)
+                    for block in range(blocks) for j, want in enumerate(expected))
+        # The first call of a block follows the synchronize that ended the block before.
+        first = [starts[b * len(as_ids)] for b in range(blocks)]
+        others = [ms for k, ms in enumerate(starts) if k % len(as_ids)]
+        report[name] = {**alone,
                         "back_to_back": {"start": percentiles(starts), "finish": percentiles(finishes),
+                                         "start_first_of_block": percentiles(first),
+                                         "start_after_first": percentiles(others),
                                          "least_queued_ms": round(least, 1), "gpu_still_busy": busy,
                                          "bit_exact": exact}}
     if proxy is None:
