@@ -383,13 +383,62 @@ def after_sync_reference(calls: int, sleep_ms: float) -> dict:
     return report
 
 
+def busy_python(ms: float) -> None:
+    """Python work for `ms` (a loop on the clock), as vLLM's host has its own between two steps."""
+    until = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < until:
+        pass
+
+
+def continuous_calls(lookup, table, requests: list[np.ndarray], as_ids: list[torch.Tensor], calls: int,
+                     gap_ms: float, sleep_ms: float) -> dict:
+    """start and finish with the GPU never drained: sleep kernels queued ahead so that at least 150
+    ms of GPU work stays queued at every call, `gap_ms` of Python between two calls and no wait of
+    the host at all (a wait for the device, any kind, leaves the next calls of each code path slow:
+    docs/benchmark-history.md); every 50th call's values checked bit for bit at the end."""
+    starts, finishes, queued_ms, least = [], [], 0.0, float("inf")
+    checked = list(range(0, calls, 50))
+    history = torch.empty((len(checked), as_ids[0].numel() * table.values_per_row), dtype=torch.bfloat16,
+                          device="cuda")
+    torch.cuda.synchronize()
+    clock = time.perf_counter()
+    for k in range(calls):
+        now = time.perf_counter()
+        queued_ms, clock = max(0.0, queued_ms - (now - clock) * 1e3), now
+        while queued_ms < 150 + 2 * gap_ms:
+            torch.cuda._sleep(SLEEP_CYCLES)
+            queued_ms += sleep_ms
+        busy_python(gap_ms)
+        began = time.perf_counter()
+        least = min(least, queued_ms - (began - clock) * 1e3)
+        lookup.start(as_ids[k % len(as_ids)])
+        middle = time.perf_counter()
+        values = lookup.finish()
+        ended = time.perf_counter()
+        if k % 50 == 0:
+            history[k // 50].copy_(values.reshape(-1))
+        starts.append((middle - began) * 1e3)
+        finishes.append((ended - middle) * 1e3)
+    busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    lookup.check()
+    exact = all(np.array_equal(history[j].cpu().view(torch.int16).numpy().view(np.uint16),
+                               bf16_bits(table, requests[k % len(requests)].reshape(-1)).reshape(-1))
+                for j, k in enumerate(checked))
+    over = sum(ms > 0.1 for ms in starts) + sum(ms > 0.1 for ms in finishes)
+    return {"start": percentiles(starts), "finish": percentiles(finishes), "gap_ms": gap_ms,
+            "calls_over_0_1_ms": over, "least_queued_ms": round(least, 1), "gpu_still_busy": busy,
+            "bit_exact": exact}
+
+
 def host_section(lookup, table, decode: list[np.ndarray], chunks: list[np.ndarray], proxy: ProxyStep | None,
                  reshape: bool = False) -> dict:
     """Host ms of start, finish and a replay's launch while the GPU has >= 50 ms of queued work
-    (`lookup`: a StepLookup, or the plugin's PrefetchedRows with (tokens, 16) ids), three ways.
+    (`lookup`: a StepLookup, or the plugin's PrefetchedRows with (tokens, 16) ids), four ways.
     `after_sync`: each call on its own, after a synchronize and one sleep kernel queued (the host's
     caches as an idle wait leaves them); `after_python_poll`: the same after `poll_stream` instead.
-    `back_to_back`: blocks of calls one after another behind
+    `continuous`: the GPU never drained and the host never waiting (continuous_calls), the case of
+    a host that runs ahead. `back_to_back`: blocks of calls one after another behind
     three sleep kernels, as vLLM's host thread runs ahead of the device under asynchronous
     scheduling; `least_queued_ms` is the GPU work still queued at the last call of any block (the
     sleeps' time less the host's since they were queued), and some of the steps' values are checked
@@ -447,7 +496,9 @@ def host_section(lookup, table, decode: list[np.ndarray], chunks: list[np.ndarra
         # The first call of a block follows the synchronize that ended the block before.
         first = [starts[b * len(as_ids)] for b in range(blocks)]
         others = [ms for k, ms in enumerate(starts) if k % len(as_ids)]
-        report[name] = {**alone,
+        gap_ms, calls = (1.0, 400) if name == "decode" else (2.0, 120)
+        report[name] = {**alone, "continuous": continuous_calls(lookup, table, requests, as_ids, calls, gap_ms,
+                                                                sleep_ms),
                         "back_to_back": {"start": percentiles(starts), "finish": percentiles(finishes),
                                          "start_first_of_block": percentiles(first),
                                          "start_after_first": percentiles(others),
