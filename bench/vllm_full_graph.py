@@ -24,8 +24,9 @@ replay, the two graphs alternating in blocks; p50 and p90 of each and their rati
   then the same with each side's table keeping open_table's default host cache (cold_host_cache);
 - exact: warm, cold and mixed (half the pages cached) steps with every buffer poisoned before each;
 - host: how long `start` and `finish` hold the host while the GPU has >= 50 ms of queued work, and
-  a replay's launch: each call alone after a synchronize, and calls back to back as vLLM's host
-  thread runs ahead of the device (host_section);
+  a replay's launch: each call alone after a wait, calls back to back in blocks, and calls with
+  the GPU never drained and the host never waiting, as vLLM's host thread runs ahead of the device
+  (host_section);
 - faults (`--faults-table`, a small table): an id outside the table, and an I/O error (a truncated
   copy read with O_DIRECT), each during FULL replay: the step's time, its values, the raised cause,
   and the next step.
