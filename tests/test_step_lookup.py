@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import gc
 import shutil
+import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +28,16 @@ from ple_prep.tools.benchmark import cached_fraction, evict  # noqa: E402
 pytestmark = pytest.mark.skipif(steps._native is None, reason="needs the compiled helper")
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+REPOSITORY = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(params=["step-kernels", "side-stream"])
+def device_half(request, monkeypatch):
+    """How a CUDA step's device half runs: the step kernels (up to KERNEL_MAX_IDS ids, where the
+    driver loads them) or the side stream and the copy engine (larger steps, and where it cannot)."""
+    if request.param == "side-stream":
+        monkeypatch.setattr(steps, "KERNEL_MAX_IDS", 0)
+    return request.param
 
 
 def wait_for_queued_work(failure: str, seconds: float = 60) -> None:
@@ -75,7 +87,8 @@ def test_steps_give_the_tables_values_across_poisoned_buffers(page_cache, device
     table = page_cache
     lookup = steps.StepLookup(table, device=device, resident_bytes=3000 * table.row_bytes, max_ids=300 * 16)
     try:
-        for tokens, seed in ((300, 1), (1, 2), (120, 3), (300, 4), (1, 5)):
+        # 64 tokens: KERNEL_MAX_IDS ids, the largest step the step kernels serve on a GPU.
+        for tokens, seed in ((300, 1), (1, 2), (64, 3), (300, 4), (1, 5)):
             ids = token_ids(table, tokens, seed)
             poison(lookup)
             values = serve(lookup, ids)
@@ -83,7 +96,7 @@ def test_steps_give_the_tables_values_across_poisoned_buffers(page_cache, device
             assert np.array_equal(bits(values), expected_bits(table, ids))
             lookup.check()
         stats = lookup.stats()
-        assert stats["starts"] == 5 and stats["ids"] == 722 * 16 and stats["failed"] == 0
+        assert stats["starts"] == 5 and stats["ids"] == 666 * 16 and stats["failed"] == 0
         tiers = ("rows_resident", "rows_page_cache", "rows_host_cache", "rows_disk")
         assert sum(stats[tier] for tier in tiers) == stats["ids"]
         assert 0 < stats["rows_resident"] < stats["ids"]
@@ -222,17 +235,21 @@ def test_the_helpers_step_queue_refuses_a_bad_layout_count_or_call_before_any_dr
     memory = np.zeros(64, dtype=np.uint8)  # host addresses the queue only holds: nothing is queued
     address = memory.ctypes.data
     with pytest.raises(ValueError, match="inconsistent"):  # the index would overlap the staging rows
-        native.step_queue(1, 2, address, address, address + 4, 0, address, 8, 160, 8 * 160 - 4)
-    queue = native.step_queue(1, 2, address, address, address + 4, 0, address, 8, 160, 8 * 160)
+        native.step_queue(1, 2, address, address, address + 4, address + 8, 0, address, 8, 160, 8 * 160 - 4, 0, 0,
+                          0, 0)
+    with pytest.raises(ValueError, match="kernel_max_ids without the kernels"):
+        native.step_queue(1, 2, address, address, address + 4, address + 8, 0, address, 8, 160, 8 * 160, 0, 0, 0, 4)
+    queue = native.step_queue(1, 2, address, address, address + 4, address + 8, 0, address, 8, 160, 8 * 160, 0, 0, 0,
+                              0)
     for count in (0, 8):  # one staging row holds the poison row: 7 ids at most
         with pytest.raises(ValueError, match=f"{count} ids, this lookup takes 1 to 7"):
             native.queue_step_start(queue, 3, 4, False, count)
         with pytest.raises(ValueError, match=f"{count} ids, this lookup takes 1 to 7"):
-            native.queue_step_fetch(queue, 3, count)
+            native.queue_step_fetch(queue, 3, 0, count)
     with pytest.raises(TypeError, match="takes 5 arguments .4 given."):
         native.queue_step_start(queue, 3, 4, 1)
     with pytest.raises(ValueError):  # not a step queue
-        native.queue_step_fetch(object(), 3, 1)
+        native.queue_step_fetch(object(), 3, 0, 1)
 
 
 def each_replay_serves_its_step(table, lookup, ids_buffer, consumer, replay, seeds) -> None:
@@ -250,7 +267,7 @@ def each_replay_serves_its_step(table, lookup, ids_buffer, consumer, replay, see
 
 @needs_cuda
 @pytest.mark.parametrize("same_graph", [False, True], ids=["start-on-the-stream", "start-beside-it"])
-def test_one_cuda_graph_replayed_with_new_ids_serves_each_steps_rows(table, same_graph):
+def test_one_cuda_graph_replayed_with_new_ids_serves_each_steps_rows(table, same_graph, device_half):
     lookup = steps.StepLookup(table, device="cuda", resident_bytes=2000 * table.row_bytes, max_ids=64 * 16)
     ids_buffer = torch.zeros(8 * 16, dtype=torch.int64, device="cuda")
     consumer = torch.empty(8 * 16, table.values_per_row, dtype=torch.bfloat16, device="cuda")
@@ -272,7 +289,7 @@ def test_one_cuda_graph_replayed_with_new_ids_serves_each_steps_rows(table, same
 
 
 @needs_cuda
-def test_start_and_finish_in_two_graphs_as_piecewise_graphs_hold_them_serve_each_step(table):
+def test_start_and_finish_in_two_graphs_as_piecewise_graphs_hold_them_serve_each_step(table, device_half):
     """A piecewise graph ends between start and finish: start's copy stays on the capturing stream
     (a capture may not end with a side stream unjoined) and each pair of replays serves its step."""
     lookup = steps.StepLookup(table, device="cuda", resident_bytes=2000 * table.row_bytes, max_ids=64 * 16)
@@ -301,7 +318,7 @@ def test_start_and_finish_in_two_graphs_as_piecewise_graphs_hold_them_serve_each
 
 
 @needs_cuda
-def test_a_start_left_unfinished_in_one_piecewise_graph_is_dropped_inside_the_next(table):
+def test_a_start_left_unfinished_in_one_piecewise_graph_is_dropped_inside_the_next(table, device_half):
     """A forward pass that failed before the PLE layer leaves its start unfinished; the next step
     drops it inside its own capture, which may hold no event recorded outside it, and serves its rows."""
     lookup = steps.StepLookup(table, device="cuda", resident_bytes=2000 * table.row_bytes, max_ids=64 * 16)
@@ -333,7 +350,7 @@ def test_a_start_left_unfinished_in_one_piecewise_graph_is_dropped_inside_the_ne
 
 @needs_cuda
 @pytest.mark.parametrize("same_graph", [False, True], ids=["start-on-the-stream", "start-beside-it"])
-def test_graph_replays_queued_back_to_back_with_the_host_ahead_serve_every_step(table, same_graph):
+def test_graph_replays_queued_back_to_back_with_the_host_ahead_serve_every_step(table, same_graph, device_half):
     """Replays queued without a host wait between them, each step's ids picked on the device, with
     device work between start and finish so the service thread has staged the rows before the device
     waits (the flags of consecutive steps follow each other with no synchronize to separate them)."""
@@ -375,7 +392,7 @@ def test_graph_replays_queued_back_to_back_with_the_host_ahead_serve_every_step(
 
 
 @needs_cuda
-def test_eager_cold_steps_beside_busy_streams_never_wait_on_other_device_work(table, tmp_path):
+def test_eager_cold_steps_beside_busy_streams_never_wait_on_other_device_work(table, tmp_path, device_half):
     """Back-to-back eager steps whose rows the thread reads from the drive while 32 other streams (more
     than the device's hardware queues) hold queued work: only the thread's host store releases a step's
     wait, so no step can sit behind a copy queued after it on a shared queue (docs/RUNTIME.md)."""
@@ -409,7 +426,8 @@ def test_a_collection_due_during_an_eager_finish_s_capture_waits_until_after_it(
     while its thread captures)."""
     lookup = steps.StepLookup(table, device="cuda", resident_bytes=2000 * table.row_bytes, max_ids=64 * 16)
     thresholds = gc.get_threshold()
-    device_half = lookup._graphs._device_half
+    graphs = lookup._kernel_graphs if 8 * 16 <= lookup.kernel_max_ids else lookup._graphs  # the step's
+    device_half = graphs._device_half
 
     def device_half_due_a_collection(size: int) -> torch.Tensor:
         gc.set_threshold(1)  # the next allocations start a collection wherever collection is on
@@ -430,7 +448,7 @@ def test_a_collection_due_during_an_eager_finish_s_capture_waits_until_after_it(
         cycle = [garbage]
         cycle.append(cycle)
         del garbage, cycle  # freed only by a collection
-        monkeypatch.setattr(lookup._graphs, "_device_half", device_half_due_a_collection)
+        monkeypatch.setattr(graphs, "_device_half", device_half_due_a_collection)
         gc.enable()
         assert np.array_equal(bits(serve(lookup, ids)), expected_bits(table, ids))
         lookup.check()
@@ -441,7 +459,7 @@ def test_a_collection_due_during_an_eager_finish_s_capture_waits_until_after_it(
 
 
 @needs_cuda
-def test_start_and_finish_return_while_the_device_has_queued_work(table):
+def test_start_and_finish_return_while_the_device_has_queued_work(table, device_half):
     lookup = steps.StepLookup(table, device="cuda", resident_bytes=0, max_ids=64 * 16)
     try:
         ids = torch.from_numpy(token_ids(table, 4, 3).reshape(-1).copy()).cuda()
@@ -454,6 +472,44 @@ def test_start_and_finish_return_while_the_device_has_queued_work(table):
         assert torch.cuda.current_stream().query() is False
         assert started - began < 0.01 and finished - started < 0.01
         torch.cuda.synchronize()
+    finally:
+        lookup.close()
+
+
+def test_the_step_kernels_ship_with_the_package_as_ptx_older_drivers_load():
+    ptx = steps.STEP_KERNELS_PTX.read_text()
+    assert ".version 7.0\n" in ptx and ".target sm_75\n" in ptx
+    assert ".entry step_request(" in ptx and ".entry step_fetch(" in ptx
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs CUDA's nvcc")
+def test_the_step_kernels_ptx_is_what_its_source_compiles_to(tmp_path):
+    subprocess.run(["bash", str(REPOSITORY / "scripts/build-step-kernels.sh"), str(tmp_path / "built.ptx")], check=True)
+    assert (tmp_path / "built.ptx").read_bytes() == steps.STEP_KERNELS_PTX.read_bytes()
+
+
+@needs_cuda
+def test_the_step_kernels_load_on_this_gpu_and_serve_steps_up_to_their_limit(table):
+    lookup = steps.StepLookup(table, device="cuda", resident_bytes=2000 * table.row_bytes, max_ids=64 * 16)
+    try:
+        assert lookup.kernel_max_ids == min(steps.KERNEL_MAX_IDS, lookup.capacity) > 0
+    finally:
+        lookup.close()
+
+
+@needs_cuda
+def test_kernels_the_driver_cannot_load_leave_every_step_to_the_side_stream(table, tmp_path, monkeypatch, caplog):
+    (tmp_path / "bad.ptx").write_text(".version 7.0\n.target sm_75\nnot ptx\n")
+    monkeypatch.setattr(steps, "STEP_KERNELS_PTX", tmp_path / "bad.ptx")
+    lookup = steps.StepLookup(table, device="cuda", resident_bytes=2000 * table.row_bytes, max_ids=64 * 16)
+    try:
+        assert lookup.kernel_max_ids == 0
+        assert "step kernels are not used" in caplog.text and "CUDA error" in caplog.text
+        for seed in range(3):
+            ids = token_ids(table, 8, seed)
+            poison(lookup)
+            assert np.array_equal(bits(serve(lookup, ids)), expected_bits(table, ids))
+        lookup.check()
     finally:
         lookup.close()
 

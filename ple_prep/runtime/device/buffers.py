@@ -13,8 +13,10 @@ class DeviceBuffers:
     """The device buffer [lead][resident rows][staging rows][pad][tier index, int32 per position].
 
     The staging rows fill from their end, so a call's disk rows and its index are one contiguous
-    span (`span`, mirrored in pinned `host_span`): one copy. The lead and pad keep the span and the
-    index 4-byte aligned. On the CPU the host writes the span in place and nothing is copied.
+    span (`span`, mirrored in pinned `host_span`): one copy. The lead keeps the span 16-byte
+    aligned, as its pinned mirror is, so that the step kernels copy any part of it in 16-byte words
+    (runtime/native/step_kernels.cu); the pad keeps the index 4-byte aligned. On the CPU the host
+    writes the span in place and nothing is copied.
 
     tiers    uint8 (resident + capacity, row_bytes): the resident rows, then the staging rows
     index    int32 (capacity,): each position's row of `tiers`
@@ -26,7 +28,7 @@ class DeviceBuffers:
     def __init__(self, table: Table, device: torch.device, num_resident: int, capacity: int):
         rows, row_bytes = num_resident, table.row_bytes
         self.capacity, self.row_bytes = capacity, row_bytes
-        lead = -rows * row_bytes % 4
+        lead = -rows * row_bytes % 16
         pad = -capacity * row_bytes % 4
         self.index_at = capacity * row_bytes + pad  # within the span
         span_bytes = self.index_at + 4 * capacity

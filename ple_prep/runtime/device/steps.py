@@ -8,20 +8,25 @@
     values = lookup.finish()     # queues stream work only: bf16 (len(ids), values_per_row)
     lookup.check()               # raises the error of a step that failed (an id outside the table, I/O)
 
-`start` queues the copy of the ids into pinned memory and a stream memory operation writing their
-count into a pinned flag (REQUEST). A thread of the compiled runtime (runtime/native/steps.c)
+`start` queues the copy of the ids into pinned memory and the write of their count into a pinned
+flag (REQUEST). A thread of the compiled runtime (runtime/native/steps.c)
 waits for that flag, finds each id's slot, stages the disk-tier rows and the tier index into
 pinned memory (the rows copied from the page cache where they are there, else read from the file
 with O_DIRECT, runtime/native/disk_reads.c), without ever taking the GIL and without any CUDA
 call, and stores 1 into a second flag (READY). The device's fetch waits for READY, resets it and
 copies the staged span (as many rows as the step has ids, and their index: a size fixed by the
-count, so a graph holds it). Where the step's finish is queued eagerly or in the same CUDA graph,
-start queues the fetch too, on a side stream forked from the current one (so it runs beside the
-work between start and finish, decoder layer 0), and finish joins it; else (a piecewise graph may
-end between start and finish, and a capture may not end with a side stream unjoined) start queues
-only the request on the current stream and finish queues the fetch there. `finish` then queues the
-index and decode into `output`, the write marking the device's arrival (ARRIVED) beside them on a
-stream of its own (a stream memory operation on the current stream holds the work behind it).
+count, so a graph holds it). Up to `kernel_max_ids` ids (a decode step's), two small kernels on the
+caller's stream do that (runtime/native/step_kernels.cu): the first stores the ids and the request,
+the second marks the device's arrival (ARRIVED), waits for READY and copies the span with its own
+loads, with no side stream, memory operation or copy engine to pay for (docs/RUNTIME.md, "Kernels
+for small steps"). Larger steps go through stream memory operations and the copy engine: where the
+step's finish is queued eagerly or in the same CUDA graph, start queues the fetch too, on a side
+stream forked from the current one (so it runs beside the work between start and finish, decoder
+layer 0), and finish joins it; else (a piecewise graph may end between start and finish, and a
+capture may not end with a side stream unjoined) start queues only the request on the current
+stream and finish queues the fetch there; `finish` then marks the arrival beside the index and
+decode, on a stream of its own (a stream memory operation on the current stream holds the work
+behind it). `finish` queues the index and decode into `output`.
 Only the thread's host store releases a wait (docs/RUNTIME.md, "A step in one CUDA graph", why).
 Neither call waits on the host or depends on the host's state of the step, so the same calls run
 eagerly, inside breakable piecewise graphs and inside one FULL graph replayed with new ids every
@@ -38,9 +43,11 @@ abandons the stuck reads with their buffer and serves the next step (docs/RELIAB
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import time
 import weakref
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -69,6 +76,12 @@ HOST_WAIT_SECONDS = 120.0
 # keeps: at 64 a cold chunk was well behind the eager path (BENCHMARKS.md, "Serving inside vLLM's
 # CUDA graphs").
 READ_DEPTH = 512
+# Up to this many ids a step goes through the step kernels (runtime/native/step_kernels.cu), more
+# through the side stream and the copy engine, which copy a large span faster (BENCHMARKS.md,
+# "Serving inside vLLM's CUDA graphs").
+KERNEL_MAX_IDS = 1024
+STEP_KERNELS_PTX = Path(__file__).resolve().parent.parent / "native" / "step_kernels.ptx"
+_log = logging.getLogger(__name__)
 # Byte patterns tried for the poison row, the first whose every value decodes to NaN is kept:
 # FP8's 0x7F code, and the 16-bit NaN of BF16 rows and of the f16/fp8 block scales of the others.
 _POISON_PATTERNS = (b"\x7f", b"\xc0\x7f", b"\x00\x7e", b"\xff")
@@ -130,9 +143,13 @@ class StepLookup:
         self._held_ids: torch.Tensor | None = None
         self._device_index = self.device.index if self.device.type == "cuda" else -1
         # An eager finish's device half, as CUDA graphs by size (GraphCache keeps them), launched
-        # through their exec handles.
+        # through their exec handles: after the step kernels' fetch, the index and decode alone; else
+        # with the arrival's mark beside them.
+        self._kernel_graphs = GraphCache(buffers, self.device, self._index_and_decode, False)
         self._graphs = GraphCache(buffers, self.device, self._device_half_here, False)
-        self._graph_execs: dict[int, int] = {}
+        self._graph_execs: dict[GraphCache, dict[int, int]] = {self._kernel_graphs: {}, self._graphs: {}}
+        # The most ids a step may have to go through the step kernels (0: they are not loaded here).
+        self.kernel_max_ids = 0
         handles = None
         if self._cuda:
             from .driver import device_context
@@ -143,7 +160,13 @@ class StepLookup:
             # arrival's write (finish); events: start's fork, finish's arrival, the joins of each.
             (self._side, self._arrival), events = _native.step_handles(self._context, 2, 4)
             self._fork, self._done, self._arrive, self._arrived = events
-            handles = (self._context, (self._side, self._arrival), events)  # destroyed with the service
+            kernels = _load_step_kernels(self._context)
+            modules, (request_kernel, fetch_kernel) = ((kernels[0],), kernels[1:]) if kernels else ((), (0, 0))
+            # destroyed with the service
+            handles = (self._context, (self._side, self._arrival), events, modules)
+            # The step kernels' two counters (runtime/native/step_kernels.cu), zero between steps.
+            self._kernel_counters = torch.zeros(2, dtype=torch.int32, device=self.device)
+            self.kernel_max_ids = min(KERNEL_MAX_IDS, self.capacity) if kernels else 0
             # The caller's current stream as a raw handle: a torch Stream object costs more to build
             # than the driver calls start and finish queue on it.
             self._current_stream = raw_stream_of(torch, self.device.index)
@@ -151,8 +174,10 @@ class StepLookup:
             self._flag_address = flags
             # What a step's start and fetch queue, held by the helper: a call passes only what changes.
             self._queue = _native.step_queue(self._side, self._fork, self._ids.data_ptr(), flags + 4 * REQUEST,
-                                             flags + 4 * READY, buffers.span.data_ptr(), buffers.host_span.data_ptr(),
-                                             buffers.capacity, buffers.row_bytes, buffers.index_at)
+                                             flags + 4 * READY, flags + 4 * ARRIVED, buffers.span.data_ptr(),
+                                             buffers.host_span.data_ptr(), buffers.capacity, buffers.row_bytes,
+                                             buffers.index_at, request_kernel, fetch_kernel,
+                                             self._kernel_counters.data_ptr(), self.kernel_max_ids)
             buffers.index[:] = self._poison
         header = table.header
         self._descriptor = _disk_descriptor(table.descriptor)
@@ -229,25 +254,27 @@ class StepLookup:
             self.check()
             return self._index_and_decode(count)
         stream = self._current_stream()
-        size = self._graphs.size_for(count)
-        launch = self._graph_execs.get(size, 0) if self._started_beside else 0
+        through_kernels = started <= self.kernel_max_ids
+        graphs = self._kernel_graphs if through_kernels else self._graphs
+        execs = self._graph_execs[graphs]
+        size = graphs.size_for(count)
+        launch = execs.get(size, 0)
         self._held_ids = None
         if self._started_beside:  # the side stream joined, and outside a capture the graph launched
             capturing = _native.queue_step_finish(stream, self._side, self._done, launch)
-        else:
-            capturing = torch.cuda.is_current_stream_capturing()
-            _native.queue_step_fetch(self._queue, stream, started)
+        else:  # the fetch queued, and outside a capture the graph launched
+            capturing = _native.queue_step_fetch(self._queue, stream, launch, started)
         if capturing:
-            return self._device_half(count, stream)
+            return self._index_and_decode(count) if through_kernels else self._device_half(count, stream)
         if not launch:
-            if size not in self._graph_execs:  # captured once per size, then launched by handle
-                graph = self._graphs.capture(size, False, torch.cuda.current_stream(self.device))
-                self._graph_execs[size] = graph_exec(graph) or 0
-            if self._graph_execs[size]:
-                _native.launch_graph(self._graph_execs[size], stream)
+            if size not in execs:  # captured once per size, then launched by handle
+                graph = graphs.capture(size, False, torch.cuda.current_stream(self.device))
+                execs[size] = graph_exec(graph) or 0
+            if execs[size]:
+                _native.launch_graph(execs[size], stream)
             else:  # a torch without graph exec handles
-                self._graphs.graphs[(size, False)].replay()
-        return self._graphs.output_view(count)
+                graphs.graphs[(size, False)].replay()
+        return graphs.output_view(count)
 
     def _device_half(self, count: int, stream: int) -> torch.Tensor:
         """The index and decode of the fetched rows, queued on `stream` (the current one); the
@@ -287,7 +314,7 @@ class StepLookup:
         if self._started_beside:
             _native.queue_step_finish(stream, self._side, self._done, 0)
         else:
-            _native.queue_step_fetch(self._queue, stream, started)
+            _native.queue_step_fetch(self._queue, stream, 0, started)
         self._held_ids = None
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
@@ -374,6 +401,16 @@ class StepLookup:
         if self._cuda:
             torch.cuda.synchronize(self.device)
         self._stop()
+
+
+def _load_step_kernels(context: int) -> tuple[int, int, int] | None:
+    """The step kernels loaded into `context` (module, step_request, step_fetch), or None where the
+    driver cannot load them (logged once per lookup): its steps then all go through the side stream."""
+    try:
+        return _native.step_kernels(context, STEP_KERNELS_PTX.read_bytes())
+    except (OSError, RuntimeError) as error:
+        _log.warning("the PLE step kernels are not used, every step goes through the side stream: %s", error)
+        return None
 
 
 def _disk_descriptor(descriptor: int) -> int:

@@ -34,6 +34,10 @@ static void load_cuda(void)
         {(void **)&cuda.graph_launch, "cuGraphLaunch"},
         {(void **)&cuda.stream_is_capturing, "cuStreamIsCapturing"},
         {(void **)&cuda.get_error_name, "cuGetErrorName"},
+        {(void **)&cuda.module_load_data, "cuModuleLoadData"},
+        {(void **)&cuda.module_get_function, "cuModuleGetFunction"},
+        {(void **)&cuda.module_unload, "cuModuleUnload"},
+        {(void **)&cuda.launch_kernel, "cuLaunchKernel"},
     };
     for (size_t k = 0; k < sizeof(symbols) / sizeof(symbols[0]); k++)
         if (!(*symbols[k].function = dlsym(library, symbols[k].name)))

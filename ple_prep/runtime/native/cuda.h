@@ -27,6 +27,11 @@ typedef struct {
     cuda_result (*graph_launch)(void *, void *);
     cuda_result (*stream_is_capturing)(void *, int *);
     cuda_result (*get_error_name)(cuda_result, const char **);
+    cuda_result (*module_load_data)(void **, const void *);
+    cuda_result (*module_get_function)(void **, void *, const char *);
+    cuda_result (*module_unload)(void *);
+    cuda_result (*launch_kernel)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
+                                 void **, void **);
 } cuda_driver;
 extern cuda_driver cuda;
 

@@ -97,10 +97,15 @@ static cuda_result capturing(void *stream, int *status)
 typedef struct {
     void *side, *fork;                 /* the lookup's side stream and its fork event */
     void *ids_target;                  /* the pinned host copy of a step's ids */
-    unsigned long long request_flag, ready_flag;
+    unsigned long long request_flag, ready_flag, arrived_flag;
     unsigned long long span_device;    /* the device span (DeviceBuffers.span_of's layout), and its pinned mirror */
     char *span_host;
     Py_ssize_t capacity, row_bytes, index_at;
+    /* step_kernels.cu's kernels (NULL: not loaded), the two counters they keep in device memory, and
+     * the most ids a step may have to be served by them rather than by the side stream. */
+    void *request_kernel, *fetch_kernel;
+    unsigned long long counters;
+    Py_ssize_t kernel_max_ids;
 } step_queue;
 #define STEP_QUEUE_CAPSULE "ple_prep.step_queue"
 
@@ -109,17 +114,24 @@ static void step_queue_destroy(PyObject *capsule)
     PyMem_Free(PyCapsule_GetPointer(capsule, STEP_QUEUE_CAPSULE));
 }
 
-/* step_queue(side, fork, ids_target, request_flag, ready_flag, span_device, span_host, capacity,
- * row_bytes, index_at) -> a capsule holding them (the handles stay the caller's: step_handles). */
+/* step_queue(side, fork, ids_target, request_flag, ready_flag, arrived_flag, span_device, span_host,
+ * capacity, row_bytes, index_at, request_kernel, fetch_kernel, counters, kernel_max_ids) -> a capsule
+ * holding them (the handles stay the caller's: step_handles, step_kernels). */
 PyObject *new_step_queue(PyObject *self, PyObject *args)
 {
     step_queue made;
-    if (!PyArg_ParseTuple(args, "O&O&O&KKKO&nnn", parse_pointer, &made.side, parse_pointer, &made.fork,
-                          parse_pointer, &made.ids_target, &made.request_flag, &made.ready_flag, &made.span_device,
-                          parse_pointer, &made.span_host, &made.capacity, &made.row_bytes, &made.index_at))
+    if (!PyArg_ParseTuple(args, "O&O&O&KKKKO&nnnO&O&Kn", parse_pointer, &made.side, parse_pointer, &made.fork,
+                          parse_pointer, &made.ids_target, &made.request_flag, &made.ready_flag, &made.arrived_flag,
+                          &made.span_device, parse_pointer, &made.span_host, &made.capacity, &made.row_bytes,
+                          &made.index_at, parse_pointer, &made.request_kernel, parse_pointer, &made.fetch_kernel,
+                          &made.counters, &made.kernel_max_ids))
         return NULL;
     if (made.capacity < 1 || made.row_bytes < 1 || made.index_at < made.capacity * made.row_bytes) {
         PyErr_SetString(PyExc_ValueError, "step_queue: the span's layout is inconsistent");
+        return NULL;
+    }
+    if (made.kernel_max_ids > 0 && (!made.request_kernel || !made.fetch_kernel || !made.counters)) {
+        PyErr_SetString(PyExc_ValueError, "step_queue: kernel_max_ids without the kernels and their counters");
         return NULL;
     }
     step_queue *queue = PyMem_Malloc(sizeof(*queue));
@@ -155,23 +167,67 @@ static step_queue *parse_step_call(PyObject *const *args, Py_ssize_t nargs, Py_s
     return queue;
 }
 
-/* The staged span of `count` ids (their rows, from the span's end, and their index) to the device,
- * after the wait for READY and its reset, on `stream`; the request's write first unless `request` is 0. */
+/* The staged span of `count` ids: their rows, from the span's end, and their index. */
+static void span_of(const step_queue *queue, Py_ssize_t count, Py_ssize_t *low, Py_ssize_t *bytes)
+{
+    *low = (queue->capacity - count) * queue->row_bytes;
+    *bytes = queue->index_at + 4 * count - *low;
+}
+
+/* That span to the device, after the wait for READY and its reset, on `stream`; the request's write
+ * first unless `request` is 0. */
 static cuda_result queue_span_fetch(const step_queue *queue, void *stream, Py_ssize_t count, int request)
 {
-    Py_ssize_t low = (queue->capacity - count) * queue->row_bytes, high = queue->index_at + 4 * count;
+    Py_ssize_t low, bytes;
+    span_of(queue, count, &low, &bytes);
     return queue_fetch(stream, request ? queue->request_flag : 0, (uint32_t)count, queue->ready_flag,
-                       queue->span_device + (unsigned long long)low, queue->span_host + low, high - low);
+                       queue->span_device + (unsigned long long)low, queue->span_host + low, bytes);
+}
+
+/* step_kernels.cu's launches: KERNEL_THREADS a block, a block per REQUEST_IDS_PER_BLOCK ids or
+ * FETCH_BYTES_PER_BLOCK bytes of the span, at most KERNEL_MAX_BLOCKS (each of the fetch's blocks polls
+ * the ready flag over the bus). */
+enum {
+    KERNEL_THREADS = 256, REQUEST_IDS_PER_BLOCK = 1024, FETCH_BYTES_PER_BLOCK = 4096, KERNEL_MAX_BLOCKS = 128
+};
+
+static unsigned blocks_for(Py_ssize_t units, Py_ssize_t per_block)
+{
+    Py_ssize_t blocks = (units + per_block - 1) / per_block;
+    return (unsigned)(blocks < 1 ? 1 : blocks > KERNEL_MAX_BLOCKS ? KERNEL_MAX_BLOCKS : blocks);
+}
+
+static cuda_result launch_request(const step_queue *queue, void *stream, unsigned long long ids, Py_ssize_t count)
+{
+    unsigned long long host_ids = (unsigned long long)(uintptr_t)queue->ids_target, done = queue->counters;
+    unsigned long long request = queue->request_flag;
+    unsigned ids_count = (unsigned)count;
+    void *parameters[] = {&ids, &host_ids, &done, &request, &ids_count};
+    return cuda.launch_kernel(queue->request_kernel, blocks_for(count, REQUEST_IDS_PER_BLOCK), 1, 1, KERNEL_THREADS,
+                              1, 1, 0, stream, parameters, NULL);
+}
+
+static cuda_result launch_fetch(const step_queue *queue, void *stream, Py_ssize_t count)
+{
+    Py_ssize_t low, bytes;
+    span_of(queue, count, &low, &bytes);
+    unsigned long long ready = queue->ready_flag, arrived = queue->arrived_flag, seen = queue->counters + 4;
+    unsigned long long source = (unsigned long long)(uintptr_t)(queue->span_host + low);
+    unsigned long long target = queue->span_device + (unsigned long long)low, size = (unsigned long long)bytes;
+    void *parameters[] = {&ready, &arrived, &seen, &source, &target, &size};
+    return cuda.launch_kernel(queue->fetch_kernel, blocks_for(bytes, FETCH_BYTES_PER_BLOCK), 1, 1, KERNEL_THREADS, 1,
+                              1, 0, stream, parameters, NULL);
 }
 
 /* queue_step_start(queue, stream, ids, beside_in_capture, count) -> whether it went beside: a step's
  * start in one call of the helper, a fraction of torch calls' cost on the H200's host (BENCHMARKS.md).
  * The copy of `count` int64 ids from device address `ids` into the queue's pinned ids and the write of
- * `count` into its request flag. Where `stream` is not being captured, or is and `beside_in_capture`
- * (the finish comes in the same graph), they go on the side stream after a record of the fork event
- * on `stream` (beside the caller's work that follows on `stream`; joined again by
- * queue_step_finish), followed there by the fetch of the staged span; else on `stream`, and the
- * finish queues the fetch (queue_step_fetch). */
+ * `count` into its request flag. Up to the queue's kernel_max_ids ids, step_request does both on
+ * `stream`, and the fetch (queue_step_fetch) is step_fetch there. Else, where `stream` is not being
+ * captured, or is and `beside_in_capture` (the finish comes in the same graph), they go on the side
+ * stream after a record of the fork event on `stream` (beside the caller's work that follows on
+ * `stream`; joined again by queue_step_finish), followed there by the fetch of the staged span; else
+ * on `stream`, and the finish queues the fetch (queue_step_fetch). */
 PyObject *queue_step_start(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     void *stream;
@@ -184,38 +240,52 @@ PyObject *queue_step_start(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (PyErr_Occurred() || beside_in_capture < 0)
         return NULL;
     int beside = 0;
-    cuda_result result = capturing(stream, &beside);
-    beside = !beside || beside_in_capture;
-    void *on = stream;
-    if (result == 0 && beside) {
-        result = cuda.event_record(queue->fork, stream);
+    cuda_result result = 0;
+    if (count <= queue->kernel_max_ids)
+        result = launch_request(queue, stream, ids, count);
+    else {
+        result = capturing(stream, &beside);
+        beside = !beside || beside_in_capture;
+        void *on = stream;
+        if (result == 0 && beside) {
+            result = cuda.event_record(queue->fork, stream);
+            if (result == 0)
+                result = cuda.stream_wait_event(queue->side, queue->fork, 0);
+            on = queue->side;
+        }
         if (result == 0)
-            result = cuda.stream_wait_event(queue->side, queue->fork, 0);
-        on = queue->side;
+            result = cuda.copy_to_host(queue->ids_target, ids, (size_t)count * 8, on);
+        if (result == 0 && beside)
+            result = queue_span_fetch(queue, on, count, 1);
+        else if (result == 0)
+            result = write_value32(on, queue->request_flag, (uint32_t)count, 0);
     }
-    if (result == 0)
-        result = cuda.copy_to_host(queue->ids_target, ids, (size_t)count * 8, on);
-    if (result == 0 && beside)
-        result = queue_span_fetch(queue, on, count, 1);
-    else if (result == 0)
-        result = write_value32(on, queue->request_flag, (uint32_t)count, 0);
     if (result != 0)
         return PyErr_Format(PyExc_RuntimeError, "queueing a step's start failed (CUDA error %d)", result);
     return PyBool_FromLong(beside);
 }
 
-/* queue_step_fetch(queue, stream, count): the fetch above, on `stream`. */
+/* queue_step_fetch(queue, stream, graph, count) -> whether `stream` is being captured: the fetch of a
+ * start that did not go beside, on `stream` (step_fetch up to kernel_max_ids ids, else the memory
+ * operations' wait and the copy engine's copy), then, where `stream` is not captured and `graph` is
+ * not 0, that graph exec launched on it (an eager finish's device half in the same call). */
 PyObject *queue_step_fetch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    void *stream;
+    void *stream, *graph;
     Py_ssize_t count;
-    step_queue *queue = parse_step_call(args, nargs, 3, "queue_step_fetch", &stream, &count);
-    if (!queue)
+    step_queue *queue = parse_step_call(args, nargs, 4, "queue_step_fetch", &stream, &count);
+    if (!queue || !parse_pointer(args[2], &graph))
         return NULL;
-    cuda_result result = queue_span_fetch(queue, stream, count, 0);
+    int captured = 0;
+    cuda_result result = count <= queue->kernel_max_ids ? launch_fetch(queue, stream, count)
+                                                         : queue_span_fetch(queue, stream, count, 0);
+    if (result == 0)
+        result = capturing(stream, &captured);
+    if (result == 0 && graph && !captured)
+        result = cuda.graph_launch(graph, stream);
     if (result != 0)
         return PyErr_Format(PyExc_RuntimeError, "queueing a step's fetch failed (CUDA error %d)", result);
-    Py_RETURN_NONE;
+    return PyBool_FromLong(captured);
 }
 
 /* queue_step_arrival(stream, arrival, arrive, arrived_flag): the write of 1 into arrived_flag on
@@ -261,16 +331,17 @@ PyObject *queue_step_finish(PyObject *self, PyObject *args)
     return PyBool_FromLong(captured);
 }
 
-/* The streams (handles[0]) and events (handles[1]) the two tuples hold as ints destroyed (the
- * caller made their context current); items not set yet, or not ints, passed over. */
-static void destroy_handles(PyObject *const handles[2])
+/* The streams (handles[0]), events (handles[1]) and modules (handles[2], if not NULL) the tuples hold
+ * as ints destroyed (the caller made their context current); items not set yet, or not ints, passed over. */
+static void destroy_handles(PyObject *const handles[3])
 {
-    for (int kind = 0; kind < 2; kind++)
+    for (int kind = 0; kind < 3; kind++)
         for (Py_ssize_t k = 0; handles[kind] && k < PyTuple_GET_SIZE(handles[kind]); k++) {
             PyObject *number = PyTuple_GET_ITEM(handles[kind], k);
             void *handle = number ? PyLong_AsVoidPtr(number) : NULL;
             if (handle)
-                kind == 0 ? cuda.stream_destroy(handle) : cuda.event_destroy(handle);
+                kind == 0 ? cuda.stream_destroy(handle) : kind == 1 ? cuda.event_destroy(handle)
+                                                                    : cuda.module_unload(handle);
         }
 }
 
@@ -284,7 +355,8 @@ PyObject *step_handles(PyObject *self, PyObject *args)
     int counts[2];
     if (!PyArg_ParseTuple(args, "O&ii", parse_pointer, &context, &counts[0], &counts[1]) || cuda_ready() != 0)
         return NULL;
-    PyObject *made[2] = {PyTuple_New(counts[0] < 0 ? 0 : counts[0]), PyTuple_New(counts[1] < 0 ? 0 : counts[1])};
+    PyObject *made[3] = {PyTuple_New(counts[0] < 0 ? 0 : counts[0]), PyTuple_New(counts[1] < 0 ? 0 : counts[1]),
+                         NULL};
     cuda_result result = made[0] && made[1] ? enter_context(context, &previous) : -1;
     int entered = result == 0;
     for (int kind = 0; kind < 2 && result == 0; kind++)
@@ -313,14 +385,15 @@ PyObject *step_handles(PyObject *self, PyObject *args)
     return refuse_cuda("creating a step lookup's streams and events", result);
 }
 
-/* drop_handles(context, streams, events): step_handles' streams (once their queued work is done)
- * and events destroyed; nothing where the context is gone (at exit the driver frees them itself). */
+/* drop_handles(context, streams, events[, modules]): step_handles' streams (once their queued work is
+ * done) and events destroyed, and step_kernels' modules unloaded; nothing where the context is gone (at
+ * exit the driver frees them itself). */
 PyObject *drop_handles(PyObject *self, PyObject *args)
 {
     void *context, *previous;
-    PyObject *handles[2];
-    if (!PyArg_ParseTuple(args, "O&O!O!", parse_pointer, &context, &PyTuple_Type, &handles[0], &PyTuple_Type,
-                          &handles[1]) || cuda_ready() != 0)
+    PyObject *handles[3] = {NULL, NULL, NULL};
+    if (!PyArg_ParseTuple(args, "O&O!O!|O!", parse_pointer, &context, &PyTuple_Type, &handles[0], &PyTuple_Type,
+                          &handles[1], &PyTuple_Type, &handles[2]) || cuda_ready() != 0)
         return NULL;
     if (enter_context(context, &previous) != 0)
         Py_RETURN_NONE;
@@ -329,6 +402,34 @@ PyObject *drop_handles(PyObject *self, PyObject *args)
     if (PyErr_Occurred())
         return NULL;
     Py_RETURN_NONE;
+}
+
+/* step_kernels(context, ptx) -> (module, step_request, step_fetch): step_kernels.cu's PTX (bytes)
+ * loaded into `context` (the driver compiles it for the device) and its two kernels, as ints; a
+ * RuntimeError naming the driver's error where it cannot (a driver older than the PTX, a device it
+ * has no code for). */
+PyObject *step_kernels(PyObject *self, PyObject *args)
+{
+    void *context, *previous, *module = NULL, *functions[2] = {NULL, NULL};
+    const char *ptx;
+    if (!PyArg_ParseTuple(args, "O&y", parse_pointer, &context, &ptx) || cuda_ready() != 0)
+        return NULL;
+    cuda_result result = enter_context(context, &previous);
+    int entered = result == 0;
+    if (result == 0)
+        result = cuda.module_load_data(&module, ptx);
+    if (result == 0)
+        result = cuda.module_get_function(&functions[0], module, "step_request");
+    if (result == 0)
+        result = cuda.module_get_function(&functions[1], module, "step_fetch");
+    if (result != 0 && module)
+        cuda.module_unload(module);
+    if (entered)
+        leave_context(context, previous);
+    if (result != 0)
+        return refuse_cuda("loading the step kernels (step_kernels.ptx)", result);
+    return Py_BuildValue("NNN", PyLong_FromVoidPtr(module), PyLong_FromVoidPtr(functions[0]),
+                         PyLong_FromVoidPtr(functions[1]));
 }
 
 /* launch_graph(graph_exec, stream): cuGraphLaunch, for an eager step's finish captured once per size. */

@@ -16,6 +16,7 @@ PyObject *queue_step_arrival(PyObject *self, PyObject *args);
 PyObject *queue_step_finish(PyObject *self, PyObject *args);
 PyObject *step_handles(PyObject *self, PyObject *args);
 PyObject *drop_handles(PyObject *self, PyObject *args);
+PyObject *step_kernels(PyObject *self, PyObject *args);
 PyObject *launch_graph(PyObject *self, PyObject *args);
 
 /* The module's method table entries (module.c). */
@@ -28,11 +29,12 @@ PyObject *launch_graph(PyObject *self, PyObject *args);
     {"queue_step_start", (PyCFunction)(void (*)(void))queue_step_start, METH_FASTCALL, \
      "A step's ids copy to pinned memory and its request."}, \
     {"queue_step_fetch", (PyCFunction)(void (*)(void))queue_step_fetch, METH_FASTCALL, \
-     "A step's wait for its staged rows, then their copy."}, \
+     "A step's wait for its staged rows, their copy, and an eager finish's graph."}, \
     {"queue_step_arrival", queue_step_arrival, METH_VARARGS, "A step's arrival at the PLE layer, marked beside."}, \
     {"queue_step_finish", queue_step_finish, METH_VARARGS, "A step's side stream joined to the caller's."}, \
     {"step_handles", step_handles, METH_VARARGS, "A step lookup's own CUDA streams and events."}, \
-    {"drop_handles", drop_handles, METH_VARARGS, "step_handles' streams and events destroyed."}, \
+    {"drop_handles", drop_handles, METH_VARARGS, "step_handles' streams and events, step_kernels' modules, destroyed."}, \
+    {"step_kernels", step_kernels, METH_VARARGS, "The step kernels' PTX loaded into a context: module and kernels."}, \
     {"launch_graph", launch_graph, METH_VARARGS, "cuGraphLaunch of a CUDA graph exec on a stream."},
 
 #endif
