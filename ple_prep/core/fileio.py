@@ -314,3 +314,15 @@ def file_system_type(descriptor: int) -> int | None:
 def on_block_file_system(descriptor: int) -> bool:
     """Whether the file open at `descriptor` is on one of BLOCK_FILE_SYSTEMS."""
     return file_system_type(descriptor) in BLOCK_FILE_SYSTEMS
+
+
+def reopen_direct(descriptor: int) -> int:
+    """A new descriptor of the file open at `descriptor` (whatever its path names now), with
+    O_DIRECT where its file system allows it, else buffered."""
+    path = f"/proc/self/fd/{descriptor}"
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0) | _CLOEXEC)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        return os.open(path, os.O_RDONLY | _CLOEXEC)

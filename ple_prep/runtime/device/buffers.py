@@ -5,8 +5,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..dequant import decode
 from ..table import Table
 from ..tiers import read_leading_slots
+
+# Byte patterns tried for the poison row, the first whose every value decodes to NaN is kept:
+# FP8's 0x7F code, and the 16-bit NaN of BF16 rows and of the f16/fp8 block scales of the others.
+_POISON_PATTERNS = (b"\x7f", b"\xc0\x7f", b"\x00\x7e", b"\xff")
 
 
 class DeviceBuffers:
@@ -79,3 +84,14 @@ class DeviceBuffers:
         else:  # the caller's current stream, or a capture's
             self.span[low:high].copy_(self.host_span[low:high], non_blocking=True)
         self.copied.record(stream)
+
+
+def poison_row(table: Table) -> np.ndarray:
+    """A row of the table's encoding whose values all decode to NaN (refused if none is found): the
+    tier row a failed step's index names at every position."""
+    for pattern in _POISON_PATTERNS:
+        row = np.frombuffer(pattern * table.row_bytes, dtype=np.uint8)[:table.row_bytes].copy()
+        values = decode(table.header.encoding, row.reshape(1, -1), table.values_per_row, table.scale)
+        if np.isnan(values).all():
+            return row
+    raise ValueError(f"no poison row found for {table.encoding} rows")

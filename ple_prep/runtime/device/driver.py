@@ -1,5 +1,6 @@
 """The device package's calls past torch's public API, in one place: the compiled helper's CUDA
-driver calls (runtime/native/cuda.c), the current stream's raw handle and a graph's exec.
+driver calls (runtime/native/cuda.c), the step kernels' module, the current stream's raw handle and
+a graph's exec.
 
 Each CUDA call through torch costs host time on every step (BENCHMARKS.md, "Decode step and
 prefill chunk on an H200"; the single calls in docs/benchmark-history.md), so the copies a start
@@ -9,11 +10,16 @@ loaded it by then. Imports no torch: the callers pass torch's objects in.
 from __future__ import annotations
 
 import functools
+import logging
+from pathlib import Path
 
 try:
     from .. import _native
 except ImportError:  # built only where a C compiler was there at install (setup.py)
     _native = None
+
+STEP_KERNELS_PTX = Path(__file__).resolve().parent.parent / "native" / "step_kernels.ptx"
+_log = logging.getLogger(__name__)
 
 
 @functools.cache  # the driver retains the context once per device, not once per source
@@ -47,3 +53,14 @@ def graph_exec(graph) -> int | None:
     """A captured torch CUDA graph's exec handle for the helper to launch, or None where this torch
     does not hand it out (the graph is then replayed through torch)."""
     return graph.raw_cuda_graph_exec() if hasattr(graph, "raw_cuda_graph_exec") else None
+
+
+def load_step_kernels(context: int) -> tuple[int, int, int] | None:
+    """The step kernels (runtime/native/step_kernels.cu) loaded into `context`: (module,
+    step_request, step_fetch), or None where the driver cannot load them (logged): the caller's
+    steps then all go through its side stream."""
+    try:
+        return _native.step_kernels(context, STEP_KERNELS_PTX.read_bytes())
+    except (OSError, RuntimeError) as error:
+        _log.warning("the PLE step kernels are not used, every step goes through the side stream: %s", error)
+        return None

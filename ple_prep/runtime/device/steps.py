@@ -19,14 +19,15 @@ count, so a graph holds it). Up to `kernel_max_ids` ids (a decode step's), two s
 caller's stream do that (runtime/native/step_kernels.cu): the first stores the ids and the request,
 the second marks the device's arrival (ARRIVED), waits for READY and copies the span with its own
 loads, with no side stream, memory operation or copy engine to pay for (docs/RUNTIME.md, "Kernels
-for small steps"). Larger steps go through stream memory operations and the copy engine: where the
-step's finish is queued eagerly or in the same CUDA graph, start queues the fetch too, on a side
-stream forked from the current one (so it runs beside the work between start and finish, decoder
-layer 0), and finish joins it; else (a piecewise graph may end between start and finish, and a
-capture may not end with a side stream unjoined) start queues only the request on the current
-stream and finish queues the fetch there; `finish` then marks the arrival beside the index and
-decode, on a stream of its own (a stream memory operation on the current stream holds the work
-behind it). `finish` queues the index and decode into `output`.
+for small steps").
+Larger steps go through stream memory operations and the copy engine: where the step's finish is
+queued eagerly or in the same CUDA graph, start queues the fetch too, on a side stream forked from
+the current one (so it runs beside the work between start and finish, decoder layer 0), and finish
+joins it; else (a piecewise graph may end between start and finish, and a capture may not end with a
+side stream unjoined) start queues only the request on the current stream and finish queues the
+fetch there; `finish` then marks the arrival beside the index and decode, on a stream of its own (a
+stream memory operation on the current stream holds the work behind it). `finish` queues the index
+and decode into `output`.
 Only the thread's host store releases a wait (docs/RUNTIME.md, "A step in one CUDA graph", why).
 Neither call waits on the host or depends on the host's state of the step, so the same calls run
 eagerly, inside breakable piecewise graphs and inside one FULL graph replayed with new ids every
@@ -43,22 +44,19 @@ abandons the stuck reads with their buffer and serves the next step (docs/RELIAB
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import time
 import weakref
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from ...core.fileio import on_block_file_system
-from ..dequant import decode
+from ...core.fileio import on_block_file_system, reopen_direct
 from ..readcheck import DEFAULT_READ_TIMEOUT, ReadTimeout, check_timeout
 from ..table import Table
-from .buffers import DeviceBuffers
+from .buffers import DeviceBuffers, poison_row
 from .dequant import decoder_for
-from .driver import graph_exec, raw_stream_of
+from .driver import graph_exec, load_step_kernels, raw_stream_of
 from .graphs import GraphCache
 from .staging import LOOKUP_PART_IDS, LOOKUP_THREADS
 from .triton_gather import fp8_gather_for
@@ -76,27 +74,10 @@ HOST_WAIT_SECONDS = 120.0
 # keeps: at 64 a cold chunk was well behind the eager path (BENCHMARKS.md, "Serving inside vLLM's
 # CUDA graphs").
 READ_DEPTH = 512
-# Up to this many ids a step goes through the step kernels (runtime/native/step_kernels.cu), more
-# through the side stream and the copy engine, which copy a large span faster (BENCHMARKS.md,
-# "Serving inside vLLM's CUDA graphs").
-KERNEL_MAX_IDS = 1024
-STEP_KERNELS_PTX = Path(__file__).resolve().parent.parent / "native" / "step_kernels.ptx"
-_log = logging.getLogger(__name__)
-# Byte patterns tried for the poison row, the first whose every value decodes to NaN is kept:
-# FP8's 0x7F code, and the 16-bit NaN of BF16 rows and of the f16/fp8 block scales of the others.
-_POISON_PATTERNS = (b"\x7f", b"\xc0\x7f", b"\x00\x7e", b"\xff")
-
-
-def poison_row(table: Table) -> np.ndarray:
-    """A row of the table's encoding whose values all decode to NaN (refused if none is found)."""
-    for pattern in _POISON_PATTERNS:
-        row = np.frombuffer(pattern * table.row_bytes, dtype=np.uint8)[:table.row_bytes].copy()
-        values = decode(table.header.encoding, row.reshape(1, -1), table.values_per_row, table.scale)
-        if np.isnan(values).all():
-            return row
-    raise ValueError(f"no poison row found for {table.encoding} rows")
-
-
+# Up to this many ids (4 tokens) a step goes through the step kernels (runtime/native/step_kernels.cu),
+# more through the side stream and the copy engine, beside the work before the finish: from 256 ids
+# the kernels' step is 1-3% slower (BENCHMARKS.md, "Serving inside vLLM's CUDA graphs").
+KERNEL_MAX_IDS = 64
 class StepLookup:
     """bf16 PLE values for row ids on a device, looked up without any host wait in the caller's calls."""
 
@@ -160,7 +141,7 @@ class StepLookup:
             # arrival's write (finish); events: start's fork, finish's arrival, the joins of each.
             (self._side, self._arrival), events = _native.step_handles(self._context, 2, 4)
             self._fork, self._done, self._arrive, self._arrived = events
-            kernels = _load_step_kernels(self._context)
+            kernels = load_step_kernels(self._context)
             modules, (request_kernel, fetch_kernel) = ((kernels[0],), kernels[1:]) if kernels else ((), (0, 0))
             # destroyed with the service
             handles = (self._context, (self._side, self._arrival), events, modules)
@@ -174,13 +155,14 @@ class StepLookup:
             self._flag_address = flags
             # What a step's start and fetch queue, held by the helper: a call passes only what changes.
             self._queue = _native.step_queue(self._side, self._fork, self._ids.data_ptr(), flags + 4 * REQUEST,
-                                             flags + 4 * READY, flags + 4 * ARRIVED, buffers.span.data_ptr(),
-                                             buffers.host_span.data_ptr(), buffers.capacity, buffers.row_bytes,
+                                             flags + 4 * READY, flags + 4 * ARRIVED,
+                                             buffers.span.data_ptr(), buffers.host_span.data_ptr(),
+                                             buffers.capacity, buffers.row_bytes,
                                              buffers.index_at, request_kernel, fetch_kernel,
                                              self._kernel_counters.data_ptr(), self.kernel_max_ids)
             buffers.index[:] = self._poison
         header = table.header
-        self._descriptor = _disk_descriptor(table.descriptor)
+        self._descriptor = reopen_direct(table.descriptor)
         # The table's host cache (open_table's host_cache_bytes), which the thread reads and fills.
         tier = table.host_cache
         self.host_cache = tier.cache if tier is not None and tier.cache.handle is not None else None
@@ -401,28 +383,6 @@ class StepLookup:
         if self._cuda:
             torch.cuda.synchronize(self.device)
         self._stop()
-
-
-def _load_step_kernels(context: int) -> tuple[int, int, int] | None:
-    """The step kernels loaded into `context` (module, step_request, step_fetch), or None where the
-    driver cannot load them (logged once per lookup): its steps then all go through the side stream."""
-    try:
-        return _native.step_kernels(context, STEP_KERNELS_PTX.read_bytes())
-    except (OSError, RuntimeError) as error:
-        _log.warning("the PLE step kernels are not used, every step goes through the side stream: %s", error)
-        return None
-
-
-def _disk_descriptor(descriptor: int) -> int:
-    """A descriptor of the table's own file (whatever its path names now) for the service's reads:
-    O_DIRECT where the file system allows it, else buffered."""
-    path = f"/proc/self/fd/{descriptor}"
-    try:
-        return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0) | os.O_CLOEXEC)
-    except OSError as error:
-        if error.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-            raise
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
 
 def _stop_service(service, descriptor: int, handles) -> None:
