@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import vllm_full_graph as full_graph  # noqa: E402  (bench/, beside this file)
 from gpu_bench import OtherWork  # noqa: E402  (bench/, beside this file)
-from vllm_full_graph import alternate, exact_history, exact_replays, lookup_graph, percentiles, pool_of  # noqa: E402
 
 from ple_prep.ngram import NgramSpec  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
@@ -70,27 +70,24 @@ def main() -> None:
         tokens = ids_count // 16
         starts = np.linspace(0, len(row_ids) - tokens, 200).astype(np.int64)
         requests = [row_ids[k:k + tokens] for k in starts]
-        through_kernels = lookup_graph(kernels, pool_of(requests), other)
-        through_side = lookup_graph(side, pool_of(requests), other)
-        mine, theirs = alternate(through_kernels, through_side, args.steps, 100)
+        through_kernels = full_graph.lookup_graph(kernels, full_graph.pool_of(requests), other)
+        through_side = full_graph.lookup_graph(side, full_graph.pool_of(requests), other)
+        mine, theirs = full_graph.alternate(through_kernels, through_side, args.steps, 100)
         kernels.check()
         side.check()
         report["sizes"][ids_count] = {
-            "kernels": percentiles(mine), "side_stream": percentiles(theirs),
+            "kernels": full_graph.percentiles(mine), "side_stream": full_graph.percentiles(theirs),
             "p50_ratio": round(float(np.percentile(mine, 50) / np.percentile(theirs, 50)), 4),
             "p90_ratio": round(float(np.percentile(mine, 90) / np.percentile(theirs, 90)), 4),
-            "bit_exact": exact_history(table, through_kernels, requests, min(len(requests), args.steps))
-            and exact_history(table, through_side, requests, min(len(requests), args.steps)),
-            "exact_poisoned": exact_replays(table, kernels, through_kernels, requests[:20])
-            and exact_replays(table, side, through_side, requests[:20])}
+            "bit_exact": full_graph.exact_history(table, through_kernels, requests, min(len(requests), args.steps))
+            and full_graph.exact_history(table, through_side, requests, min(len(requests), args.steps)),
+            "exact_poisoned": full_graph.exact_replays(table, kernels, through_kernels, requests[:20])
+            and full_graph.exact_replays(table, side, through_side, requests[:20])}
         print(ids_count, json.dumps(report["sizes"][ids_count]), flush=True, file=sys.stderr)
     kernels.close()
     side.close()
     table.close()
-    text = json.dumps(report, indent=1)
-    if args.out is not None:
-        args.out.write_text(text)
-    print(text)
+    full_graph.print_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,14 @@ from ple_prep.tools.realtext import real_text_row_ids  # noqa: E402
 SLEEP_CYCLES = 100_000_000
 
 
+def print_report(report: dict, out: Path | None) -> None:
+    """The report as JSON on stdout, and into `out` where given."""
+    text = json.dumps(report, indent=1)
+    if out is not None:
+        out.write_text(text)
+    print(text)
+
+
 def percentiles(ms: list[float]) -> dict:
     values = np.array(ms)
     return {"n": len(values), "p50_ms": round(float(np.percentile(values, 50)), 4),
@@ -625,10 +633,7 @@ def main() -> None:
         print(json.dumps(report["warm"]), flush=True, file=sys.stderr)
     if args.faults_table is not None and "faults" in sections:
         report["faults"] = faults_section(args.faults_table, spec, other, args.work)
-    text = json.dumps(report, indent=1)
-    if args.out is not None:
-        args.out.write_text(text)
-    print(text)
+    print_report(report, args.out)
 
 
 if __name__ == "__main__":
