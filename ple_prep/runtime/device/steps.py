@@ -78,6 +78,8 @@ READ_DEPTH = 512
 # more through the side stream and the copy engine, beside the work before the finish: from 256 ids
 # the kernels' step is 1-3% slower (BENCHMARKS.md, "Serving inside vLLM's CUDA graphs").
 KERNEL_MAX_IDS = 64
+
+
 class StepLookup:
     """bf16 PLE values for row ids on a device, looked up without any host wait in the caller's calls."""
 
@@ -142,9 +144,8 @@ class StepLookup:
             (self._side, self._arrival), events = _native.step_handles(self._context, 2, 4)
             self._fork, self._done, self._arrive, self._arrived = events
             kernels = load_step_kernels(self._context)
-            modules, (request_kernel, fetch_kernel) = ((kernels[0],), kernels[1:]) if kernels else ((), (0, 0))
-            # destroyed with the service
-            handles = (self._context, (self._side, self._arrival), events, modules)
+            module, request_kernel, fetch_kernel = kernels or (0, 0, 0)
+            handles = (self._context, (self._side, self._arrival), events, (module,))  # destroyed with the service
             # The step kernels' two counters (runtime/native/step_kernels.cu), zero between steps.
             self._kernel_counters = torch.zeros(2, dtype=torch.int32, device=self.device)
             self.kernel_max_ids = min(KERNEL_MAX_IDS, self.capacity) if kernels else 0

@@ -385,14 +385,14 @@ PyObject *step_handles(PyObject *self, PyObject *args)
     return refuse_cuda("creating a step lookup's streams and events", result);
 }
 
-/* drop_handles(context, streams, events[, modules]): step_handles' streams (once their queued work is
- * done) and events destroyed, and step_kernels' modules unloaded; nothing where the context is gone (at
- * exit the driver frees them itself). */
+/* drop_handles(context, streams, events, modules): step_handles' streams (once their queued work is
+ * done) and events destroyed, and step_kernels' modules unloaded (0: none loaded); nothing where the
+ * context is gone (at exit the driver frees them itself). */
 PyObject *drop_handles(PyObject *self, PyObject *args)
 {
     void *context, *previous;
-    PyObject *handles[3] = {NULL, NULL, NULL};
-    if (!PyArg_ParseTuple(args, "O&O!O!|O!", parse_pointer, &context, &PyTuple_Type, &handles[0], &PyTuple_Type,
+    PyObject *handles[3];
+    if (!PyArg_ParseTuple(args, "O&O!O!O!", parse_pointer, &context, &PyTuple_Type, &handles[0], &PyTuple_Type,
                           &handles[1], &PyTuple_Type, &handles[2]) || cuda_ready() != 0)
         return NULL;
     if (enter_context(context, &previous) != 0)
