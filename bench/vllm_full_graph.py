@@ -195,7 +195,8 @@ def cold_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
                  steps: int, chunk_steps: int, host_cache_bytes: int | None) -> dict:
     """Cold (O_DIRECT) FULL-graph steps against today's eager path on the same ids, one at a time.
     Each side opens the table itself: with a host cache (None: open_table's default budget) each
-    has its own, which keeps what that side read before and never what the other read."""
+    has its own, which keeps what that side read before and never what the other read.
+    `p50_ms_by_predecessor`: each side's steps by the side that ran just before."""
     options = {"read_path": "direct"} | ({} if host_cache_bytes is None else {"host_cache_bytes": host_cache_bytes})
     table, eager_table = open_table(path, **options), open_table(path, **options)
     evict(path)
@@ -206,7 +207,8 @@ def cold_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
         before = lookup.stats()
         proxy = lookup_graph(lookup, pool_of(requests), other)
         ids_device = [torch.from_numpy(ids.reshape(-1).copy()).cuda() for ids in requests]
-        graph_s, eager_s = [], []
+        graph_s, eager_s, after = [], [], {}
+        previous = None
         for k, ids in enumerate(ids_device):
             for side in ((0, 1) if k % 2 == 0 else (1, 0)):  # the graph first in even pairs
                 torch.cuda.synchronize()
@@ -219,6 +221,11 @@ def cold_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
                     eager.finish()
                 torch.cuda.synchronize()
                 (graph_s if side == 0 else eager_s).append((time.perf_counter() - began) * 1e3)
+                if previous is not None:
+                    sides = ("full_graph", "eager")
+                    after.setdefault(f"{sides[side]}_after_{sides[previous]}", []).append(
+                        (graph_s if side == 0 else eager_s)[-1])
+                previous = side
         lookup.check()
         stats = {key: value - before[key] for key, value in lookup.stats().items()}
         report[name] = {"full_graph": percentiles(graph_s), "eager": percentiles(eager_s),
@@ -236,6 +243,8 @@ def cold_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
                         "p50_ms_first_second": {
                             "full_graph": [round(float(np.median(graph_s[k::2])), 3) for k in (0, 1)],
                             "eager": [round(float(np.median(eager_s[k::2])), 3) for k in (1, 0)]},
+                        "p50_ms_by_predecessor": {key: round(float(np.median(ms)), 3)
+                                                  for key, ms in sorted(after.items())},
                         "bit_exact": exact_history(table, proxy, requests, len(requests)),
                         "pages_read": stats["pages_read"],
                         "disk_positions_fraction": round(stats["rows_disk"] / stats["ids"], 3)}
@@ -392,6 +401,27 @@ def after_sync_reference(calls: int, sleep_ms: float) -> dict:
     return report
 
 
+def quiet_launch_reference(calls: int, sleep_ms: float) -> dict:
+    """Host ms of one small kernel's launch (torch's own) after `quiet` ms in which the host queued
+    nothing, the GPU busy all the while and the host spinning on the clock: what any first call
+    after a quiet spell pays on the machine, whatever it launches."""
+    scratch = torch.zeros(16, device="cuda")
+    report = {}
+    for quiet_ms in (0.1, 1.0, 5.0, 20.0, 50.0):
+        times = []
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            for _ in range(int(quiet_ms // sleep_ms) + 2):
+                torch.cuda._sleep(SLEEP_CYCLES)
+            busy_python(quiet_ms)
+            began = time.perf_counter()
+            scratch.add_(1)
+            times.append((time.perf_counter() - began) * 1e3)
+        torch.cuda.synchronize()
+        report[f"after_{quiet_ms:g}_ms_quiet"] = percentiles(times)
+    return report
+
+
 def busy_python(ms: float) -> None:
     """Python work for `ms` (a loop on the clock), as vLLM's host has its own between two steps."""
     until = time.perf_counter() + ms / 1e3
@@ -399,13 +429,37 @@ def busy_python(ms: float) -> None:
         pass
 
 
+def busy_launching(ms: float, scratch: torch.Tensor) -> float:
+    """`busy_python` with a small kernel launched every 0.1 ms, standing for the kernels a step of an
+    eager or PIECEWISE vLLM launches between two PLE calls (the other layers, the sampler, the next
+    step's inputs and the n-gram hash, launched far more often than this); the host ms of the last
+    launch, which comes right before the caller's next call."""
+    until = time.perf_counter() + ms / 1e3
+    last = 0.0
+    while True:
+        began = time.perf_counter()
+        scratch.add_(1)
+        last = (time.perf_counter() - began) * 1e3
+        if began + 1e-4 >= until:
+            return last
+        busy_python(0.1)
+
+
 def continuous_calls(lookup, table, requests: list[np.ndarray], as_ids: list[torch.Tensor], calls: int,
-                     gap_ms: float, sleep_ms: float) -> dict:
+                     gap_ms: float, sleep_ms: float, step_launches: bool = False) -> dict:
     """start and finish with the GPU never drained: sleep kernels queued ahead so that at least 150
     ms of GPU work stays queued at every call, `gap_ms` of Python between two calls and no wait of
     the host at all (a wait for the device, any kind, leaves the next calls of each code path slow:
-    docs/benchmark-history.md); every 50th call's values checked bit for bit at the end."""
-    starts, finishes, queued_ms, least = [], [], 0.0, float("inf")
+    docs/benchmark-history.md); every 50th call's values checked bit for bit at the end. With
+    `step_launches`, the host launches a step's other kernels as vLLM does outside a FULL graph
+    (busy_launching in the gap, one kernel for decoder layer 0 between start and finish), and the
+    last of them before each start is timed too (`torch_launch_before_start`); then at least 55 ms
+    stays queued, in sleeps a tenth as long, since a launch waits once about a thousand are queued
+    and 150 ms of those small kernels would be more than that."""
+    scratch = torch.zeros(16, device="cuda")
+    target_ms, cycles = (55.0, SLEEP_CYCLES // 10) if step_launches else (150.0, SLEEP_CYCLES)
+    sleep_ms = sleep_ms * cycles / SLEEP_CYCLES
+    starts, finishes, launches, queued_ms, least = [], [], [], 0.0, float("inf")
     checked = list(range(0, calls, 50))
     history = torch.empty((len(checked), as_ids[0].numel() * table.values_per_row), dtype=torch.bfloat16,
                           device="cuda")
@@ -414,19 +468,25 @@ def continuous_calls(lookup, table, requests: list[np.ndarray], as_ids: list[tor
     for k in range(calls):
         now = time.perf_counter()
         queued_ms, clock = max(0.0, queued_ms - (now - clock) * 1e3), now
-        while queued_ms < 150 + 2 * gap_ms:
-            torch.cuda._sleep(SLEEP_CYCLES)
+        while queued_ms < target_ms + 2 * gap_ms:
+            torch.cuda._sleep(cycles)
             queued_ms += sleep_ms
-        busy_python(gap_ms)
+        if step_launches:
+            launches.append(busy_launching(gap_ms, scratch))
+        else:
+            busy_python(gap_ms)
         began = time.perf_counter()
         least = min(least, queued_ms - (began - clock) * 1e3)
         lookup.start(as_ids[k % len(as_ids)])
+        started = time.perf_counter()
+        if step_launches:
+            scratch.add_(1)
         middle = time.perf_counter()
         values = lookup.finish()
         ended = time.perf_counter()
         if k % 50 == 0:
             history[k // 50].copy_(values.reshape(-1))
-        starts.append((middle - began) * 1e3)
+        starts.append((started - began) * 1e3)
         finishes.append((ended - middle) * 1e3)
     busy = not torch.cuda.current_stream().query()
     torch.cuda.synchronize()
@@ -437,7 +497,7 @@ def continuous_calls(lookup, table, requests: list[np.ndarray], as_ids: list[tor
     over = sum(ms > 0.1 for ms in starts) + sum(ms > 0.1 for ms in finishes)
     return {"start": percentiles(starts), "finish": percentiles(finishes), "gap_ms": gap_ms,
             "calls_over_0_1_ms": over, "least_queued_ms": round(least, 1), "gpu_still_busy": busy,
-            "bit_exact": exact}
+            "bit_exact": exact} | ({"torch_launch_before_start": percentiles(launches)} if step_launches else {})
 
 
 def host_section(lookup, table, decode: list[np.ndarray], chunks: list[np.ndarray], proxy: ProxyStep | None,
@@ -447,13 +507,15 @@ def host_section(lookup, table, decode: list[np.ndarray], chunks: list[np.ndarra
     `after_sync`: each call on its own, after a synchronize and one sleep kernel queued (the host's
     caches as an idle wait leaves them); `after_python_poll`: the same after `poll_stream` instead.
     `continuous`: the GPU never drained and the host never waiting (continuous_calls), the case of
-    a host that runs ahead. `back_to_back`: blocks of calls one after another behind
-    three sleep kernels, as vLLM's host thread runs ahead of the device under asynchronous
-    scheduling; `least_queued_ms` is the GPU work still queued at the last call of any block (the
-    sleeps' time less the host's since they were queued), and some of the steps' values are checked
-    bit for bit once the device has served them."""
+    a host that runs ahead; `continuous_step_launches`: the same with the step's other kernels
+    launched by the host around the calls, as vLLM outside a FULL graph. `back_to_back`: blocks of
+    calls one after another behind three sleep kernels, as vLLM's host thread runs ahead of the
+    device under asynchronous scheduling; `least_queued_ms` is the GPU work still queued at the
+    last call of any block (the sleeps' time less the host's since they were queued), and some of
+    the steps' values are checked bit for bit once the device has served them."""
     sleep_ms = queued_sleep_ms()
-    report = {"sleep_kernel_ms": round(sleep_ms, 2), "after_sync_reference": after_sync_reference(30, sleep_ms)}
+    report = {"sleep_kernel_ms": round(sleep_ms, 2), "after_sync_reference": after_sync_reference(30, sleep_ms),
+              "quiet_launch_reference": quiet_launch_reference(30, sleep_ms)}
     for name, requests, blocks in (("decode", decode[:50], 4), ("chunk", chunks[:12], 4)):
         as_ids = [torch.from_numpy(ids.copy() if reshape else ids.reshape(-1).copy()).cuda() for ids in requests]
         busy = True
@@ -508,6 +570,8 @@ def host_section(lookup, table, decode: list[np.ndarray], chunks: list[np.ndarra
         gap_ms, calls = (1.0, 400) if name == "decode" else (2.0, 120)
         report[name] = {**alone, "continuous": continuous_calls(lookup, table, requests, as_ids, calls, gap_ms,
                                                                 sleep_ms),
+                        "continuous_step_launches": continuous_calls(lookup, table, requests, as_ids, calls,
+                                                                     gap_ms, sleep_ms, step_launches=True),
                         "back_to_back": {"start": percentiles(starts), "finish": percentiles(finishes),
                                          "start_first_of_block": percentiles(first),
                                          "start_after_first": percentiles(others),
