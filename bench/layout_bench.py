@@ -1,7 +1,7 @@
 """Disk page reads per 1,000 tokens: access-ordered layout against the checkpoint's own layout.
 
 Run: flock /tmp/ple-bench.lock python bench/layout_bench.py [--map-fraction F] [--base B] [--duplicates]
-     [--group-keyed G] [--split-copies G [--group-map-bytes B]]
+     [--group-keyed G] [--split-copies G [--group-map-bytes B] [--make-room]]
 (F: most RAM the row-order map's lookup index may cost, as a fraction of the table, default 0.015;
 B: `ngram_vocab_size_base`, 20,000,000 for the real geometry, 2,500,000 for 1/8 of it.)
 
@@ -38,7 +38,9 @@ groups the plan splits over more than one page, most page reads saved per copied
 profile's count times the pages beyond one, over the rows not on the group's home page), get their
 missing rows copied onto their home page as far as a file growth of G, found by a map of the
 copied groups (--group-map-bytes a group, default 12: a 64-bit key and a slot), charged with the
-per-row map's index. Optimistic: the home page is taken to have room for the copies.
+per-row map's index. Optimistic: the home page is taken to have room for the copies. With
+--make-room it has none: a home takes at most 3 copied groups, and each copy pushes one of the
+page's other rows (the last by slot) out to pages after the table's.
 """
 from __future__ import annotations
 
@@ -163,17 +165,21 @@ class GroupKeyedLayout(GroupPages):
 class SplitCopiesLayout(GroupPages):
     """The --split-copies layout: the planned per-row order, and copies of the rows of the seen
     groups it splits over pages, most page reads saved a copy first, as far as a file growth of
-    `growth`: each copied group read from one page, its home (the page holding most of its rows,
-    which is taken to have room for its copies: optimistic)."""
+    `growth`: each copied group read from one page, its home (the page holding most of its rows).
+    By default the home is taken to have room for its copies (optimistic); with `make_room`, a
+    home takes at most as many copied groups as a page holds whole groups, and each copy pushes
+    one of the page's other rows (the last by slot) to pages after the table's, where every read
+    of it then goes."""
 
-    def __init__(self, profile, spec: NgramSpec, slot_of_row: np.ndarray, growth: float, map_bytes: float):
+    def __init__(self, profile, spec: NgramSpec, slot_of_row: np.ndarray, growth: float, map_bytes: float,
+                 make_room: bool = False):
         keys, orders, counts = _hot_groups(profile, PARTS, with_counts=True)
         rows = np.empty((len(keys), spec.heads_per_ngram), dtype=np.int64)
         for order in np.unique(orders):
             chosen = orders == order
             rows[chosen] = rows_of_mixed(keys[chosen], int(order), spec)
-        pages = np.sort(slot_of_row[rows] // ROWS_PER_PAGE, axis=1)
-        del rows
+        unsorted_pages = slot_of_row[rows] // ROWS_PER_PAGE
+        pages = np.sort(unsorted_pages, axis=1)
         # Each group's longest run of one page in its sorted pages: its home and the rows there.
         fresh = np.ones(pages.shape, dtype=bool)
         fresh[:, 1:] = pages[:, 1:] != pages[:, :-1]
@@ -189,6 +195,14 @@ class SplitCopiesLayout(GroupPages):
         split = np.flatnonzero(distinct > 1)
         saved_per_copy = counts[split] * (distinct[split] - 1) / copies[split]
         by_saving = split[np.argsort(-saved_per_copy, kind="stable")]
+        if make_room:  # at most this many whole groups on a home page, the best first
+            by_home = np.argsort(home[by_saving], kind="stable")
+            homes = home[by_saving][by_home]
+            run_start = np.flatnonzero(np.diff(homes, prepend=-1))
+            rank = np.arange(len(homes)) - np.repeat(run_start, np.diff(np.append(run_start, len(homes))))
+            fits = np.empty(len(by_saving), dtype=bool)
+            fits[by_home] = rank < ROWS_PER_PAGE // spec.heads_per_ngram
+            by_saving = by_saving[fits]
         copied = by_saving[:int(np.searchsorted(np.cumsum(copies[by_saving]), growth * len(slot_of_row),
                                                 side="right"))]
         super().__init__(keys[copied], orders[copied], spec)
@@ -196,10 +210,37 @@ class SplitCopiesLayout(GroupPages):
         self.copied_rows = int(copies[copied].sum())
         self.split_groups = len(split)
         self.map_bytes = int(map_bytes * self.groups)
+        self.page_of_row = None
+        if make_room:
+            self.page_of_row = self._pushed_out(slot_of_row, rows[copied], unsorted_pages[copied], home[copied],
+                                                copies[copied])
+
+    def _pushed_out(self, slot_of_row, group_rows, group_pages, homes, copies) -> np.ndarray:
+        """Each row's page once every home page has pushed out as many of its other rows (the last
+        by slot) as it takes copies: those go, 25 a page, after the table's pages."""
+        page_of_row = (slot_of_row // ROWS_PER_PAGE).astype(np.int64)
+        kept = np.zeros(len(slot_of_row), dtype=bool)  # the copied groups' rows already at home
+        kept[group_rows[group_pages == homes[:, None]]] = True
+        room = np.bincount(homes, weights=copies).astype(np.int64)
+        pages = np.flatnonzero(room)
+        row_of_slot = np.empty(len(slot_of_row), dtype=np.int64)
+        row_of_slot[slot_of_row] = np.arange(len(slot_of_row))
+        # The page's last slots first: the planner fills a page hottest first. (Its least-read rows
+        # first, by the profile, did worse: docs/benchmark-history.md.)
+        slots = pages[:, None] * ROWS_PER_PAGE + np.arange(ROWS_PER_PAGE - 1, -1, -1)
+        inside = slots < len(slot_of_row)  # the table's last page may be short
+        candidates = row_of_slot[np.minimum(slots, len(slot_of_row) - 1)]
+        movable = inside & ~kept[candidates]
+        order = np.cumsum(movable, axis=1)
+        pushed = candidates[movable & (order <= room[pages][:, None])]
+        self.pushed_rows = len(pushed)
+        page_of_row[pushed] = -(-len(slot_of_row) // ROWS_PER_PAGE) + np.arange(len(pushed)) // ROWS_PER_PAGE
+        return page_of_row
 
     def pages(self, slot_of_row: np.ndarray, mixed: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Per token, the page of each of its 16 rows as this layout reads them."""
-        return self.read_groups_from_their_pages(slot_of_row[rows] // ROWS_PER_PAGE, mixed)
+        pages = slot_of_row[rows] // ROWS_PER_PAGE if self.page_of_row is None else self.page_of_row[rows]
+        return self.read_groups_from_their_pages(pages, mixed)
 
 
 def first_of_each_page(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -228,6 +269,8 @@ def main() -> None:
     parser.add_argument("--group-keyed", type=float, metavar="GROWTH")
     parser.add_argument("--split-copies", type=float, metavar="GROWTH")
     parser.add_argument("--group-map-bytes", type=float, default=12.0)
+    parser.add_argument("--make-room", action="store_true",
+                        help="with --split-copies: home pages push rows out for their copies")
     args = parser.parse_args()
     for name in ("group_keyed", "split_copies"):
         if getattr(args, name) is not None and not 0 < getattr(args, name) <= 1:
@@ -291,7 +334,7 @@ def main() -> None:
     duplicated = DuplicatedLayout(profile, spec, num_rows) if args.duplicates else None
     keyed = None if args.group_keyed is None else GroupKeyedLayout(profile, spec, num_rows, args.group_keyed)
     copies = None if args.split_copies is None else SplitCopiesLayout(profile, spec, slot_of_row, args.split_copies,
-                                                                     args.group_map_bytes)
+                                                                     args.group_map_bytes, args.make_room)
     for mixed, row_ids in evaluation_row_ids(spec, *corpus["evaluation"]):
         tokens += len(row_ids)
         if duplicated is not None:
@@ -352,7 +395,8 @@ def main() -> None:
     if copies is not None:
         result["split_copies"] = {"split_groups": copies.split_groups, "copied_groups": copies.groups,
                                   "copied_rows": copies.copied_rows, "group_map_bytes": copies.map_bytes,
-                                  "file_growth": round(copies.copied_rows / num_rows, 4)}
+                                  "file_growth": round(copies.copied_rows / num_rows, 4),
+                                  **({"pushed_out_rows": copies.pushed_rows} if args.make_room else {})}
     for fraction, budget in budgets.items():
         per_k = {key: round(1000 * budget[key] / tokens, 1)
                  for key in ("prepared", "prepared_charged", "checkpoint", "duplicated", "group_keyed",
