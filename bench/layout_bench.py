@@ -1,7 +1,7 @@
 """Disk page reads per 1,000 tokens: access-ordered layout against the checkpoint's own layout.
 
 Run: flock /tmp/ple-bench.lock python bench/layout_bench.py [--map-fraction F] [--base B] [--duplicates]
-     [--group-keyed G] [--split-copies G [--group-map-bytes B] [--make-room]]
+     [--group-keyed G] [--split-copies G [--group-map-bytes B] [--make-room]] [--index-bits ROW PLACED]
 (F: most RAM the row-order map's lookup index may cost, as a fraction of the table, default 0.015;
 B: `ngram_vocab_size_base`, 20,000,000 for the real geometry, 2,500,000 for 1/8 of it.)
 
@@ -20,7 +20,8 @@ Both layouts get the same resident budget, a fraction of the table's 51.2 GB, as
   half's row reads (both parts of the profile, as the prepared layout gets).
 The "map charged" column also takes what a server holds for the row-order map (its lookup index:
 2 bits a table row and 4 bytes a placed row, `format.order.lookup_index_bytes`) out of its
-resident budget.
+resident budget; `--index-bits ROW PLACED` charges an index of another size instead (not built:
+what a smaller index of the same rows would buy, down to the bits any map of them needs).
 
 --duplicates adds what duplicating shared rows would buy (not built: measured to decide): every
 seen n-gram's 8 rows on its own page, 3 groups a page in hotness order, so each seen n-gram costs
@@ -269,6 +270,8 @@ def main() -> None:
     parser.add_argument("--group-keyed", type=float, metavar="GROWTH")
     parser.add_argument("--split-copies", type=float, metavar="GROWTH")
     parser.add_argument("--group-map-bytes", type=float, default=12.0)
+    parser.add_argument("--index-bits", type=float, nargs=2, metavar=("ROW", "PLACED"),
+                        help="charge a lookup index of ROW bits a table row and PLACED bits a placed row")
     parser.add_argument("--make-room", action="store_true",
                         help="with --split-copies: home pages push rows out for their copies")
     args = parser.parse_args()
@@ -296,6 +299,8 @@ def main() -> None:
     timings["plan_s"] = round(time.perf_counter() - clock, 1)
     map_bytes = ORDER_BYTES_PER_PLACED[2] * order.num_placed
     index_bytes = lookup_index_bytes(num_rows, order.num_placed)
+    if args.index_bits is not None:
+        index_bytes = int((args.index_bits[0] * num_rows + args.index_bits[1] * order.num_placed) / 8)
 
     # A dense slot of every row (1.28 GB, bench only: random lookups into it are ~10x faster
     # than the runtime's compact map, whose answers it must equal).
