@@ -181,6 +181,8 @@ class SplitCopiesLayout(GroupPages):
             rows[chosen] = rows_of_mixed(keys[chosen], int(order), spec)
         unsorted_pages = slot_of_row[rows] // ROWS_PER_PAGE
         pages = np.sort(unsorted_pages, axis=1)
+        if not make_room:  # only pushing rows out needs the groups' rows and pages again
+            del rows, unsorted_pages
         # Each group's longest run of one page in its sorted pages: its home and the rows there.
         fresh = np.ones(pages.shape, dtype=bool)
         fresh[:, 1:] = pages[:, 1:] != pages[:, :-1]
