@@ -280,6 +280,10 @@ def main() -> None:
     for name in ("group_keyed", "split_copies"):
         if getattr(args, name) is not None and not 0 < getattr(args, name) <= 1:
             parser.error(f"--{name.replace('_', '-')} takes a file growth between 0 and 1")
+    if args.make_room and args.split_copies is None:
+        parser.error("--make-room applies to --split-copies")
+    if args.index_bits is not None and min(args.index_bits) < 0:
+        parser.error("--index-bits takes bits a table row and bits a placed row, neither negative")
     started = time.perf_counter()
     corpus = real_corpus.load()
     spec = NgramSpec.from_config(fixture_config(base=args.base))

@@ -60,6 +60,8 @@ from ple_prep.tools.realtext import real_text_row_ids  # noqa: E402
 
 # torch.cuda._sleep's cycles for about 50-60 ms of queued GPU work on an H200 (measured each run).
 SLEEP_CYCLES = 100_000_000
+# The cold section's two sides, as its report names them.
+COLD_SIDES = ("full_graph", "eager")
 
 
 def print_report(report: dict, out: Path | None) -> None:
@@ -220,11 +222,10 @@ def cold_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
                     other()
                     eager.finish()
                 torch.cuda.synchronize()
-                (graph_s if side == 0 else eager_s).append((time.perf_counter() - began) * 1e3)
+                ms = (time.perf_counter() - began) * 1e3
+                (graph_s if side == 0 else eager_s).append(ms)
                 if previous is not None:
-                    sides = ("full_graph", "eager")
-                    after.setdefault(f"{sides[side]}_after_{sides[previous]}", []).append(
-                        (graph_s if side == 0 else eager_s)[-1])
+                    after.setdefault(f"{COLD_SIDES[side]}_after_{COLD_SIDES[previous]}", []).append(ms)
                 previous = side
         lookup.check()
         stats = {key: value - before[key] for key, value in lookup.stats().items()}
