@@ -35,7 +35,9 @@ Prints JSON (also written to --out).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import resource
 import shutil
 import subprocess
 import sys
@@ -430,18 +432,66 @@ def busy_python(ms: float) -> None:
         pass
 
 
-def busy_launching(ms: float, scratch: torch.Tensor) -> float:
-    """`busy_python` with a small kernel launched every 0.1 ms, standing for the kernels a step of an
-    eager or PIECEWISE vLLM launches between two PLE calls (the other layers, the sampler, the next
-    step's inputs and the n-gram hash, launched far more often than this); the host ms of the last
-    launch, which comes right before the caller's next call."""
-    until = time.perf_counter() + ms / 1e3
+def busy_watching(ms: float) -> int:
+    """`busy_python` that counts the host's own stalls: the times its clock jumped by more than 0.1
+    ms between two reads (the thread preempted, an interrupt, the hypervisor), with no call between."""
+    stalls, last = 0, time.perf_counter()
+    until = last + ms / 1e3
+    while last < until:
+        now = time.perf_counter()
+        stalls += now - last > 1e-4
+        last = now
+    return stalls
+
+
+def busy_launching(ms: float, scratch: torch.Tensor) -> tuple[float, int]:
+    """`busy_watching` with a small kernel launched every 0.1 ms, standing for the kernels a step of
+    an eager or PIECEWISE vLLM launches between two PLE calls (the other layers, the sampler, the
+    next step's inputs and the n-gram hash, launched far more often than this): the host ms of the
+    last launch, which comes right before the caller's next call, and the stalls seen."""
+    until, stalls = time.perf_counter() + ms / 1e3, 0
     while True:
         began = time.perf_counter()
         scratch.add_(1)
         if began + 1e-4 >= until:
-            return (time.perf_counter() - began) * 1e3
-        busy_python(0.1)
+            return (time.perf_counter() - began) * 1e3, stalls
+        stalls += busy_watching(0.1)
+
+
+class CallWatch:
+    """What else happened while a timed call ran: the thread's context switches (getrusage:
+    involuntary, the thread preempted; voluntary, it blocked) and Python's garbage collections."""
+
+    def __init__(self):
+        self.collections: list[float] = []
+
+    def _collected(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.collections.append(time.perf_counter())
+
+    def __enter__(self):
+        gc.callbacks.append(self._collected)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._collected)
+
+    @staticmethod
+    def switches() -> tuple[int, int]:
+        usage = resource.getrusage(resource.RUSAGE_THREAD)
+        return usage.ru_nvcsw, usage.ru_nivcsw
+
+    def causes(self, spans: list[tuple[float, float, tuple[int, int], tuple[int, int]]]) -> dict:
+        """Of calls timed over 0.1 ms (began, ended, switches before and after, each), how many
+        blocked, were preempted, ran a collection, or none of those."""
+        counts = {"blocked": 0, "preempted": 0, "collection": 0, "unexplained": 0}
+        for began, ended, before, after in spans:
+            if ended - began <= 1e-4:
+                continue
+            cause = ("blocked" if after[0] > before[0] else "preempted" if after[1] > before[1]
+                     else "collection" if any(began <= at <= ended for at in self.collections) else "unexplained")
+            counts[cause] += 1
+        return counts
 
 
 def continuous_calls(lookup, table, requests: list[np.ndarray], as_ids: list[torch.Tensor], calls: int,
@@ -454,39 +504,52 @@ def continuous_calls(lookup, table, requests: list[np.ndarray], as_ids: list[tor
     (busy_launching in the gap, one kernel for decoder layer 0 between start and finish), and the
     last of them before each start is timed too (`torch_launch_before_start`); then at least 55 ms
     stays queued, in sleeps a tenth as long, since a launch waits once about a thousand are queued
-    and 150 ms of those small kernels would be more than that."""
+    and 150 ms of those small kernels would be more than that. `over_by_cause`: the calls over 0.1
+    ms by what else happened in them (CallWatch); `host_stalls`: the host's own stalls over 0.1 ms
+    in the gaps (busy_watching) and how many the calls' time would catch at that rate."""
     scratch = torch.zeros(16, device="cuda")
     target_ms, cycles = (55.0, SLEEP_CYCLES // 10) if step_launches else (150.0, SLEEP_CYCLES)
     sleep_ms = sleep_ms * cycles / SLEEP_CYCLES
     starts, finishes, launches, queued_ms, least = [], [], [], 0.0, float("inf")
+    spans, stalls, gap_seconds = [], 0, 0.0
     checked = list(range(0, calls, 50))
     history = torch.empty((len(checked), as_ids[0].numel() * table.values_per_row), dtype=torch.bfloat16,
                           device="cuda")
     torch.cuda.synchronize()
     clock = time.perf_counter()
-    for k in range(calls):
-        now = time.perf_counter()
-        queued_ms, clock = max(0.0, queued_ms - (now - clock) * 1e3), now
-        while queued_ms < target_ms + 2 * gap_ms:
-            torch.cuda._sleep(cycles)
-            queued_ms += sleep_ms
-        if step_launches:
-            launches.append(busy_launching(gap_ms, scratch))
-        else:
-            busy_python(gap_ms)
-        began = time.perf_counter()
-        least = min(least, queued_ms - (began - clock) * 1e3)
-        lookup.start(as_ids[k % len(as_ids)])
-        started = time.perf_counter()
-        if step_launches:
-            scratch.add_(1)
-        middle = time.perf_counter()
-        values = lookup.finish()
-        ended = time.perf_counter()
-        if k % 50 == 0:
-            history[k // 50].copy_(values.reshape(-1))
-        starts.append((started - began) * 1e3)
-        finishes.append((ended - middle) * 1e3)
+    with CallWatch() as watch:
+        for k in range(calls):
+            now = time.perf_counter()
+            queued_ms, clock = max(0.0, queued_ms - (now - clock) * 1e3), now
+            while queued_ms < target_ms + 2 * gap_ms:
+                torch.cuda._sleep(cycles)
+                queued_ms += sleep_ms
+            gap_began = time.perf_counter()
+            if step_launches:
+                launch_ms, seen = busy_launching(gap_ms, scratch)
+                launches.append(launch_ms)
+            else:
+                seen = busy_watching(gap_ms)
+            stalls += seen
+            before = watch.switches()
+            began = time.perf_counter()
+            gap_seconds += began - gap_began
+            least = min(least, queued_ms - (began - clock) * 1e3)
+            lookup.start(as_ids[k % len(as_ids)])
+            started = time.perf_counter()
+            between = watch.switches()
+            if step_launches:
+                scratch.add_(1)
+            between_after = watch.switches()
+            middle = time.perf_counter()
+            values = lookup.finish()
+            ended = time.perf_counter()
+            after = watch.switches()
+            if k % 50 == 0:
+                history[k // 50].copy_(values.reshape(-1))
+            starts.append((started - began) * 1e3)
+            finishes.append((ended - middle) * 1e3)
+            spans += [(began, started, before, between), (middle, ended, between_after, after)]
     busy = not torch.cuda.current_stream().query()
     torch.cuda.synchronize()
     lookup.check()
@@ -494,8 +557,15 @@ def continuous_calls(lookup, table, requests: list[np.ndarray], as_ids: list[tor
                                bf16_bits(table, requests[k % len(requests)].reshape(-1)).reshape(-1))
                 for j, k in enumerate(checked))
     over = sum(ms > 0.1 for ms in starts) + sum(ms > 0.1 for ms in finishes)
+    calls_seconds = (sum(starts) + sum(finishes)) / 1e3
+    # The host's own stalls in the gaps, at the rate they came there, over the calls' time: how
+    # many calls over 0.1 ms a host that stalls as often would show with no fault of the calls.
+    host = {"gap_stalls_over_0_1_ms": stalls, "gap_seconds": round(gap_seconds, 2),
+            "stalls_expected_in_calls": round(stalls / max(gap_seconds, 1e-9) * calls_seconds, 2),
+            "collections": len(watch.collections)}
     return {"start": percentiles(starts), "finish": percentiles(finishes), "gap_ms": gap_ms,
-            "calls_over_0_1_ms": over, "least_queued_ms": round(least, 1), "gpu_still_busy": busy,
+            "calls_over_0_1_ms": over, "over_by_cause": watch.causes(spans), "host_stalls": host,
+            "least_queued_ms": round(least, 1), "gpu_still_busy": busy,
             "bit_exact": exact} | ({"torch_launch_before_start": percentiles(launches)} if step_launches else {})
 
 
@@ -512,6 +582,10 @@ def host_section(lookup, table, decode: list[np.ndarray], chunks: list[np.ndarra
     device under asynchronous scheduling; `least_queued_ms` is the GPU work still queued at the
     last call of any block (the sleeps' time less the host's since they were queued), and some of
     the steps' values are checked bit for bit once the device has served them."""
+    # The startup heap frozen, as vLLM's engine core freezes it once it has started: the oldest
+    # generation's collections then skip it.
+    gc.collect()
+    gc.freeze()
     sleep_ms = queued_sleep_ms()
     report = {"sleep_kernel_ms": round(sleep_ms, 2), "after_sync_reference": after_sync_reference(30, sleep_ms),
               "quiet_launch_reference": quiet_launch_reference(30, sleep_ms)}

@@ -37,17 +37,15 @@ def _no_collection() -> Iterator[None]:
 
 
 class GraphCache:
-    """Graphs of the device half by (positions, with the span's copy); `execs`: the exec handles
-    of those with a copy, by positions, for the compiled helper to launch (one-call finishes)."""
+    """Graphs of the device half by (positions, with the span's copy); `execs`: their exec handles
+    by the same keys, where torch hands them out, for the compiled helper to launch."""
 
-    def __init__(self, buffers: DeviceBuffers, device: torch.device, device_half: Callable[[int], torch.Tensor],
-                 launchable: bool):
+    def __init__(self, buffers: DeviceBuffers, device: torch.device, device_half: Callable[[int], torch.Tensor]):
         self._buffers = buffers
         self._device = device
         self._device_half = device_half
-        self._launchable = launchable
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.execs: dict[int, int] = {}
+        self.execs: dict[tuple[int, bool], int] = {}
         self._outputs: dict[int, torch.Tensor] = {}
 
     def size_for(self, count: int) -> int:
@@ -82,8 +80,7 @@ class GraphCache:
                 graph.capture_end()
         stream.wait_stream(capture)
         self.graphs[(size, with_copy)] = graph
-        if with_copy and self._launchable:
-            handle = graph_exec(graph)
-            if handle is not None:
-                self.execs[size] = handle
+        handle = graph_exec(graph)
+        if handle is not None:
+            self.execs[(size, with_copy)] = handle
         return graph

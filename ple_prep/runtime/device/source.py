@@ -83,8 +83,7 @@ class EmbeddingSource:
         self._fused = fp8_gather_for(self._decoder, table.row_bytes, self.device)
         if self._fused is not None:
             self._fused(self.buffers.tiers, self.buffers.index[:1], self.buffers.output[:1])
-        self._graphs = GraphCache(self.buffers, self.device, self._index_and_decode,
-                                  self._cuda and self._device_ids.context is not None)
+        self._graphs = GraphCache(self.buffers, self.device, self._index_and_decode)
         self._stats = SourceStats()
         self._staging = HostStaging(table, self.buffers, self.num_resident, self._stats, self._current_stream)
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
@@ -334,12 +333,14 @@ class EmbeddingSource:
         them (each costs host time on every step). None where that graph is not captured yet (the
         start still pending: the general path captures it) or the rows are not cached (then read
         here as `_join` does, and the general path replays the graph)."""
-        pending, execs = self._pending, self._graphs.execs
-        if pending is None or pending.device_ids is None or pending.job is not None or not execs:
+        pending, graphs = self._pending, self._graphs
+        # Graphs are captured on a GPU only; the helper's launch needs its CUDA context.
+        if pending is None or pending.device_ids is None or pending.job is not None or not graphs.execs \
+                or self._device_ids.context is None:
             return None
         started = pending.count
         count = started if count is None else count
-        graph = execs.get(self._graphs.size_for(count)) if 0 < started <= count <= self.capacity else None
+        graph = graphs.execs.get((graphs.size_for(count), True)) if 0 < started <= count <= self.capacity else None
         if graph is None:
             return None
         began = time.perf_counter()

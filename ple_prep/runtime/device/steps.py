@@ -56,7 +56,7 @@ from ..readcheck import DEFAULT_READ_TIMEOUT, ReadTimeout, check_timeout
 from ..table import Table
 from .buffers import DeviceBuffers, poison_row
 from .dequant import decoder_for
-from .driver import graph_exec, load_step_kernels, raw_stream_of
+from .driver import load_step_kernels, raw_stream_of
 from .graphs import GraphCache
 from .staging import LOOKUP_PART_IDS, LOOKUP_THREADS
 from .triton_gather import fp8_gather_for
@@ -128,9 +128,8 @@ class StepLookup:
         # An eager finish's device half, as CUDA graphs by size (GraphCache keeps them), launched
         # through their exec handles: after the step kernels' fetch, the index and decode alone; else
         # with the arrival's mark beside them.
-        self._kernel_graphs = GraphCache(buffers, self.device, self._index_and_decode, False)
-        self._graphs = GraphCache(buffers, self.device, self._device_half_here, False)
-        self._graph_execs: dict[GraphCache, dict[int, int]] = {self._kernel_graphs: {}, self._graphs: {}}
+        self._kernel_graphs = GraphCache(buffers, self.device, self._index_and_decode)
+        self._graphs = GraphCache(buffers, self.device, self._device_half_here)
         # The most ids a step may have to go through the step kernels (0: they are not loaded here).
         self.kernel_max_ids = 0
         handles = None
@@ -239,9 +238,8 @@ class StepLookup:
         stream = self._current_stream()
         through_kernels = started <= self.kernel_max_ids
         graphs = self._kernel_graphs if through_kernels else self._graphs
-        execs = self._graph_execs[graphs]
-        size = graphs.size_for(count)
-        launch = execs.get(size, 0)
+        key = (graphs.size_for(count), False)
+        launch = graphs.execs.get(key, 0)
         self._held_ids = None
         if self._started_beside:  # the side stream joined, and outside a capture the graph launched
             capturing = _native.queue_step_finish(stream, self._side, self._done, launch)
@@ -250,13 +248,12 @@ class StepLookup:
         if capturing:
             return self._index_and_decode(count) if through_kernels else self._device_half(count, stream)
         if not launch:
-            if size not in execs:  # captured once per size, then launched by handle
-                graph = graphs.capture(size, False, torch.cuda.current_stream(self.device))
-                execs[size] = graph_exec(graph) or 0
-            if execs[size]:
-                _native.launch_graph(execs[size], stream)
+            if key not in graphs.graphs:  # captured once per size, then launched by handle
+                graphs.capture(*key, torch.cuda.current_stream(self.device))
+            if key in graphs.execs:
+                _native.launch_graph(graphs.execs[key], stream)
             else:  # a torch without graph exec handles
-                graphs.graphs[(size, False)].replay()
+                graphs.graphs[key].replay()
         return graphs.output_view(count)
 
     def _device_half(self, count: int, stream: int) -> torch.Tensor:
