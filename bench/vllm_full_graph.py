@@ -22,6 +22,8 @@ replay, the two graphs alternating in blocks; p50 and p90 of each and their rati
   step at a time (the host clock around a replay and a synchronize), alternating with today's eager
   path (`EmbeddingSource`: start with the device ids, the same other work, finish) on the same ids;
   then the same with each side's table keeping open_table's default host cache (cold_host_cache);
+- batched (`--sections batched`): warm decode steps of `--batch-tokens` tokens each, against the
+  resident table's graph as in warm;
 - exact: warm, cold and mixed (half the pages cached) steps with every buffer poisoned before each;
 - host: how long `start` and `finish` hold the host while the GPU has >= 50 ms of queued work, and
   a replay's launch: each call alone after a wait, calls back to back in blocks, and calls with
@@ -334,6 +336,42 @@ def warm_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
     report["exact_poisoned_mixed"] = exact_replays(table, lookup, lookup_graph(lookup, pool_of(mixed), other), mixed)
     report["mixed_stats"] = lookup.stats()
     lookup.close()
+    table.close()
+    return report
+
+
+def batched_section(path: Path, resident: int, row_ids: np.ndarray, other: OtherWork, token_counts: list[int],
+                    steps: int) -> dict:
+    """Warm decode steps of a batch: `tokens` sequences' next token each (tokens x 16 ids, each
+    token's rows from a place of its own in the text), the FULL-graph lookup against the resident
+    table's graph as in the warm section. Up to 4 tokens a step goes through the step kernels, more
+    through the side stream and the copy engine."""
+    subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)  # every page cached
+    table = open_table(path, read_path="mapped", host_cache_bytes=0)
+    lookup = StepLookup(table, device="cuda", resident_bytes=resident, max_ids=max(token_counts) * 16)
+    full = EmbeddingSource(table, device="cuda", resident_bytes=table.num_rows * table.row_bytes, max_ids=16)
+    report = {"other_work_ms": round(other.ms, 3)}
+    for tokens in token_counts:
+        # A batch's tokens from places spread over the text, a new set each step.
+        places = np.linspace(0, len(row_ids) - 1, steps * tokens).astype(np.int64).reshape(steps, tokens)
+        requests = [row_ids[picks] for picks in places]
+        ours = lookup_graph(lookup, pool_of(requests), other)
+        reference = resident_graph(full, slot_pool_of(table, requests), other)
+        before = lookup.stats()
+        mine, theirs = alternate(ours, reference, steps, 100)
+        lookup.check()
+        after = lookup.stats()
+        checked = min(steps, 200)
+        report[f"{tokens}_tokens"] = {
+            "ids": tokens * 16, "through_kernels": tokens * 16 <= lookup.kernel_max_ids,
+            "full_graph_lookup": percentiles(mine), "resident_table": percentiles(theirs),
+            "p50_ratio": round(float(np.percentile(mine, 50) / np.percentile(theirs, 50)), 4),
+            "p90_ratio": round(float(np.percentile(mine, 90) / np.percentile(theirs, 90)), 4),
+            "bit_exact": exact_history(table, ours, requests, checked) and exact_history(table, reference, requests,
+                                                                                         checked),
+            "late_steps": after["late"] - before["late"]}
+    lookup.close()
+    del full
     table.close()
     return report
 
@@ -733,8 +771,11 @@ def main() -> None:
     parser.add_argument("--layer-ms", type=float, default=1.0)
     parser.add_argument("--chunk-layer-ms", type=float, default=2.0)
     parser.add_argument("--work", type=Path, default=Path("/tmp/ple-full-graph"))
+    parser.add_argument("--batch-tokens", default="4,8,16,32,64",
+                        help="the batched section's tokens a decode step (comma-separated)")
+    parser.add_argument("--batch-steps", type=int, default=2000)
     parser.add_argument("--sections", default="cold,warm,faults",
-                        help="which of cold, warm and faults to run (comma-separated)")
+                        help="which of cold, warm, batched and faults to run (comma-separated)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     sections = set(args.sections.split(","))
@@ -768,6 +809,11 @@ def main() -> None:
         print("warm", flush=True, file=sys.stderr)
         report["warm"] = warm_section(args.table, resident, decode, chunks, other, chunk_other, args)
         print(json.dumps(report["warm"]), flush=True, file=sys.stderr)
+    if "batched" in sections:
+        print("batched", flush=True, file=sys.stderr)
+        report["batched"] = batched_section(args.table, resident, row_ids, other,
+                                            [int(tokens) for tokens in args.batch_tokens.split(",")], args.batch_steps)
+        print(json.dumps(report["batched"]), flush=True, file=sys.stderr)
     if args.faults_table is not None and "faults" in sections:
         report["faults"] = faults_section(args.faults_table, spec, other, args.work)
     print_report(report, args.out)

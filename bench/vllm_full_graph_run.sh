@@ -21,21 +21,29 @@ timeout "${BENCH_SECONDS:-300}" python3 bench/vllm_full_graph.py /tmp/ple.bin --
 python3 - "$out/full_graph.json" "$out/backend_gpu.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
-w, c = r["warm"], r["cold"]
+w, c = r.get("warm"), r.get("cold")
 for name in ("decode", "chunk"):
-    print(f"warm {name}: p50 {w[name]['full_graph_lookup']['p50_ms']} vs {w[name]['resident_table']['p50_ms']} ms,"
-          f" ratio p50 {w[name]['p50_ratio']} p90 {w[name]['p90_ratio']}, exact {w[name]['bit_exact']},"
-          f" late {w[name]['late_steps']}")
-    for label, cold in (("cold", c), ("cold, host cache", r["cold_host_cache"])):
-        print(f"{label} {name}: p50 {cold[name]['full_graph']['p50_ms']} vs eager {cold[name]['eager']['p50_ms']} ms,"
-              f" ratio {cold[name]['p50_ratio']} (pairs {cold[name]['pair_ratio_median']}, total {cold[name]['total_ratio']}, first/second {cold[name]['p50_ms_first_second']}), exact {cold[name]['bit_exact']}")
-print("exact poisoned:", c["exact_poisoned"], w["exact_poisoned_warm"], w["exact_poisoned_warm_chunk"],
-      w["exact_poisoned_mixed"])
-print("cold queued, GIL held:", json.dumps(c["decode_queued_busy_gil"]))
-print("warm decode, GIL held:", json.dumps(w["decode_busy_gil"]))
-print("host:", json.dumps(w["host"]))
+    if w:
+        print(f"warm {name}: p50 {w[name]['full_graph_lookup']['p50_ms']} vs {w[name]['resident_table']['p50_ms']} ms,"
+              f" ratio p50 {w[name]['p50_ratio']} p90 {w[name]['p90_ratio']}, exact {w[name]['bit_exact']},"
+              f" late {w[name]['late_steps']}")
+    for label, cold in (("cold", c), ("cold, host cache", r.get("cold_host_cache"))):
+        if cold:
+            print(f"{label} {name}: p50 {cold[name]['full_graph']['p50_ms']} vs eager {cold[name]['eager']['p50_ms']} ms,"
+                  f" ratio {cold[name]['p50_ratio']} (pairs {cold[name]['pair_ratio_median']}, total {cold[name]['total_ratio']}, first/second {cold[name]['p50_ms_first_second']}), exact {cold[name]['bit_exact']}")
+for tokens, batch in r.get("batched", {}).items():
+    if isinstance(batch, dict):
+        print(f"batched {tokens}: p50 {batch['full_graph_lookup']['p50_ms']} vs {batch['resident_table']['p50_ms']} ms,"
+              f" ratio p50 {batch['p50_ratio']} p90 {batch['p90_ratio']}, exact {batch['bit_exact']}, late {batch['late_steps']}")
+if c and w:
+    print("exact poisoned:", c["exact_poisoned"], w["exact_poisoned_warm"], w["exact_poisoned_warm_chunk"],
+          w["exact_poisoned_mixed"])
+    print("cold queued, GIL held:", json.dumps(c["decode_queued_busy_gil"]))
+    print("disk fractions:", w["decode"]["disk_positions_fraction"], c["decode"]["disk_positions_fraction"])
+if w:
+    print("warm decode, GIL held:", json.dumps(w["decode_busy_gil"]))
+    print("host:", json.dumps(w["host"]))
 print("faults:", json.dumps(r.get("faults")))
-print("disk fractions:", w["decode"]["disk_positions_fraction"], c["decode"]["disk_positions_fraction"])
 try:
     b = json.load(open(sys.argv[2]))
     print("plugin pair/prefetch:", {k: b[k] for k in ("chunk", "decode", "chunk_prefetch", "decode_prefetch")})
