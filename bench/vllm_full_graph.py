@@ -599,10 +599,10 @@ def continuous_calls(lookup, table, requests: list[np.ndarray], as_ids: list[tor
     # The host's own stalls in the gaps, at the rate they came there, over the calls' time: how
     # many calls over 0.1 ms a host that stalls as often would show with no fault of the calls.
     host = {"gap_stalls_over_0_1_ms": stalls, "gap_seconds": round(gap_seconds, 2),
-            "stalls_expected_in_calls": round(stalls / max(gap_seconds, 1e-9) * calls_seconds, 2),
-            "collections": len(watch.collections)}
+            "stalls_expected_in_calls": round(stalls / max(gap_seconds, 1e-9) * calls_seconds, 2)}
     return {"start": percentiles(starts), "finish": percentiles(finishes), "gap_ms": gap_ms,
             "calls_over_0_1_ms": over, "over_by_cause": watch.causes(spans), "host_stalls": host,
+            "collections": len(watch.collections),
             "least_queued_ms": round(least, 1), "gpu_still_busy": busy,
             "bit_exact": exact} | ({"torch_launch_before_start": percentiles(launches)} if step_launches else {})
 

@@ -1,0 +1,50 @@
+"""bench/vllm_full_graph.py's account of slow host calls: what else happened while each ran."""
+from __future__ import annotations
+
+import gc
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _bench():
+    sys.path.insert(0, str(BENCH))  # the bench imports gpu_bench beside it
+    try:
+        spec = importlib.util.spec_from_file_location("vllm_full_graph", BENCH / "vllm_full_graph.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
+
+
+def test_slow_calls_are_put_down_to_blocking_preemption_collection_or_nothing_known():
+    watch = _bench().CallWatch()
+    watch.collections = [10.00015]
+    slow = 0.0002
+    spans = [(1.0, 1.0 + slow, (4, 7), (5, 7)),           # a voluntary switch: it blocked
+             (2.0, 2.0 + slow, (4, 7), (4, 8)),           # an involuntary one: preempted
+             (10.0, 10.0 + slow, (4, 7), (4, 7)),         # a collection started inside it
+             (20.0, 20.0 + slow, (4, 7), (4, 7)),         # none of those
+             (30.0, 30.00005, (4, 7), (9, 9))]            # under 0.1 ms: not counted
+    assert watch.causes(spans) == {"blocked": 1, "preempted": 1, "collection": 1, "unexplained": 1}
+
+
+def test_a_call_that_sleeps_counts_as_blocked_and_a_collection_is_seen():
+    bench = _bench()
+    with bench.CallWatch() as watch:
+        before, began = watch.switches(), time.perf_counter()
+        time.sleep(0.002)
+        slept = (began, time.perf_counter(), before, watch.switches())
+        before, began = watch.switches(), time.perf_counter()
+        gc.collect()
+        collected = (began, time.perf_counter(), before, watch.switches())
+    assert watch.causes([slept])["blocked"] == 1
+    assert any(collected[0] <= at <= collected[1] for at in watch.collections)
