@@ -35,12 +35,14 @@ for tokens, batch in r.get("batched", {}).items():
     if isinstance(batch, dict):
         print(f"batched {tokens}: p50 {batch['full_graph_lookup']['p50_ms']} vs {batch['resident_table']['p50_ms']} ms,"
               f" ratio p50 {batch['p50_ratio']} p90 {batch['p90_ratio']}, exact {batch['bit_exact']}, late {batch['late_steps']}")
-if c and w:
-    print("exact poisoned:", c["exact_poisoned"], w["exact_poisoned_warm"], w["exact_poisoned_warm_chunk"],
-          w["exact_poisoned_mixed"])
+if c:
+    print("exact poisoned, cold:", c["exact_poisoned"])
     print("cold queued, GIL held:", json.dumps(c["decode_queued_busy_gil"]))
-    print("disk fractions:", w["decode"]["disk_positions_fraction"], c["decode"]["disk_positions_fraction"])
+    print("disk fraction, cold decode:", c["decode"]["disk_positions_fraction"])
 if w:
+    print("exact poisoned, warm / warm chunk / mixed:", w["exact_poisoned_warm"], w["exact_poisoned_warm_chunk"],
+          w["exact_poisoned_mixed"])
+    print("page-cache fraction, warm decode:", w["decode"]["disk_positions_fraction"])
     print("warm decode, GIL held:", json.dumps(w["decode_busy_gil"]))
     print("host:", json.dumps(w["host"]))
 print("faults:", json.dumps(r.get("faults")))

@@ -81,6 +81,6 @@ class GraphCache:
         stream.wait_stream(capture)
         self.graphs[(size, with_copy)] = graph
         handle = graph_exec(graph)
-        if handle is not None:
+        if handle:  # None where torch hands none out
             self.execs[(size, with_copy)] = handle
         return graph
