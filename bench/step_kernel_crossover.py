@@ -76,9 +76,7 @@ def main() -> None:
         kernels.check()
         side.check()
         report["sizes"][ids_count] = {
-            "kernels": full_graph.percentiles(mine), "side_stream": full_graph.percentiles(theirs),
-            "p50_ratio": round(float(np.percentile(mine, 50) / np.percentile(theirs, 50)), 4),
-            "p90_ratio": round(float(np.percentile(mine, 90) / np.percentile(theirs, 90)), 4),
+            **full_graph.side_by_side(mine, theirs, ("kernels", "side_stream")),
             "bit_exact": full_graph.exact_history(table, through_kernels, requests, min(len(requests), args.steps))
             and full_graph.exact_history(table, through_side, requests, min(len(requests), args.steps)),
             "exact_poisoned": full_graph.exact_replays(table, kernels, through_kernels, requests[:20])

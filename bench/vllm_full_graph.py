@@ -85,6 +85,14 @@ def percentiles(ms: list[float]) -> dict:
             "max_ms": round(float(values.max()), 4)}
 
 
+def side_by_side(mine: list[float], theirs: list[float], names=("full_graph_lookup", "resident_table")) -> dict:
+    """Two sides' step times (ms) as percentiles under `names`, with the p50 and p90 ratios of the first
+    over the second."""
+    return {names[0]: percentiles(mine), names[1]: percentiles(theirs),
+            "p50_ratio": round(float(np.percentile(mine, 50) / np.percentile(theirs, 50)), 4),
+            "p90_ratio": round(float(np.percentile(mine, 90) / np.percentile(theirs, 90)), 4)}
+
+
 class ProxyStep:
     """One step as one CUDA graph: ids from a device pool, `lookup`, other work, a consumer."""
 
@@ -297,9 +305,7 @@ def warm_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
         checked = min(len(requests), steps, 8 if name == "chunk" else steps)
         report[name] = {
             "steps": steps, "distinct_id_sets": len(requests), "other_work_ms": round(work.ms, 3),
-            "full_graph_lookup": percentiles(mine), "resident_table": percentiles(theirs),
-            "p50_ratio": round(float(np.percentile(mine, 50) / np.percentile(theirs, 50)), 4),
-            "p90_ratio": round(float(np.percentile(mine, 90) / np.percentile(theirs, 90)), 4),
+            **side_by_side(mine, theirs),
             "bit_exact": exact_history(table, ours, requests, checked)
             and exact_history(table, reference, requests, checked),
             "late_steps": after["late"] - before["late"],
@@ -313,10 +319,7 @@ def warm_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
     before = lookup.stats()
     with PythonBusy():
         mine, theirs = alternate(ours, reference, 300, 100)
-    report["decode_busy_gil"] = {"full_graph_lookup": percentiles(mine), "resident_table": percentiles(theirs),
-                                 "p50_ratio": round(float(np.percentile(mine, 50) / np.percentile(theirs, 50)), 4),
-                                 "p90_ratio": round(float(np.percentile(mine, 90) / np.percentile(theirs, 90)), 4),
-                                 "late_steps": lookup.stats()["late"] - before["late"]}
+    report["decode_busy_gil"] = {**side_by_side(mine, theirs), "late_steps": lookup.stats()["late"] - before["late"]}
     report["exact_poisoned_warm"] = exact_replays(table, lookup, lookup_graph(lookup, pool_of(decode[:200]), other),
                                                   decode[:200])
     chunk_proxy = lookup_graph(lookup, pool_of(chunks[:4]), chunk_other)
@@ -368,9 +371,7 @@ def batched_section(path: Path, resident: int, row_ids: np.ndarray, other: Other
         checked = min(steps, 200)
         report[f"{tokens}_tokens"] = {
             "ids": tokens * 16, "through_kernels": tokens * 16 <= lookup.kernel_max_ids,
-            "full_graph_lookup": percentiles(mine), "resident_table": percentiles(theirs),
-            "p50_ratio": round(float(np.percentile(mine, 50) / np.percentile(theirs, 50)), 4),
-            "p90_ratio": round(float(np.percentile(mine, 90) / np.percentile(theirs, 90)), 4),
+            **side_by_side(mine, theirs),
             "bit_exact": exact_history(table, ours, requests, checked) and exact_history(table, reference, requests,
                                                                                          checked),
             "late_steps": after["late"] - before["late"]}
@@ -471,7 +472,7 @@ def quiet_launch_reference(calls: int, sleep_ms: float) -> dict:
             torch.cuda.synchronize()
             for _ in range(int(quiet_ms // sleep_ms) + 2):
                 torch.cuda._sleep(SLEEP_CYCLES)
-            busy_python(quiet_ms)
+            busy_watching(quiet_ms)
             began = time.perf_counter()
             scratch.add_(1)
             times.append((time.perf_counter() - began) * 1e3)
@@ -480,16 +481,10 @@ def quiet_launch_reference(calls: int, sleep_ms: float) -> dict:
     return report
 
 
-def busy_python(ms: float) -> None:
-    """Python work for `ms` (a loop on the clock), as vLLM's host has its own between two steps."""
-    until = time.perf_counter() + ms / 1e3
-    while time.perf_counter() < until:
-        pass
-
-
 def busy_watching(ms: float) -> int:
-    """`busy_python` that counts the host's own stalls: the times its clock jumped by more than 0.1
-    ms between two reads (the thread preempted, an interrupt, the hypervisor), with no call between."""
+    """Python work for `ms` (a loop on the clock), as vLLM's host has its own between two steps,
+    counting the host's own stalls: the times its clock jumped by more than 0.1 ms between two reads
+    (the thread preempted, an interrupt, the hypervisor), with no call between."""
     stalls, last = 0, time.perf_counter()
     until = last + ms / 1e3
     while last < until:
@@ -773,6 +768,17 @@ def faults_section(path: Path, spec: NgramSpec, other: OtherWork, work: Path) ->
     return report
 
 
+def token_counts(text: str) -> list[int]:
+    """`--batch-tokens`: comma-separated counts of at least one token."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of token counts: {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"token counts must be >= 1: {text!r}")
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("table", type=Path)
@@ -786,7 +792,7 @@ def main() -> None:
     parser.add_argument("--layer-ms", type=float, default=1.0)
     parser.add_argument("--chunk-layer-ms", type=float, default=2.0)
     parser.add_argument("--work", type=Path, default=Path("/tmp/ple-full-graph"))
-    parser.add_argument("--batch-tokens", default="4,8,16,32,64",
+    parser.add_argument("--batch-tokens", type=token_counts, default=token_counts("4,8,16,32,64"),
                         help="the batched section's tokens a decode step (comma-separated)")
     parser.add_argument("--batch-steps", type=int, default=2000)
     parser.add_argument("--sections", default="cold,warm,faults",
@@ -826,8 +832,8 @@ def main() -> None:
         print(json.dumps(report["warm"]), flush=True, file=sys.stderr)
     if "batched" in sections:
         print("batched", flush=True, file=sys.stderr)
-        report["batched"] = batched_section(args.table, resident, row_ids, other,
-                                            [int(tokens) for tokens in args.batch_tokens.split(",")], args.batch_steps)
+        report["batched"] = batched_section(args.table, resident, row_ids, other, args.batch_tokens,
+                                            args.batch_steps)
         print(json.dumps(report["batched"]), flush=True, file=sys.stderr)
     if args.faults_table is not None and "faults" in sections:
         report["faults"] = faults_section(args.faults_table, spec, other, args.work)

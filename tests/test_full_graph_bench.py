@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,3 +52,12 @@ def test_a_call_that_sleeps_counts_as_blocked_and_a_collection_is_seen():
         collected = (began, time.perf_counter(), before, watch.switches())
     assert watch.causes([slept])["blocked"] == 1
     assert any(collected[0] <= at <= collected[1] for at in watch.collection_starts)
+
+
+@pytest.mark.parametrize("tokens", ["4,x", "0,8", ""])
+def test_batch_sizes_other_than_token_counts_are_refused(tokens, tmp_path):
+    done = subprocess.run([sys.executable, str(BENCH / "vllm_full_graph.py"), str(tmp_path / "ple.bin"),
+                           "--batch-tokens", tokens], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "error: argument --batch-tokens" in done.stderr and "Traceback" not in done.stderr
+    assert not list(tmp_path.iterdir())
