@@ -510,7 +510,8 @@ def busy_launching(ms: float, scratch: torch.Tensor) -> tuple[float, int]:
 
 class CallWatch:
     """What else happened while a timed call ran: the thread's context switches (getrusage:
-    involuntary, the thread preempted; voluntary, it blocked) and Python's garbage collections."""
+    involuntary, the thread preempted; voluntary, it blocked), its page faults (minor and major:
+    memory the kernel had to map in) and Python's garbage collections."""
 
     def __init__(self):
         self.collection_starts: list[float] = []
@@ -527,19 +528,20 @@ class CallWatch:
         gc.callbacks.remove(self._collected)
 
     @staticmethod
-    def switches() -> tuple[int, int]:
-        """This thread's (voluntary, involuntary) context switches so far."""
+    def counters() -> tuple[int, int, int]:
+        """This thread's voluntary and involuntary context switches and page faults so far."""
         usage = resource.getrusage(resource.RUSAGE_THREAD)
-        return usage.ru_nvcsw, usage.ru_nivcsw
+        return usage.ru_nvcsw, usage.ru_nivcsw, usage.ru_minflt + usage.ru_majflt
 
-    def causes(self, spans: list[tuple[float, float, tuple[int, int], tuple[int, int]]]) -> dict:
-        """Of calls timed over 0.1 ms (began, ended, switches before and after, each), how many
-        blocked, were preempted, ran a collection, or none of those."""
-        counts = {"blocked": 0, "preempted": 0, "collection": 0, "unexplained": 0}
+    def causes(self, spans: list[tuple[float, float, tuple[int, int, int], tuple[int, int, int]]]) -> dict:
+        """Of calls timed over 0.1 ms (began, ended, counters before and after, each), how many
+        blocked, were preempted, faulted, ran a collection, or none of those."""
+        counts = {"blocked": 0, "preempted": 0, "faulted": 0, "collection": 0, "unexplained": 0}
         for began, ended, before, after in spans:
             if ended - began <= 1e-4:
                 continue
             cause = ("blocked" if after[0] > before[0] else "preempted" if after[1] > before[1]
+                     else "faulted" if after[2] > before[2]
                      else "collection" if any(began <= at <= ended for at in self.collection_starts)
                      else "unexplained")
             counts[cause] += 1
@@ -583,28 +585,28 @@ def continuous_calls(lookup, table, requests: list[np.ndarray], as_ids: list[tor
             else:
                 seen = busy_watching(gap_ms)
             stalls += seen
-            switched_before = watch.switches()
+            counted_before = watch.counters()
             began = time.perf_counter()
             gap_seconds += began - gap_began
             least = min(least, queued_ms - (began - clock) * 1e3)
             lookup.start(as_ids[k % len(as_ids)])
             started = time.perf_counter()
-            switched_started = watch.switches()
+            counted_started = watch.counters()
             if step_launches:  # decoder layer 0's kernel, outside both timed calls
                 scratch.add_(1)
-                switched_middle = watch.switches()
+                counted_middle = watch.counters()
             else:
-                switched_middle = switched_started
+                counted_middle = counted_started
             middle = time.perf_counter()
             values = lookup.finish()
             ended = time.perf_counter()
-            switched_after = watch.switches()
+            counted_after = watch.counters()
             if k % 50 == 0:
                 history[k // 50].copy_(values.reshape(-1))
             starts.append((started - began) * 1e3)
             finishes.append((ended - middle) * 1e3)
-            spans += [(began, started, switched_before, switched_started),
-                      (middle, ended, switched_middle, switched_after)]
+            spans += [(began, started, counted_before, counted_started),
+                      (middle, ended, counted_middle, counted_after)]
     busy = not torch.cuda.current_stream().query()
     torch.cuda.synchronize()
     lookup.check()

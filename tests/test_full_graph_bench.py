@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import mmap
 import resource
 import subprocess
 import sys
@@ -29,29 +30,42 @@ def _bench():
     return module
 
 
-def test_slow_calls_are_put_down_to_blocking_preemption_collection_or_nothing_known():
+def test_slow_calls_are_put_down_to_blocking_preemption_faults_collection_or_nothing_known():
     watch = _bench().CallWatch()
     watch.collection_starts = [10.00015]
     slow = 0.0002
-    spans = [(1.0, 1.0 + slow, (4, 7), (5, 7)),           # a voluntary switch: it blocked
-             (2.0, 2.0 + slow, (4, 7), (4, 8)),           # an involuntary one: preempted
-             (10.0, 10.0 + slow, (4, 7), (4, 7)),         # a collection started inside it
-             (20.0, 20.0 + slow, (4, 7), (4, 7)),         # none of those
-             (30.0, 30.00005, (4, 7), (9, 9))]            # under 0.1 ms: not counted
-    assert watch.causes(spans) == {"blocked": 1, "preempted": 1, "collection": 1, "unexplained": 1}
+    spans = [(1.0, 1.0 + slow, (4, 7, 3), (5, 7, 3)),     # a voluntary switch: it blocked
+             (2.0, 2.0 + slow, (4, 7, 3), (4, 8, 3)),     # an involuntary one: preempted
+             (3.0, 3.0 + slow, (4, 7, 3), (4, 7, 4)),     # a page fault
+             (10.0, 10.0 + slow, (4, 7, 3), (4, 7, 3)),   # a collection started inside it
+             (20.0, 20.0 + slow, (4, 7, 3), (4, 7, 3)),   # none of those
+             (30.0, 30.00005, (4, 7, 3), (9, 9, 9))]      # under 0.1 ms: not counted
+    assert watch.causes(spans) == {"blocked": 1, "preempted": 1, "faulted": 1, "collection": 1,
+                                   "unexplained": 1}
 
 
 def test_a_call_that_sleeps_counts_as_blocked_and_a_collection_is_seen():
     bench = _bench()
     with bench.CallWatch() as watch:
-        before, began = watch.switches(), time.perf_counter()
+        before, began = watch.counters(), time.perf_counter()
         time.sleep(0.002)
-        slept = (began, time.perf_counter(), before, watch.switches())
-        before, began = watch.switches(), time.perf_counter()
+        slept = (began, time.perf_counter(), before, watch.counters())
+        before, began = watch.counters(), time.perf_counter()
         gc.collect()
-        collected = (began, time.perf_counter(), before, watch.switches())
+        collected = (began, time.perf_counter(), before, watch.counters())
     assert watch.causes([slept])["blocked"] == 1
     assert any(collected[0] <= at <= collected[1] for at in watch.collection_starts)
+
+
+def test_a_call_that_touches_fresh_memory_counts_its_page_faults():
+    bench = _bench()
+    fresh = mmap.mmap(-1, 64 << 20)  # anonymous: no page is mapped in before it is written
+    before = bench.CallWatch.counters()
+    for offset in range(0, len(fresh), mmap.PAGESIZE):
+        fresh[offset] = 1
+    after = bench.CallWatch.counters()
+    fresh.close()
+    assert after[2] > before[2]  # once a page, or once a huge page where the kernel gives those
 
 
 @pytest.mark.parametrize("tokens", ["4,x", "0,8", ""])
