@@ -55,7 +55,7 @@ def test_a_rank_serves_its_rows_and_zeros_for_the_others(fp8_table, fp8_rank_tab
     np.testing.assert_array_equal(total, want)
 
 
-def test_errors_of_the_started_lookup_surface_at_finish(fp8_table):
+def test_an_error_of_the_started_lookup_surfaces_at_finish_and_at_every_later_call(fp8_table):
     with open_table(fp8_table) as table:
         rows = PrefetchedRows(table, device="cpu", resident_bytes=0, max_tokens=4, heads=16)
         rows.start(torch.full((1, 16), FIXTURE_ROWS))
@@ -63,6 +63,18 @@ def test_errors_of_the_started_lookup_surface_at_finish(fp8_table):
             rows.finish()
         with pytest.raises(RuntimeError, match="finished without a start"):
             rows.finish()
+        # vLLM's engine stops at the first: no later step may pass for served.
+        for _ in range(2):
+            with pytest.raises(IndexError, match=f"row id {FIXTURE_ROWS} is outside"):
+                rows.start(torch.zeros((1, 16), dtype=torch.int64))
+            with pytest.raises(IndexError, match=f"row id {FIXTURE_ROWS} is outside"):
+                rows.check()
+        assert isinstance(rows.pending_error(), IndexError)
+
+
+def test_too_many_tokens_are_refused_at_start(fp8_table):
+    with open_table(fp8_table) as table:
+        rows = PrefetchedRows(table, device="cpu", resident_bytes=0, max_tokens=4, heads=16)
         with pytest.raises(ValueError, match="5 tokens exceed the 4"):
             rows.start(torch.zeros((5, 16), dtype=torch.int64))
 

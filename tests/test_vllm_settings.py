@@ -118,6 +118,34 @@ def test_an_empty_environment_value_counts_as_unset():
         == Settings("/a.bin", None, None)
 
 
+def test_a_blank_value_counts_as_unset():
+    assert read_settings({}, {"PLE_PREP_TABLE": "  "}) is None
+    assert read_settings({"ple_prep": {"table": " \t"}}, {"PLE_PREP_TABLE": "/a.bin"}) == Settings("/a.bin")
+    assert read_settings({}, {"PLE_PREP_TABLE": "/a.bin", "PLE_PREP_RESIDENT_BYTES": "  "}) == Settings("/a.bin")
+
+
+def test_without_a_table_other_variables_leave_vllm_as_it_was_even_when_bad():
+    assert read_settings({}, {"PLE_PREP_RESIDENT_BYTES": "lots", "PLE_PREP_RECORD_PROFILE": "/no/such/x.prof",
+                              "PLE_PREP_READ_PATH": "nowhere"}) is None
+
+
+def test_a_config_section_without_a_table_is_refused_naming_what_it_sets():
+    with pytest.raises(BadInput, match=r"^additional_config\['ple_prep'\] sets read_path, resident_bytes but no "
+                                       r"table: set its 'table' or PLE_PREP_TABLE$"):
+        read_settings({"ple_prep": {"resident_bytes": "4GB", "read_path": "mapped"}}, {})
+
+
+def test_a_table_open_table_refuses_is_named_with_the_settings_it_was_opened_with(tmp_path):
+    settings = read_settings({}, {"PLE_PREP_TABLE": f"{tmp_path}/t.bin", "PLE_PREP_VERIFY_READS": "1"})
+    error = settings.refused_table(0, 1, BadInput("t.bin.pagesums is missing"))
+    assert str(error) == \
+        f"PLE_PREP_TABLE={tmp_path}/t.bin: t.bin.pagesums is missing (opened with PLE_PREP_VERIFY_READS)"
+    ranks = read_settings({"ple_prep": {"table": f"{tmp_path}/t{{rank}}.bin"}}, {})
+    assert str(ranks.refused_table(1, 2, BadInput("0 bytes is too short"))) == \
+        f"additional_config['ple_prep']['table']=\"{tmp_path}/t{{rank}}.bin (rank 1 of 2: {tmp_path}/t1.bin)\": " \
+        "0 bytes is too short"
+
+
 def test_a_bad_byte_count_names_where_it_was_set():
     with pytest.raises(BadInput, match=r"^additional_config\['ple_prep'\]\['resident_bytes'\]=\"lots\": not a byte"):
         read_settings({"ple_prep": {"table": "/a.bin", "resident_bytes": "lots"}}, {"PLE_PREP_RESIDENT_BYTES": "1G"})

@@ -1,7 +1,9 @@
 """The vLLM schedule's feed: new requests' later prompt chunks read ahead, a sample recorded."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import threading
 import time
 
 import numpy as np
@@ -78,6 +80,114 @@ def test_without_a_configured_table_the_wrapper_only_calls_through():
     assert Runner()._update_states("schedule") == ("updated", "schedule")
 
 
+def test_the_v2_runners_steps_feed_the_schedule_but_its_dummy_runs_do_not(served, monkeypatch):
+    seen = []
+    monkeypatch.setattr(traffic, "on_schedule", seen.append)
+
+    class Runner:  # vLLM 0.33.0's V2 runner (vllm/v1/worker/gpu/model_runner.py): no _update_states
+        def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False, **kwargs):
+            return ("ran", scheduler_output, dummy_run)
+
+    module = type("module", (), {"GPUModelRunner": Runner})
+    traffic.install(module)
+    traffic.install(module)  # once only
+    assert Runner().execute_model("step") == ("ran", "step", False)
+    assert Runner().execute_model("dummy", None, dummy_run=True) == ("ran", "dummy", True)
+    assert seen == ["step"]
+
+
+def test_vllms_warmup_requests_are_neither_read_ahead_nor_recorded(served, tmp_path):
+    traffic.serve(served, 0, Settings("/t.bin", record_profile=str(tmp_path / "served.prof")), record=True)
+    tokens = list(range(200))
+    traffic.on_schedule(Schedule([NewRequest("_warmup_0_", tokens), NewRequest("_v2_mixed_warmup_prefill_", tokens)],
+                                 {"_warmup_0_": 10, "_v2_mixed_warmup_prefill_": 10}))
+    assert traffic._SERVED.worker is None and traffic._SERVED.jobs == {}
+    assert traffic._SERVED.recorder.seen == 0
+    traffic._SERVED.recorder.close()
+
+
+def test_a_request_finished_before_its_read_ahead_was_stored_has_it_cancelled(served):
+    traffic.serve(served, 0, Settings("/t.bin"), record=False)
+    gate = concurrent.futures.ThreadPoolExecutor(1)
+    traffic._SERVED.worker = gate
+    hold = threading.Event()
+    gate.submit(hold.wait)  # the feed thread busy with an earlier prompt
+    tokens = np.random.default_rng(5).integers(0, 800, 300).tolist()
+    traffic.on_schedule(Schedule([NewRequest("r1", tokens)], {"r1": 16}))
+    traffic.on_schedule(Schedule([], {}, {"r1"}))  # it finished meanwhile
+    hold.set()
+    gate.shutdown(wait=True)
+    assert traffic._SERVED.jobs == {} and traffic._SERVED.feeding == set() and traffic._SERVED.finished == set()
+
+
+def test_a_request_finished_while_its_read_ahead_is_stored_has_it_cancelled(served, monkeypatch):
+    traffic.serve(served, 0, Settings("/t.bin"), record=False)
+    made, cancelled = [], []
+    read_ahead = served.read_ahead
+
+    def finishing_meanwhile(chunks, **kwargs):  # the finish lands while this thread makes its job
+        job = read_ahead(chunks, **kwargs)
+        cancel = job.cancel
+        job.cancel = lambda: (cancelled.append(job), cancel())
+        made.append(job)
+        traffic.on_schedule(Schedule([], {}, {"r1"}))
+        return job
+
+    monkeypatch.setattr(served, "read_ahead", finishing_meanwhile)
+    tokens = np.random.default_rng(6).integers(0, 800, 300).tolist()
+    traffic.on_schedule(Schedule([NewRequest("r1", tokens)], {"r1": 16}))
+    traffic._SERVED.worker.shutdown(wait=True)
+    (job,) = made
+    assert traffic._SERVED.jobs == {} and traffic._SERVED.feeding == set() and traffic._SERVED.finished == set()
+    assert cancelled == [job] or job.done  # a job that read everything already has nothing to stop
+
+
+class FailedLookup:
+    """A watched lookup whose step failed, as PrefetchedRows raises it."""
+
+    def check(self):
+        raise OSError(5, "Input/output error", "ple.bin")
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """The field traffic.py tells a step's output by, of vLLM 0.33.0's ModelRunnerOutput."""
+    sampled_token_ids: list
+
+
+class AsyncStepOutput:
+    """vLLM 0.33.0's AsyncModelRunnerOutput: get_output waits for the step's tokens."""
+
+    def get_output(self):
+        return StepOutput([[7]])
+
+
+def test_no_steps_output_is_handed_over_while_a_lookup_has_failed(monkeypatch):
+    monkeypatch.setattr(traffic, "_SERVED", traffic._Served())
+
+    class Worker:  # vLLM 0.33.0's Worker (vllm/v1/worker/gpu_worker.py)
+        def execute_model(self, scheduler_output):
+            return None if scheduler_output == "nothing sampled" else StepOutput([[3]])
+
+        def sample_tokens(self, grammar_output):
+            return AsyncStepOutput()
+
+    module = type("module", (), {"Worker": Worker})
+    traffic.install_output_check(module)
+    traffic.install_output_check(module)  # once only
+    worker = Worker()
+    assert worker.execute_model("step") == StepOutput([[3]])
+    assert worker.sample_tokens(None).get_output() == StepOutput([[7]])
+    lookup = FailedLookup()
+    traffic.watch(lookup)
+    with pytest.raises(OSError, match="Input/output error"):
+        worker.execute_model("step")
+    assert worker.execute_model("nothing sampled") is None
+    pending = worker.sample_tokens(None)  # the tokens still on the device: nothing to check yet
+    with pytest.raises(OSError, match="Input/output error"):
+        pending.get_output()
+
+
 def test_read_ahead_off_feeds_nothing(served):
     traffic.serve(served, 0, Settings("/t.bin", read_ahead=False), record=False)
     traffic.on_schedule(Schedule([NewRequest("r1", list(range(200)))], {"r1": 10}))
@@ -85,9 +195,10 @@ def test_read_ahead_off_feeds_nothing(served):
 
 
 @pytest.mark.needs_helper
-def test_a_failed_step_is_raised_by_the_next_schedule(served):
+def test_a_failed_step_is_raised_by_the_next_schedule_and_every_later_one(served):
     """A FULL CUDA graph replays the lookup without calling the plugin: the schedule's update raises
-    the failed step's error (naming the id) in vLLM's worker, once, and the next schedule passes."""
+    the failed step's error (naming the id) in vLLM's worker, and so does every later schedule
+    (vLLM's engine stops at the first: no later step may pass for served)."""
     table = served
     rows = PrefetchedRows(table, device="cpu", resident_bytes=0, max_tokens=4, heads=16)
     try:
@@ -98,8 +209,8 @@ def test_a_failed_step_is_raised_by_the_next_schedule(served):
         deadline = time.monotonic() + 30
         while rows.pending_error() is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        with pytest.raises(IndexError, match=f"row id {table.first_row + table.num_rows + 5} is outside"):
-            traffic.on_schedule(Schedule([], {}))
-        traffic.on_schedule(Schedule([], {}))
+        for _ in range(2):
+            with pytest.raises(IndexError, match=f"row id {table.first_row + table.num_rows + 5} is outside"):
+                traffic.on_schedule(Schedule([], {}))
     finally:
         rows.close()

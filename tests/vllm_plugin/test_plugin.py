@@ -27,6 +27,7 @@ from vllm_layer import (
 )
 from worker import free_port
 
+from ple_prep.core.errors import BadInput
 from ple_prep.format.manifest import manifest_path
 from ple_prep.integrations.vllm import storage
 from ple_prep.integrations.vllm.backend import TableMismatch
@@ -143,6 +144,31 @@ def test_the_entry_point_patches_vllms_module_when_vllm_imports_it():
             "assert chooser.Qwen4ExpPLEDeviceEmbedding.original is classes.Qwen4ExpPLEDeviceEmbedding\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_the_entry_point_feeds_both_model_runners_and_checks_the_workers_outputs():
+    """vLLM 0.33.0 runs the V2 runner by default on CUDA and the V1 runner elsewhere: the schedule
+    of each reaches the plugin, and the worker hands no step's output over unchecked."""
+    code = ("from vllm.plugins import load_general_plugins\n"
+            "load_general_plugins()\n"
+            "from vllm.v1.worker import gpu_model_runner, gpu_worker\n"
+            "from vllm.v1.worker.gpu import model_runner\n"
+            "assert gpu_model_runner.GPUModelRunner._update_states.ple_prep_feed\n"
+            "assert model_runner.GPUModelRunner.execute_model.ple_prep_feed\n"
+            "assert gpu_worker.Worker.execute_model.ple_prep_checked\n"
+            "assert gpu_worker.Worker.sample_tokens.ple_prep_checked\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_a_table_open_table_refuses_is_named_by_its_setting(tables, tmp_path):
+    shutil.copy(tables["fp8"], tmp_path / "t.bin")  # no manifest beside it
+    with pytest.raises(BadInput, match=rf"^additional_config\['ple_prep'\]\['table'\]=\"{tmp_path}/t.bin\": manifest "
+                                       r".*not found"):
+        build_layer(vllm_config(str(tmp_path / "t.bin")), text_config("fp8"), None)
+    with pytest.raises(BadInput, match=r"pagesums is missing.*\(opened with additional_config\['ple_prep'\]"
+                                       r"\['verify_reads'\]\)$"):
+        build_layer(vllm_config(tables["fp8"], verify_reads=True), text_config("fp8"), None)
 
 
 def test_without_a_table_vllm_builds_its_own_storage(monkeypatch):

@@ -3,8 +3,9 @@
 `register` is the `vllm.general_plugins` entry point (pyproject.toml); vLLM calls it in every
 process before a model is built. It imports nothing of vLLM: it only arranges that, when vLLM
 imports the module that picks the n-gram embedding's storage class, `storage.install` swaps that
-choice, and that, when vLLM imports its model loaders, `loader.register` makes its default load
-formats skip the PLE shards a prepared table serves. The table is configured by `PLE_PREP_TABLE`
+choice, that, when vLLM imports its model loaders, `loader.register` makes its default load
+formats skip the PLE shards a prepared table serves, and that its model runners and worker feed
+and check the lookups (`traffic.py`). The table is configured by `PLE_PREP_TABLE`
 or vLLM's additional config (`settings.py`); without either, vLLM builds its own storage and
 loads every tensor as before.
 """
@@ -20,9 +21,12 @@ NVIDIA_MODULE = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
 ROCM_MODULE = "vllm.models.qwen4_exp.amd.ple_layer"
 # vLLM's registry of model loaders by load format.
 LOADER_MODULE = "vllm.model_executor.model_loader"
-# vLLM's worker module whose schedule feeds read-ahead and recording (traffic.py).
-RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
-_PATCHED = (NVIDIA_MODULE, ROCM_MODULE, LOADER_MODULE, RUNNER_MODULE)
+# vLLM's model runners, whose schedule feeds read-ahead and recording and raises failed lookups
+# (traffic.py): the V1 runner and the V2 runner (vLLM's default on CUDA).
+RUNNER_MODULES = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner")
+# vLLM's worker, whose steps' outputs are handed over only after the failed lookups are raised.
+WORKER_MODULE = "vllm.v1.worker.gpu_worker"
+_PATCHED = (NVIDIA_MODULE, ROCM_MODULE, LOADER_MODULE, WORKER_MODULE) + RUNNER_MODULES
 
 
 def _patch(module: ModuleType) -> None:
@@ -31,10 +35,15 @@ def _patch(module: ModuleType) -> None:
 
         loader.register()
         return
-    if module.__name__ == RUNNER_MODULE:
+    if module.__name__ in RUNNER_MODULES:
         from . import traffic
 
         traffic.install(module)
+        return
+    if module.__name__ == WORKER_MODULE:
+        from . import traffic
+
+        traffic.install_output_check(module)
         return
     from . import storage
 

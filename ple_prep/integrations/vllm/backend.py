@@ -85,8 +85,11 @@ class PrefetchedRows:
     while decoder layer 0 runs, the device waits for its rows at the PLE layer), so they run the
     same way eagerly, in breakable piecewise graphs and in FULL graphs, and vLLM's host thread
     never waits for the device here. An error of a step (an id outside the table, an I/O error)
-    makes that step's values NaN and is raised by the next `start` (or `finish` on the CPU);
-    `pending_error` tells it before. Without the helper, `EmbeddingSource`'s split call serves eagerly.
+    makes that step's values NaN and is raised by the next `start` or `check` (or `finish` on the
+    CPU); `pending_error` tells it before. An error the lookup raised is raised again by every
+    later `start` and `check`: vLLM stops its engine at the first error of a step, and no step after
+    the failed one may pass for served (traffic.py checks before handing a step's output over). Without the
+    helper, `EmbeddingSource`'s split call serves eagerly.
     """
 
     def __init__(self, table: Table, *, device: str | torch.device, resident_bytes: int, max_tokens: int,
@@ -103,6 +106,7 @@ class PrefetchedRows:
         # A rank's file holds its block only; other ids read a stand-in row that is then zeroed.
         self._whole = (first, stop) == (0, table.manifest["total_rows"])
         self._started: int | None = None
+        self._failure: BaseException | None = None
         self._owned: torch.Tensor | None = None
         # The last finish's values shaped (tokens, heads * values): a view made again only when the
         # count changes (every decode step of a batch has the same; a view costs microseconds).
@@ -118,14 +122,21 @@ class PrefetchedRows:
         return self.source.stats() if self.graph_safe else {}
 
     def pending_error(self) -> BaseException | None:
-        """The error of a failed step not raised yet (StepLookup.pending_error)."""
-        return self.source.pending_error() if self.graph_safe else None
+        """The error of a failed step: the one `check` raises (StepLookup.pending_error)."""
+        if self._failure is not None or not self.graph_safe:
+            return self._failure
+        return self.source.pending_error()
 
     def check(self) -> None:
-        """Raise the error of a failed step not raised yet (StepLookup.check); without the helper
-        `finish` raises its errors itself."""
-        if self.graph_safe:
-            self.source.check()
+        """Raise the error of a failed step (StepLookup.check), and from then on at every call;
+        without the helper `finish` raises its errors itself."""
+        if self._failure is None and self.graph_safe:
+            try:
+                self.source.check()
+            except Exception as error:
+                self._failure = error
+        if self._failure is not None:
+            raise self._failure
 
     def close(self) -> None:
         self.source.close()
@@ -142,6 +153,8 @@ class PrefetchedRows:
         A start that was never finished (its forward pass failed before the PLE layer) is dropped.
         """
         self.source.drop()
+        if self._failure is not None:
+            raise self._failure
         count = ids.numel()
         if count > self.source.capacity:
             raise ValueError(f"{count // self.heads} tokens exceed the {self.source.capacity // self.heads} "
@@ -152,10 +165,14 @@ class PrefetchedRows:
             self._owned = owned.view(-1, self.heads, 1)
             ids = ids.where(owned, first)
         # The source reads the ids in row-major order, any shape.
-        if self.graph_safe:
-            self.source.start(ids, finish_in_same_graph=finish_in_same_graph)
-        else:
-            self.source.start(ids)
+        try:
+            if self.graph_safe:
+                self.source.start(ids, finish_in_same_graph=finish_in_same_graph)
+            else:
+                self.source.start(ids)
+        except Exception as error:
+            self._failure = error
+            raise
         self._started = count
 
     def finish(self) -> torch.Tensor:
@@ -164,7 +181,11 @@ class PrefetchedRows:
         if self._started is None:
             raise RuntimeError("the PLE lookup was finished without a start")
         count, self._started = self._started, None
-        values = self.source.finish()
+        try:
+            values = self.source.finish()
+        except Exception as error:
+            self._failure = error
+            raise
         if self._shaped is None or len(self._shaped) * self.heads != count:
             self._shaped = values.view(count // self.heads, -1)
         values = self._shaped

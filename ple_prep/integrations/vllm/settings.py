@@ -217,6 +217,15 @@ class Settings:
             raise refuse(where, named, "a directory, not a table file")
         return path
 
+    def refused_table(self, rank: int, size: int, error: Exception) -> BadInput:
+        """The error of a table that `open_table` refused, naming the settings it was opened with."""
+        where = self.origins.get("table", TABLE_VARIABLE)
+        path = self.table.format(rank=rank, size=size)
+        named = self.table if path == self.table else f"{self.table} (rank {rank} of {size}: {path})"
+        options = [self.origins[name] for name in OPEN_OPTIONS if getattr(self, name) is not None]
+        opened = f" (opened with {', '.join(options)})" if options else ""
+        return refuse(where, named, f"{error}{opened}")
+
 
 def read_settings(additional_config: Mapping[str, Any] | None, environ: Mapping[str, str]) -> Settings | None:
     """The operator's settings, or None when the table is not configured (vLLM then runs unchanged)."""
@@ -227,17 +236,23 @@ def read_settings(additional_config: Mapping[str, Any] | None, environ: Mapping[
     if unknown:
         raise BadInput(f"additional_config[{CONFIG_KEY!r}] has unknown keys: {', '.join(sorted(map(str, unknown)))}"
                        f" (known: {', '.join(key.field for key in KEYS)})")
-    values: dict[str, Any] = {}
-    origins: dict[str, str] = {}
+    raw_values: dict[str, tuple[str, Any]] = {}
     for key in KEYS:
-        if key.field in section and section[key.field] not in (None, ""):
-            where, raw = f"additional_config[{CONFIG_KEY!r}][{key.field!r}]", section[key.field]
-        elif environ.get(key.variable):
-            where, raw = key.variable, environ[key.variable]
-        else:
-            continue
-        values[key.field] = key.parse(raw, where)
-        origins[key.field] = where
-    if "table" not in values:
-        return None
-    return Settings(**values, origins=origins)
+        if key.field in section and not _unset(section[key.field]):
+            raw_values[key.field] = f"additional_config[{CONFIG_KEY!r}][{key.field!r}]", section[key.field]
+        elif not _unset(environ.get(key.variable)):
+            raw_values[key.field] = key.variable, environ[key.variable]
+    if "table" not in raw_values:
+        configured = sorted(field for field in raw_values if field in section)
+        if configured:
+            raise BadInput(f"additional_config[{CONFIG_KEY!r}] sets {', '.join(configured)} but no table: set "
+                           f"its 'table' or {TABLE_VARIABLE}")
+        return None  # other PLE_PREP_ variables alone leave the plugin off, as without them
+    values = {field: key.parse(raw_values[field][1], raw_values[field][0])
+              for key in KEYS if (field := key.field) in raw_values}
+    return Settings(**values, origins={field: where for field, (where, _raw) in raw_values.items()})
+
+
+def _unset(value: Any) -> bool:
+    """Whether a setting's raw value leaves it unset: none, or only white space."""
+    return value is None or (isinstance(value, str) and not value.strip())

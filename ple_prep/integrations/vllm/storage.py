@@ -127,7 +127,11 @@ class PreparedTableEmbedding(Qwen4ExpPLEEmbedding):
             raise BadInput(f"ple-prep cannot serve a PLE table of method {type(embedding_method).__name__}")
         # The table's host cache (PLE_PREP_HOST_CACHE_BYTES, open_table's default budget) serves the
         # lookup's disk-tier rows, StepLookup's service thread included, and read-ahead fills it.
-        table = open_table(settings.table_path(self.tp_rank, self.tp_size), **settings.open_options())
+        path = settings.table_path(self.tp_rank, self.tp_size)
+        try:
+            table = open_table(path, **settings.open_options())
+        except BadInput as error:
+            raise settings.refused_table(self.tp_rank, self.tp_size, error) from None
         try:
             owned = (self.shard_indices.org_vocab_start_index, self.shard_indices.org_vocab_end_index)
             check_layer(table, method=method, total_rows=self.org_vocab_size, values_per_row=embedding_dim,

@@ -1,14 +1,21 @@
-"""Read-ahead and traffic recording fed from the requests vLLM schedules.
+"""Read-ahead and traffic recording fed from the requests vLLM schedules, and failed lookups raised.
 
-The seam: `GPUModelRunner._update_states(scheduler_output)` of vLLM 0.33.0
-(vllm/v1/worker/gpu_model_runner.py), which every worker runs once per step before the model runs.
-`install` wraps it (once, in each worker process, when vLLM imports that module: the plugin's
-import hook in __init__.py) to call `on_schedule` first; nothing else of vLLM is changed, and with
-no table configured nothing is registered and the wrapper only returns. It also raises there the
-error of a lookup's failed step (`watch`), which FULL graph replays cannot raise. From the scheduler's
-output it reads `scheduled_new_reqs` (each new request's `prompt_token_ids` and
-`num_computed_tokens`, what a prefix-cache hit already holds), `num_scheduled_tokens` (the size of
-the first chunk, which runs now) and `finished_req_ids`.
+The seams, in each worker process (wrapped once, when vLLM imports their module: the plugin's import
+hook in __init__.py; with no table configured nothing is registered and the wrappers only call
+through; docs/SERVING.md, "Host cache and read-ahead"):
+- the schedule: vLLM 0.33.0 runs one of two model runners, each reading a step's scheduler output
+  before the model runs. `install` wraps `GPUModelRunner._update_states(scheduler_output)` of the
+  V1 runner (vllm/v1/worker/gpu_model_runner.py) and `GPUModelRunner.execute_model` of the V2
+  runner (vllm/v1/worker/gpu/model_runner.py, its default on CUDA) but for its dummy runs, to call
+  `on_schedule` first. It raises there the error of a lookup's failed step (`watch`), which FULL
+  graph replays cannot raise, and reads `scheduled_new_reqs` (each new request's
+  `prompt_token_ids` and `num_computed_tokens`, what a prefix-cache hit already holds),
+  `num_scheduled_tokens` (the size of the first chunk, which runs now) and `finished_req_ids`.
+- a step's output: `install_output_check` wraps the worker's `execute_model` and `sample_tokens`
+  (vllm/v1/worker/gpu_worker.py) so that a step's output is handed to the engine only after the
+  failed lookups are raised (an asynchronous output when its tokens are on the host, so the GPU
+  is past the step and its lookup was served): tokens sampled from a failed step's NaN values
+  never reach a client.
 
 For a new request whose prompt needs more than its first chunk, the rest of the prompt is hashed
 (the table's hash spec, which the plugin checked against the layer's constants) on a thread of
@@ -27,6 +34,7 @@ import concurrent.futures
 import hashlib
 import logging
 import os
+import threading
 import weakref
 from typing import Any
 
@@ -36,6 +44,10 @@ from ...ngram import NgramSpec, row_ids
 from ...runtime import TrafficRecorder
 
 logger = logging.getLogger(__name__)
+
+# The request ids of the steps vLLM's V2 runner runs to warm its kernels up before serving
+# (docs/SERVING.md, "Host cache and read-ahead"): no one's prompt, neither read ahead nor recorded.
+WARMUP_REQUEST_PREFIXES = ("_warmup_", "_v2_mixed_warmup")
 
 
 class _Served:
@@ -49,6 +61,11 @@ class _Served:
         self.worker: concurrent.futures.ThreadPoolExecutor | None = None
         # The storages' lookups, whose failed steps each schedule raises (`watch`).
         self.lookups: weakref.WeakSet = weakref.WeakSet()
+        # Requests whose read-ahead the feed thread has not stored yet (`_read_ahead`), and those
+        # of them that finished meanwhile; the lock orders a finish and the store of its jobs.
+        self.feeding: set[str] = set()
+        self.finished: set[str] = set()
+        self.jobs_lock = threading.Lock()
 
 
 _SERVED = _Served()
@@ -87,28 +104,35 @@ def _tokenizer_sha256() -> str | None:
 
 
 def watch(rows) -> None:
-    """Raise the error of a failed step of `rows` (PrefetchedRows) at the next schedule: a run of
-    FULL CUDA graphs replays the lookup with no call of the plugin, which would otherwise raise it
-    only at the next step that is not one. Raised there, it fails vLLM's step with the cause."""
+    """Raise the error of a failed step of `rows` (PrefetchedRows) at the next schedule and before
+    any later step's output is handed over: a run of FULL CUDA graphs replays the lookup with no
+    call of the plugin, which would otherwise raise it only at the next step that is not one."""
     _SERVED.lookups.add(rows)
+
+
+def raise_failed_lookups() -> None:
+    """Raise the error of a watched lookup's failed step (PrefetchedRows keeps raising it)."""
+    for rows in list(_SERVED.lookups):
+        rows.check()
 
 
 def on_schedule(scheduler_output: Any) -> None:
     """One step's schedule: raise a failed lookup's error; read ahead the new requests' later
     chunks; record; cancel finished ones."""
     served = _SERVED
-    for rows in list(served.lookups):
-        rows.check()
+    raise_failed_lookups()
     if served.spec is None:
         return
     for request_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
-        for job in served.jobs.pop(request_id, ()):
-            if not job.done:
-                job.cancel()
+        with served.jobs_lock:
+            if request_id in served.feeding:
+                served.finished.add(request_id)
+            jobs = served.jobs.pop(request_id, ())
+        _cancel(jobs)
     scheduled = getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
     for request in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
         tokens = request.prompt_token_ids
-        if not tokens:
+        if not tokens or str(request.req_id).startswith(WARMUP_REQUEST_PREFIXES):
             continue
         if served.recorder is not None:
             served.recorder.add_request(tokens)
@@ -118,34 +142,101 @@ def on_schedule(scheduler_output: Any) -> None:
             continue
         if served.worker is None:
             served.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ple-prep-read-ahead-feed")
+        served.feeding.add(request.req_id)
         served.worker.submit(_read_ahead, request.req_id, np.asarray(tokens, dtype=np.int64), start, first)
 
 
 def _read_ahead(request_id: str, tokens: np.ndarray, start: int, chunk_tokens: int) -> None:
     served = _SERVED
+    jobs = []
     try:
         ids = row_ids(tokens[start:], served.spec, context=tokens[max(0, start - served.spec.ngram_size + 1):start])
         chunks = [ids[k:k + chunk_tokens] for k in range(0, len(ids), chunk_tokens)]
-        jobs = []
         for table, skip_slots in served.tables:
+            if request_id in served.finished:  # it finished while this thread was busy before it
+                break
             low, high = table.row_range
             owned = [chunk[(chunk >= low) & (chunk < high)] for chunk in chunks]
-            jobs.append(table.read_ahead(owned, skip_slots=skip_slots))
-        served.jobs[request_id] = [job for job in jobs if job is not None]
+            job = table.read_ahead(owned, skip_slots=skip_slots)
+            if job is not None:
+                jobs.append(job)
     except Exception as error:  # noqa: BLE001 (read-ahead only speeds serving up; it never fails a request)
         logger.warning("ple-prep read-ahead for request %s failed: %s", request_id, error)
+    finally:
+        with served.jobs_lock:
+            served.feeding.discard(request_id)
+            finished = request_id in served.finished
+            served.finished.discard(request_id)
+            if not finished:
+                served.jobs[request_id] = jobs
+    if finished:  # it finished before its jobs were stored: nobody else cancels them
+        _cancel(jobs)
+
+
+def _cancel(jobs) -> None:
+    for job in jobs:
+        if not job.done:
+            job.cancel()
 
 
 def install(module: Any) -> None:
-    """Wrap `GPUModelRunner._update_states` of vLLM's runner module to call `on_schedule` first (once)."""
+    """Make the `GPUModelRunner` of one of vLLM's runner modules call `on_schedule` first (once):
+    the V1 runner's `_update_states`, else the V2 runner's `execute_model` but for dummy runs."""
     runner = getattr(module, "GPUModelRunner", None)
     update = getattr(runner, "_update_states", None)
-    if update is None or getattr(update, "ple_prep_feed", False):
+    if update is not None:
+        if not getattr(update, "ple_prep_feed", False):
+            def _update_states(self, scheduler_output, *args, **kwargs):
+                on_schedule(scheduler_output)
+                return update(self, scheduler_output, *args, **kwargs)
+
+            _update_states.ple_prep_feed = True
+            runner._update_states = _update_states
+        return
+    execute = getattr(runner, "execute_model", None)
+    if execute is None or getattr(execute, "ple_prep_feed", False):
         return
 
-    def _update_states(self, scheduler_output, *args, **kwargs):
-        on_schedule(scheduler_output)
-        return update(self, scheduler_output, *args, **kwargs)
+    def execute_model(self, scheduler_output, *args, dummy_run: bool = False, **kwargs):
+        if not dummy_run:
+            on_schedule(scheduler_output)
+        return execute(self, scheduler_output, *args, dummy_run=dummy_run, **kwargs)
 
-    _update_states.ple_prep_feed = True
-    runner._update_states = _update_states
+    execute_model.ple_prep_feed = True
+    runner.execute_model = execute_model
+
+
+def install_output_check(module: Any) -> None:
+    """Make the `Worker` of vLLM's worker module hand a step's output over only after
+    `raise_failed_lookups` (once): at once for an output already on the host, for an asynchronous
+    one when its `get_output` has it."""
+    worker = getattr(module, "Worker", None)
+    if worker is None:
+        return
+    for name in ("execute_model", "sample_tokens"):
+        method = getattr(worker, name, None)
+        if method is None or getattr(method, "ple_prep_checked", False):
+            continue
+        checked = _checking_outputs(method)
+        checked.ple_prep_checked = True
+        setattr(worker, name, checked)
+
+
+def _checking_outputs(method):
+    def checked(self, *args, **kwargs):
+        output = method(self, *args, **kwargs)
+        if output is None or not _SERVED.lookups:
+            return output
+        get_output = getattr(output, "get_output", None)
+        if callable(get_output):  # an asynchronous output: its tokens are on the host once it returns
+            def get_output_checked():
+                result = get_output()
+                raise_failed_lookups()
+                return result
+
+            output.get_output = get_output_checked
+        elif hasattr(output, "sampled_token_ids"):  # a step's output, its tokens already on the host
+            raise_failed_lookups()
+        return output
+
+    return checked
