@@ -142,8 +142,7 @@ def test_the_entry_point_patches_vllms_module_when_vllm_imports_it():
             "from vllm.models.qwen4_exp.common import ngram_embedding as classes\n"
             "assert chooser.Qwen4ExpPLEPinnedHostEmbedding.original is classes.Qwen4ExpPLEPinnedHostEmbedding\n"
             "assert chooser.Qwen4ExpPLEDeviceEmbedding.original is classes.Qwen4ExpPLEDeviceEmbedding\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    passes_in_a_fresh_process(code)
 
 
 def test_the_entry_point_feeds_both_model_runners_and_checks_the_workers_outputs():
@@ -157,6 +156,11 @@ def test_the_entry_point_feeds_both_model_runners_and_checks_the_workers_outputs
             "assert model_runner.GPUModelRunner.execute_model.ple_prep_feed\n"
             "assert gpu_worker.Worker.execute_model.ple_prep_checked\n"
             "assert gpu_worker.Worker.sample_tokens.ple_prep_checked\n")
+    passes_in_a_fresh_process(code)
+
+
+def passes_in_a_fresh_process(code: str) -> None:
+    """Run `code` in a new interpreter, where the plugin loads as in a vLLM worker."""
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
 
