@@ -93,6 +93,88 @@ def test_a_direct_request_whose_probed_rows_are_cached_raises_on_a_truncated_fil
     assert message is not None and "t.bin" in message, message
 
 
+def test_a_lookup_step_whose_copy_through_the_mapping_faults_fails_alone(fp8_table, tmp_path):
+    """StepLookup (the vLLM plugin's lookup): a page cut from a cached file under the mapping fails
+    the step that reads it, naming the mapping, and the next steps of cached rows are served again."""
+    torch = pytest.importorskip("torch")
+    from support.bf16_bits import bits, expected_bits
+
+    from ple_prep.runtime.device import steps
+    if steps._native is None:
+        pytest.skip("needs the compiled helper")
+    path = tmp_path / "t.bin"
+    shutil.copyfile(fp8_table, path)
+    shutil.copyfile(manifest_path(fp8_table), manifest_path(path))
+    size = path.stat().st_size
+
+    def case():
+        path.read_bytes()  # every page cached: the step copies through the mapping
+        with open_table(path, read_path="mapped") as table:
+            lookup = steps.StepLookup(table, device="cpu", resident_bytes=0, max_ids=64)
+            try:
+                early = np.arange(64, dtype=np.int64)
+                faulting = early.copy()
+                faulting[1] = table.num_rows - 1  # never a row the page-cache probe looks at
+                os.truncate(path, size - 16 * table.page_size)
+                outcomes = []
+                lookup.start(torch.from_numpy(faulting))
+                try:
+                    lookup.finish()
+                except OSError as exc:
+                    outcomes.append(str(exc))
+                os.truncate(path, size)
+                for _ in range(2):
+                    lookup.start(torch.from_numpy(early))
+                    outcomes.append(bool(np.array_equal(bits(lookup.finish()), expected_bits(table, early))))
+                return outcomes, lookup.stats()["failed"]
+            finally:
+                lookup.close()
+
+    (message, *served), failed = in_child(case)
+    assert "through the mapping failed at byte" in message and "t.bin" in message, message
+    assert served == [True, True] and failed == 1
+
+
+def test_a_lookup_on_a_file_system_whose_reads_complete_inside_io_submit_opens_without_reading(faults, source_rows):
+    """StepLookup on FUSE, where a slow O_DIRECT read would hold io_submit: made at once with the
+    first block's reads slowed past the read timeout, and its step of that block fails after it."""
+    torch = pytest.importorskip("torch")
+    from support.bf16_bits import bits, expected_bits
+
+    from ple_prep.runtime.device import steps
+    if steps._native is None:
+        pytest.skip("needs the compiled helper")
+    path = faults.path("t.bin")
+
+    def case():
+        with open_table(path, read_timeout=1.0, host_cache_bytes=0) as table:
+            end = data_range(table, np.arange(1))[1]
+            evict(path)
+            faults.fail("t.bin", table.header.data_offset, end, "delay", 3.0)
+            began = time.monotonic()
+            lookup = steps.StepLookup(table, device="cpu", resident_bytes=0, max_ids=64)
+            made = time.monotonic() - began
+            try:
+                ids = np.arange(16, dtype=np.int64)
+                lookup.start(torch.from_numpy(ids))
+                try:
+                    lookup.finish()
+                    message = None
+                except TimeoutError as exc:
+                    message = str(exc)
+                faults.clear()
+                evict(path)
+                lookup.start(torch.from_numpy(ids))
+                return made, message, bool(np.array_equal(bits(lookup.finish()), expected_bits(table, ids)))
+            finally:
+                lookup.close()
+
+    made, message, recovered = in_child(case, timeout=60)
+    assert made < 0.5, made
+    assert message is not None and "stalled" in message, message
+    assert recovered
+
+
 def test_the_default_path_reads_with_pread_where_o_direct_completes_inside_io_submit(faults, source_rows):
     """FUSE does O_DIRECT reads synchronously: one at a time, and a hung one out of the timeout's reach."""
     with open_table(faults.path("t.bin")) as table:

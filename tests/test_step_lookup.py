@@ -20,6 +20,7 @@ from support.step_calls import poison, serve, token_ids  # noqa: E402
 
 from ple_prep.format.manifest import manifest_path  # noqa: E402
 from ple_prep.ngram import row_ids  # noqa: E402
+from ple_prep.offline.writer import WriteOptions  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
 from ple_prep.runtime.device import buffers, driver, steps  # noqa: E402
 from ple_prep.runtime.device.dequant import decoder_for  # noqa: E402
@@ -215,6 +216,29 @@ def test_an_io_error_fails_its_step_and_the_next_step_is_served(table, device, t
             assert np.array_equal(bits(values), expected_bits(table, early))
         finally:
             lookup.close()
+
+
+def test_a_table_of_large_pages_keeps_its_cold_reads_in_a_bounded_buffer(fp8_checkpoint, converted_table, tmp_path):
+    """Blocks of large pages are large: the reads in flight shrink to keep the buffer within the disk
+    tier's cap (runtime/direct.py), as the table's own reader does."""
+    made = converted_table(fp8_checkpoint, tmp_path / "t.bin", options=WriteOptions(page_size=1 << 20))
+    with open_table(made.path, read_path="direct") as opened:
+        before = virtual_bytes()
+        lookup = steps.StepLookup(opened, device="cpu", resident_bytes=0, max_ids=64)
+        try:
+            assert virtual_bytes() - before < 64 << 20  # 512 reads of 1 MiB would map 512 MiB
+            ids = np.arange(0, opened.num_rows, 997, dtype=np.int64)[:64]
+            assert np.array_equal(bits(serve(lookup, ids)), expected_bits(opened, ids))
+        finally:
+            lookup.close()
+
+
+def virtual_bytes() -> int:
+    """This process's mapped memory (VmSize)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no VmSize in /proc/self/status")
 
 
 def test_bad_calls_are_refused(table):

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..core.fileio import on_block_file_system
 from ..format.pages import row_offsets
-from .readcheck import DEFAULT_READ_TIMEOUT, PageCheck, ReadTimeout, check_timeout, read_error
+from .readcheck import DEFAULT_READ_TIMEOUT, MIN_BLOCK, PageCheck, ReadTimeout, capped_depth, check_timeout, read_error
 
 # Reads kept in flight. Deeper than fio's reference depth of 64 on purpose: completions come in
 # bursts and a busy host deschedules the refilling thread for milliseconds, so the queue must hold
@@ -40,10 +40,6 @@ from .readcheck import DEFAULT_READ_TIMEOUT, PageCheck, ReadTimeout, check_timeo
 DEFAULT_QUEUE_DEPTH = 512
 # The shared context's size (events reserved against fs.aio-max-nr) and so the deepest queue.
 MAX_QUEUE_DEPTH = 1024
-# Bytes of blocks in flight per table at most: tables with large pages get a shallower queue.
-MAX_BUFFER_BYTES = 8 << 20
-# The smallest O_DIRECT unit that suits every common device (logical blocks of 512 or 4096 bytes).
-MIN_BLOCK = 4096
 
 # io_setup, io_destroy, io_submit, io_getevents.
 _SYSCALLS = {"x86_64": (206, 207, 209, 208), "aarch64": (0, 1, 2, 4)}
@@ -164,8 +160,7 @@ class DirectReader:
         self._header = header
         self._row_bytes = header.row_bytes
         self._block = max(header.page_size, MIN_BLOCK)
-        # Large pages make large blocks: the buffer's cap bounds the bytes in flight instead.
-        self.queue_depth = max(1, min(int(queue_depth), MAX_BUFFER_BYTES // self._block))
+        self.queue_depth = capped_depth(queue_depth, header.page_size)
         self._file_end = header.data_offset + header.num_pages * header.page_size
         self._descriptor = -1
         self._buffer = None

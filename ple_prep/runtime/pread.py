@@ -15,8 +15,15 @@ import threading
 import numpy as np
 
 from ..format.pages import row_offsets
-from .direct import MAX_BUFFER_BYTES, MIN_BLOCK
-from .readcheck import DEFAULT_READ_TIMEOUT, PageCheck, ReadTimeout, check_timeout, read_error
+from .readcheck import (
+    DEFAULT_READ_TIMEOUT,
+    MAX_BUFFER_BYTES,
+    MIN_BLOCK,
+    PageCheck,
+    ReadTimeout,
+    check_timeout,
+    read_error,
+)
 
 # Threads reading at once: the reads in flight.
 PREAD_THREADS = 32

@@ -44,9 +44,8 @@ import time
 
 import numpy as np
 
-from .direct import MIN_BLOCK
 from .hostcache import HostCache
-from .readcheck import ReadTimeout, read_error
+from .readcheck import MIN_BLOCK, ReadTimeout, read_error
 from .readplan import ReadAhead
 
 try:

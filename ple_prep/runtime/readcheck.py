@@ -1,6 +1,6 @@
-"""What the disk tier's readers (runtime/direct.py, runtime/pread.py) share about failing reads:
-the timeout, its error, errors that name the file, and the optional check of what was read
-against the table's page sums (format/pagesums.py)."""
+"""What the disk tier's readers (runtime/direct.py, runtime/pread.py, the compiled step service's)
+share: the bound of their buffers, and about failing reads the timeout, its error, errors that name
+the file, and the optional check of what was read against the table's page sums (format/pagesums.py)."""
 from __future__ import annotations
 
 import errno
@@ -10,6 +10,10 @@ import numpy as np
 
 from ..format.pagesums import page_sums
 
+# Bytes of blocks in flight per reader at most: large pages make large blocks, so a shallower queue.
+MAX_BUFFER_BYTES = 8 << 20
+# The smallest O_DIRECT unit that suits every common device (logical blocks of 512 or 4096 bytes).
+MIN_BLOCK = 4096
 # Seconds a request waits for any of its reads to complete before it fails: generous, so that only a
 # stalled disk (or a hung network or FUSE file system) trips it, never a busy one.
 DEFAULT_READ_TIMEOUT = 30.0
@@ -61,3 +65,8 @@ class PageCheck:
             raise OSError(errno.EIO, f"{self.name}: page {page} (byte {self.data_offset + page * self.page_size}) "
                                      f"read back other bytes than were written (its page sum differs; {len(wrong)} "
                                      f"such pages in this read): the disk returned corrupted data")
+
+
+def capped_depth(depth: int, page_size: int) -> int:
+    """`depth` reads in flight, fewer where their blocks of `page_size` pages pass MAX_BUFFER_BYTES."""
+    return max(1, min(int(depth), MAX_BUFFER_BYTES // max(page_size, MIN_BLOCK)))

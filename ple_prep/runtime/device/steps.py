@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from ...core.fileio import on_block_file_system, reopen_direct
-from ..readcheck import DEFAULT_READ_TIMEOUT, ReadTimeout, check_timeout
+from ..readcheck import DEFAULT_READ_TIMEOUT, ReadTimeout, capped_depth, check_timeout
 from ..table import Table
 from .buffers import DeviceBuffers, poison_row
 from .dequant import decoder_for
@@ -74,6 +74,7 @@ HOST_WAIT_SECONDS = 120.0
 # keeps: at 64 a cold chunk was well behind the eager path (BENCHMARKS.md, "Serving inside vLLM's
 # CUDA graphs").
 READ_DEPTH = 512
+
 # Up to this many ids (4 tokens) a step goes through the step kernels (runtime/native/step_kernels.cu),
 # more through the side stream and the copy engine, beside the work before the finish: from 256 ids
 # the kernels' step is 1-3% slower (BENCHMARKS.md, "Serving inside vLLM's CUDA graphs").
@@ -166,10 +167,12 @@ class StepLookup:
         # The table's host cache (open_table's host_cache_bytes), which the thread reads and fills.
         tier = table.host_cache
         self.host_cache = tier.cache if tier is not None and tier.cache.handle is not None else None
+        # Whether O_DIRECT reads complete inside io_submit here (FUSE: then the worker reads, within the
+        # timeout's reach): as the table's O_DIRECT reader found; else only a block file system's AIO is trusted.
+        synchronous = getattr(table._gatherer.direct, "synchronous", not on_block_file_system(self._descriptor))
         disk = (self._descriptor, header.data_offset, header.data_offset + header.num_pages * header.page_size,
-                header.page_size, READ_DEPTH, self.read_timeout,
-                None if self.host_cache is None else self.host_cache.handle,
-                on_block_file_system(self._descriptor))
+                header.page_size, capped_depth(READ_DEPTH, header.page_size), self.read_timeout,
+                None if self.host_cache is None else self.host_cache.handle, synchronous)
         arguments = table._gatherer._stage_arguments(self.host_ids, table.order, table.first_row, self.num_resident,
                                                      self._slots, self._host_index, buffers.host_rows,
                                                      LOOKUP_THREADS)
@@ -330,6 +333,9 @@ class StepLookup:
             return OSError(errno.EIO, f"{name}: short O_DIRECT read at byte {offset}: the file shrank")
         if kind == "read":
             return OSError(value, f"{name}: O_DIRECT read at byte {offset}: {os.strerror(value)}")
+        if kind == "mapped":
+            return OSError(value, f"{name}: reading rows through the mapping failed at byte {offset} of the file "
+                                  "(an I/O error, or the file shrank)")
         if kind == "count":
             return ValueError(f"{value} row ids exceed this lookup's max_ids = {self.capacity}")
         return RuntimeError(f"the PLE step service failed a step ({kind})")

@@ -172,32 +172,6 @@ const char *disk_reader_worker_block(const disk_reader *reader)
     return reader->worker->buffer;
 }
 
-/* Whether O_DIRECT reads complete inside io_submit here: two reads of the first block each found
- * complete the moment io_submit returns (a disk's read takes tens of microseconds). Such a read
- * that hangs hangs io_submit, out of the timeout's reach: the reader then reads with its worker.
- * -1 where the probe's reads fail (the pread path then reports what fails). */
-static int completes_inside_submit(disk_reader *reader)
-{
-    aio_context_t context = (aio_context_t)reader->context;
-    off_t offset = reader->data_offset / reader->block * reader->block;
-    for (int i = 0; i < 2; i++) {
-        struct iocb read = {.aio_lio_opcode = IOCB_CMD_PREAD, .aio_fildes = (uint32_t)reader->fd,
-                            .aio_buf = (uint64_t)(uintptr_t)reader->buffer, .aio_nbytes = (uint64_t)reader->block,
-                            .aio_offset = offset};
-        struct iocb *pointer = &read;
-        struct io_event event;
-        struct timespec now = {0, 0}, timeout = reader->timeout;
-        if (syscall(SYS_io_submit, context, 1L, &pointer) != 1)
-            return -1;
-        long got = syscall(SYS_io_getevents, context, 0L, 1L, &event, &now);
-        if (got == 1)
-            continue;
-        got = syscall(SYS_io_getevents, context, 1L, 1L, &event, &timeout);
-        return got == 1 ? 0 : -2; /* -2: the read is still in flight */
-    }
-    return 1;
-}
-
 /* Leave the AIO context and buffer to the reads still in flight (never freed: the kernel may still
  * write into the buffer) and take new ones; without them, the worker's preads. */
 void disk_reader_abandon(disk_reader *reader)
@@ -215,7 +189,7 @@ void disk_reader_abandon(disk_reader *reader)
 }
 
 int disk_reader_open(disk_reader *reader, int fd, off_t data_offset, off_t file_end, Py_ssize_t page_size,
-                     Py_ssize_t capacity, int depth, double timeout, int probe)
+                     Py_ssize_t capacity, int depth, double timeout)
 {
     depth = depth < MAX_DEPTH ? depth : MAX_DEPTH;
     *reader = (disk_reader){.fd = fd, .data_offset = data_offset, .file_end = file_end, .depth = depth};
@@ -244,16 +218,8 @@ int disk_reader_open(disk_reader *reader, int fd, off_t data_offset, off_t file_
         return -1;
     }
     aio_context_t context = 0;
-    if (syscall(SYS_io_setup, depth, &context) == 0) {
+    if (syscall(SYS_io_setup, depth, &context) == 0)
         reader->context = context;
-        int synchronous = probe ? completes_inside_submit(reader) : 0;
-        if (synchronous == -2)
-            disk_reader_abandon(reader);
-        if (synchronous != 0 && reader->context) {
-            syscall(SYS_io_destroy, (aio_context_t)reader->context);
-            reader->context = 0;
-        }
-    }
     return 0;
 }
 

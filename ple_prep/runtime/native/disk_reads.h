@@ -37,13 +37,12 @@ typedef struct {
 #define STALLED (-2)
 
 /* 0, or -1 with errno (the reader then holds nothing); `capacity` positions a step at most; reads
- * that make no progress for `timeout` seconds fail their step; `probe`: find out whether io_submit
- * completes reads itself (else the file system is known to serve AIO asynchronously). */
+ * that make no progress for `timeout` seconds fail their step. */
 int disk_reader_open(disk_reader *reader, int fd, off_t data_offset, off_t file_end, Py_ssize_t page_size,
-                     Py_ssize_t capacity, int depth, double timeout, int probe);
+                     Py_ssize_t capacity, int depth, double timeout);
 void disk_reader_close(disk_reader *reader);
-/* Read with the worker, one pread at a time, from now on: the caller knows (a probe of its own
- * found it) that the file system completes O_DIRECT reads inside io_submit. */
+/* Read with the worker, one pread at a time, from now on: the caller knows (the table's reader
+ * probed it, runtime/direct.py) that the file system completes O_DIRECT reads inside io_submit. */
 void disk_reader_use_worker(disk_reader *reader);
 
 /* The rows of the request's disk positions (slots >= num_resident, already found by stage) staged

@@ -116,8 +116,7 @@ PyObject *readahead_new(PyObject *self, PyObject *args)
     read_ahead *reader = PyMem_RawCalloc(1, sizeof(read_ahead));
     if (!reader)
         return PyErr_NoMemory();
-    if (disk_reader_open(&reader->reader, fd, (off_t)data_offset, (off_t)file_end, page_size, 0, depth, timeout, 0)
-        != 0) {
+    if (disk_reader_open(&reader->reader, fd, (off_t)data_offset, (off_t)file_end, page_size, 0, depth, timeout) != 0) {
         PyMem_RawFree(reader);
         return PyErr_SetFromErrno(PyExc_OSError);
     }

@@ -223,6 +223,10 @@ void run_stage(stage_call *call)
 {
     stage_request *request = &call->request;
     Py_ssize_t bad = -1, disk = 0;
+    /* A call is run again for every step of the step service (steps.c): no step's fault or race
+     * may be taken for the next one's. */
+    for (int part = 0; part < MAX_THREADS; part++)
+        request->faulted[part] = request->raced[part] = 0;
     run_parts(split_part, request, request->parts);
     for (int part = 0; part < request->parts && bad < 0; part++) {
         bad = request->bad[part];
@@ -259,9 +263,15 @@ PyObject *finish_stage(stage_call *call)
     else if (call->staged && part < request->parts)
         PyErr_SetString(PyExc_RuntimeError, "stage: the slots buffer changed while the rows were copied "
                         "(another thread wrote it); nothing was staged");
-    else if (call->probe_error)
-        PyErr_Format(PyExc_OSError, "[Errno %d] stage: mincore failed on the table's mapping (%s)", call->probe_error,
-                     strerror(call->probe_error));
+    else if (call->probe_error) {
+        PyObject *error = Py_BuildValue("(iN)", call->probe_error,
+                                        PyUnicode_FromFormat("mincore failed on the table's mapping (%s)",
+                                                             strerror(call->probe_error)));
+        if (error) {
+            PyErr_SetObject(PyExc_OSError, error);
+            Py_DECREF(error);
+        }
+    }
     else if (call->bad >= 0)
         refuse_row_id(call->request.id[call->bad], call->first_row, call->num_rows);
     else if (call->disk > call->out_rows)

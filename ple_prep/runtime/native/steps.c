@@ -58,7 +58,7 @@ typedef struct {
 } step_stats;
 
 /* What failed a step (the first failure since step_service_error took the last). */
-enum { FAILED_NONE, FAILED_ID, FAILED_READ, FAILED_COUNT, FAILED_NO_READER };
+enum { FAILED_NONE, FAILED_ID, FAILED_READ, FAILED_COUNT, FAILED_NO_READER, FAILED_MAPPED };
 
 typedef struct {
     stage_call *call;
@@ -156,7 +156,7 @@ static void serve(service *server, Py_ssize_t count)
             first = -1;
         } else if (cached && part < request->parts) {
             /* A page of the mapping the kernel could not read (the stage copies without a signal). */
-            record_failure(server, FAILED_READ, EIO, (long long)(request->fault[part] - request->mapping));
+            record_failure(server, FAILED_MAPPED, EIO, (long long)(request->fault[part] - request->mapping));
             first = -1;
         } else if (!cached && !server->has_reader) {
             record_failure(server, FAILED_NO_READER, 0, 0);
@@ -249,10 +249,10 @@ static void service_destroy(PyObject *capsule)
 /* step_service(flags, disk, poison_row, (threads, part_ids), device_copies, *the arguments of stage) -> service
  * A step's stage is split over up to `threads` threads, parts of at least part_ids ids. `disk`:
  * None (rows not in the page cache fail their step) or (fd, data_offset, file_end, page_size,
- * depth, timeout, cache, aio_asynchronous) for disk_reads.c (a read wait of `timeout` seconds with
+ * depth, timeout, cache, synchronous) for disk_reads.c (a read wait of `timeout` seconds with
  * no progress fails the step; `cache`: a host cache of hostcache_new for the table's rows, or None;
- * `aio_asynchronous`: the file system is known to serve native AIO asynchronously, no probe), the
- * descriptor held open by the caller until the service is stopped.
+ * `synchronous`: O_DIRECT reads complete inside io_submit on this file system, so the worker's
+ * preads serve them), the descriptor held open by the caller until the service is stopped.
  * `device_copies`: a device copies each step's span from the pinned buffer (counted in copied_bytes). */
 PyObject *step_service(PyObject *self, PyObject *args)
 {
@@ -268,15 +268,15 @@ PyObject *step_service(PyObject *self, PyObject *args)
     if (device_copies < 0 || PyErr_Occurred() || !PyArg_ParseTuple(PyTuple_GET_ITEM(args, 3), "nn;threads must be (threads, part_ids)",
                                               &threads, &part_ids))
         return NULL;
-    int fd = -1, depth = 0, aio_asynchronous = 0;
+    int fd = -1, depth = 0, synchronous = 0;
     long long data_offset = 0, file_end = 0;
     Py_ssize_t page_size = 0;
     double timeout = 0;
     PyObject *cache = Py_None;
     if (disk != Py_None
         && !PyArg_ParseTuple(disk, "iLLnidOp;disk must be (fd, data_offset, file_end, page_size, depth, timeout, cache, "
-                             "aio_asynchronous)", &fd, &data_offset, &file_end, &page_size, &depth, &timeout, &cache,
-                             &aio_asynchronous))
+                             "synchronous)", &fd, &data_offset, &file_end, &page_size, &depth, &timeout, &cache,
+                             &synchronous))
         return NULL;
     host_cache *rows_cache = cache == Py_None ? NULL : host_cache_of(cache);
     if (cache != Py_None && !rows_cache)
@@ -317,13 +317,15 @@ PyObject *step_service(PyObject *self, PyObject *args)
     server->flags = server->flags_view.buf;
     if (fd >= 0) {
         if (disk_reader_open(&server->reader, fd, (off_t)data_offset, (off_t)file_end, page_size, server->capacity,
-                             depth, timeout, !aio_asynchronous) != 0) {
+                             depth, timeout) != 0) {
             PyErr_SetFromErrno(PyExc_OSError);
             free_stage_call(call);
             PyBuffer_Release(&server->flags_view);
             PyMem_RawFree(server);
             return NULL;
         }
+        if (synchronous)
+            disk_reader_use_worker(&server->reader);
         server->has_reader = 1;
         server->async_reads = server->reader.context != 0;
         server->reader.cache = rows_cache;
@@ -392,7 +394,7 @@ PyObject *step_service_stats(PyObject *self, PyObject *args)
 
 /* step_service_error(service, take) -> None or (kind, value, offset): the first failure since the
  * last taken (kinds: "id" the id, "read" errno, -1 for a short read or -2 for a stalled disk, and the offset, "count",
- * "no_reader"); with `take`, cleared. */
+ * "no_reader", "mapped" EIO and the offset of a page the mapping could not read); with `take`, cleared. */
 PyObject *step_service_error(PyObject *self, PyObject *args)
 {
     PyObject *capsule;
@@ -402,7 +404,7 @@ PyObject *step_service_error(PyObject *self, PyObject *args)
     service *server = PyCapsule_GetPointer(capsule, SERVICE_CAPSULE);
     if (!server)
         return NULL;
-    static const char *kinds[] = {"none", "id", "read", "count", "no_reader"};
+    static const char *kinds[] = {"none", "id", "read", "count", "no_reader", "mapped"};
     pthread_mutex_lock(&server->stats_lock);
     int kind = server->failure;
     long long value = server->failure_value, offset = server->failure_offset;
