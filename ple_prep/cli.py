@@ -103,9 +103,9 @@ def model_option(help: str = "Source checkpoint.", required: bool = True) -> Cal
              "and HF_HOME are respected).")
 
 
-def quiet_option(command: Callable) -> Callable:
+def quiet_option(command: Callable, prints: str = "--json output and errors") -> Callable:
     return click.option("--quiet", "-q", is_flag=True,
-                        help="No progress bars and no text summary; --json output and errors still print.")(command)
+                        help=f"No progress bars and no text summary; {prints} still print.")(command)
 
 
 @contextlib.contextmanager
@@ -173,7 +173,8 @@ def cli(debug: bool) -> None:
 @click.option("--force", is_flag=True, help="Replace an existing table.")
 @click.option("--tp-size", type=click.IntRange(min=1),
               help="Split for T tensor-parallel ranks: one file per rank, OUT with .tp{r}of{T} "
-                   "before its suffix (rank r owns rows [r*P, (r+1)*P), P = rows/T).")
+                   "before its suffix (rank r owns rows [r*P, (r+1)*P), P = rows/T). Each rank's file "
+                   "is published as soon as it is written: an interrupted run keeps the ranks it finished.")
 @click.option("--tp-rank", type=click.IntRange(min=0), help="With --tp-size: write only this rank's file.")
 @click.option("--resume", is_flag=True,
               help="Continue a killed convert of OUT: keep the blocks it wrote that re-verify, "
@@ -306,7 +307,7 @@ def verify(table: Path, model: Path | None, sample: int | None, seed: int, as_js
 
 @cli.command()
 @click.argument("table", type=click.Path(path_type=Path))
-@quiet_option
+@functools.partial(quiet_option, prints="errors")
 def pagesums(table: Path, quiet: bool) -> None:
     """Write the page sums that open_table(verify_reads=True) checks disk reads against.
 
@@ -407,7 +408,7 @@ def _residency_lines(manifest: dict[str, Any]) -> list[str]:
               show_default=True, help="GGUF: one joined table tensor or 16 head tensors.")
 @click.option("--gguf-files", type=click.IntRange(min=1), default=1, show_default=True,
               help="GGUF: split into NAME-0000k-of-0000N.gguf files.")
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--force", is_flag=True, help="Replace an existing fixture folder.")
 def make_fixture(out: Path, variant: str, base: int, shards: int, gguf_layout: str,
                  gguf_files: int, seed: int, force: bool) -> None:

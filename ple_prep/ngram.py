@@ -125,18 +125,16 @@ class NgramSpec:
         missing = [f for f in CONFIG_FIELDS[:-2] if f not in config]
         if missing:
             raise BadInput(f"config.json lacks {', '.join(missing)}")
-        try:
-            eos = config["eos_token_id"]
-            fields = {"vocab_size": int(config["vocab_size"]),
-                      "eos_token_id": int(eos[0] if isinstance(eos, list) else eos),
-                      "ngram_size": int(config["ngram_size"]),
-                      "heads_per_ngram": int(config["heads_per_ngram"]),
-                      "seed": int(config.get("seed") if config.get("seed") is not None else DEFAULT_SEED),
-                      "ngram_vocab_size_base": int(config["ngram_vocab_size_base"]),
-                      "make_ngram_vocab_size_divisible_by": int(config["make_ngram_vocab_size_divisible_by"]),
-                      "ple_embed_dim": int(config["ple_embed_dim"])}
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise BadInput(f"config.json has a non-integer hash field: {exc}") from None
+        names = ("vocab_size", "eos_token_id", "ngram_size", "heads_per_ngram", "ngram_vocab_size_base",
+                 "make_ngram_vocab_size_divisible_by", "ple_embed_dim")
+        fields = {name: config[name] for name in names}
+        eos = fields["eos_token_id"]
+        fields["eos_token_id"] = eos[0] if isinstance(eos, list) and eos else eos
+        fields["seed"] = config.get("seed") if config.get("seed") is not None else DEFAULT_SEED
+        # Never coerced: 1000.5, "248320" or true is a broken config, not a hash parameter.
+        wrong = [name for name, value in fields.items() if type(value) is not int]
+        if wrong:
+            raise BadInput(f"config.json: {', '.join(wrong)}: expected an integer (not a float, string or boolean)")
         return cls.derive(**fields, ple_ordinal=ple_ordinal, where="config.json")
 
     @classmethod

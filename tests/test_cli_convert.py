@@ -121,6 +121,14 @@ def remove_config(folder):
     (folder / "config.json").unlink()
 
 
+def set_config(key, value):
+    def breaker(folder):
+        config = json.loads((folder / "config.json").read_text())
+        config[key] = value
+        (folder / "config.json").write_text(json.dumps(config))
+    return breaker
+
+
 SHARD_F8 = {"dtype": "F8_E4M3", "shape": [2, 160]}
 BAD_INPUTS = [
     ("missing_shard", edit_tensors(drop_shard), "shard 5 of the table missing"),
@@ -161,6 +169,10 @@ BAD_INPUTS = [
     ("head_sizes_disagree", edit_tensors(change_constant(".ngram_heads_vocab_sizes", 0)),
      "disagree with config.json"),
     ("no_config", remove_config, "config.json not found"),
+    ("config_base_float", set_config("ngram_vocab_size_base", 1000.5),
+     "config.json: ngram_vocab_size_base: expected an integer"),
+    ("config_vocab_string", set_config("vocab_size", "248320"), "config.json: vocab_size: expected an integer"),
+    ("config_heads_bool", set_config("heads_per_ngram", True), "config.json: heads_per_ngram: expected an integer"),
 ]
 
 

@@ -5,10 +5,12 @@ import hashlib
 import json
 
 import pytest
+from support.refusal import assert_refused
 
 from ple_prep.cli import cli
 from ple_prep.converters.safetensors import open_checkpoint
-from ple_prep.tools.fixtures import FIXTURE_ROWS, make_checkpoint
+from ple_prep.core.errors import BadInput
+from ple_prep.tools.fixtures import FIXTURE_ROWS, make_checkpoint, make_fixture
 
 
 def folder_digest(folder):
@@ -40,6 +42,14 @@ def test_make_fixture_is_deterministic(runner, tmp_path):
     assert folder_digest(tmp_path / "a") == folder_digest(tmp_path / "b")
     assert runner.invoke(cli, ["make-fixture", str(tmp_path / "c"), "--seed", "5"]).exit_code == 0
     assert folder_digest(tmp_path / "a") != folder_digest(tmp_path / "c")
+
+
+def test_make_fixture_refuses_a_negative_seed(runner, tmp_path):
+    result = runner.invoke(cli, ["make-fixture", str(tmp_path / "m"), "--seed", "-1"])
+    assert_refused(result, tmp_path, "--seed", "-1 is not in the range x>=0")
+    with pytest.raises(BadInput, match="seed must be a non-negative integer, not -1"):
+        make_fixture(tmp_path / "m", seed=-1)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_make_fixture_matches_library(runner, tmp_path):

@@ -163,6 +163,13 @@ def _no_table(tmp_path):
     return path
 
 
+def _no_vocab_size(tmp_path):
+    # The fixture has no tokenizer.ggml.tokens either: nothing gives the vocabulary size.
+    path = make_gguf(tmp_path, "q8_0") / "model.gguf"
+    path.write_bytes(path.read_bytes().replace(b"qwen4exp.vocab_size", b"qwen4exp.vocab_sizz"))
+    return path
+
+
 BAD_GGUF = {
     "wrong architecture": (_wrong_arch, ["not a Qwen3.8-Flash-Next model", "general.architecture is 'gemma3n'",
                                          "qwen4exp"]),
@@ -181,6 +188,7 @@ BAD_GGUF = {
     "overlapping": (_overlapping, ["overlaps ple_ngram_embd.3.weight"]),
     "two models": (_two_models, ["2 GGUF models"]),
     "no table": (_no_table, ["no n-gram PLE table"]),
+    "no vocabulary size": (_no_vocab_size, ["lacks qwen4exp.vocab_size", "tokenizer.ggml.tokens"]),
 }
 
 

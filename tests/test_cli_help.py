@@ -100,3 +100,13 @@ def test_every_exit_status_is_documented_where_users_read():
     reference = (root / "docs" / "CLI.md").read_text()
     listed = re.search(r"Exit status, for every command: (.*?)\. With", reference, flags=re.S).group(1)
     assert {int(code) for code in re.findall(r"\*\*(\d+)\*\*", listed)} == codes | {0}
+
+
+def test_help_quiet_mentions_json_only_where_there_is_json():
+    wrong = []
+    for path, command in _commands().items():
+        names = {name for param in command.params for name in param.opts}
+        quiet = next((param.help for param in command.params if "--quiet" in param.opts), "")
+        if "--json" in quiet and "--json" not in names:
+            wrong.append(path)
+    assert not wrong, f"--quiet's help names --json output in commands without --json: {wrong}"

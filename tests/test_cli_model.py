@@ -5,7 +5,8 @@ import json
 
 import numpy as np
 import pytest
-from support.hubcache import add_checkpoint, commit_hash
+from support.hubcache import add_checkpoint, add_snapshot, commit_hash
+from support.refusal import assert_refused
 
 from ple_prep.cli import cli
 from ple_prep.runtime import open_table
@@ -93,3 +94,18 @@ def test_convert_gguf_quant_from_hf_cache(runner, tmp_path):
                                env={"HF_HUB_CACHE": str(cache)})
         assert result.exit_code == 0, result.output
         assert json.loads(result.stdout)["rows_compared"] == FIXTURE_ROWS
+
+
+def test_convert_model_name_skips_cache_folders_no_hub_repo_has(runner, fp8_checkpoint, tmp_path):
+    cache = tmp_path / "hub"
+    add_checkpoint(cache, "someone/c", fp8_checkpoint, commit_hash("c"))
+    for odd in ("x/a..b", "a/b/c"):  # models--x--a..b and models--a--b--c: no valid repo id
+        add_snapshot(cache, odd, commit_hash(odd), {"config.json": b"{}"})
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"HF_HUB_CACHE": str(cache)}
+    for name in ("a..b", "x/a..b"):
+        result = runner.invoke(cli, ["convert", "--model", name, "--out", str(out / "t.bin")], env=env)
+        assert_refused(result, out, f"no model {name} in the Hugging Face cache at {cache}; cached: someone/c;")
+    result = runner.invoke(cli, ["convert", "--model", "c", "--out", str(out / "t.bin"), "-q"], env=env)
+    assert result.exit_code == 0, result.output

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+from support.refusal import assert_refused
 
 from ple_prep.cli import cli
 from ple_prep.converters import open_source
@@ -51,3 +52,11 @@ def test_convert_tp_rank_without_size_or_out_of_range_is_refused(runner, fp8_che
     result = runner.invoke(cli, base + ["--tp-size", "2", "--tp-rank", "2"])
     assert result.exit_code == 2 and "outside 0..1" in result.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_tp_size_refuses_before_writing_any_rank_when_a_later_one_exists(runner, fp8_checkpoint, tmp_path):
+    (tmp_path / "ple.tp1of2.bin").write_bytes(b"an older rank")
+    result = runner.invoke(cli, ["convert", "--model", str(fp8_checkpoint), "--out", str(tmp_path / "ple.bin"),
+                                 "--tp-size", "2", "-q"])
+    assert_refused(result, tmp_path, "ple.tp1of2.bin exists; pass --force", left=["ple.tp1of2.bin"])
+    assert (tmp_path / "ple.tp1of2.bin").read_bytes() == b"an older rank"

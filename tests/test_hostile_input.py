@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import struct
 import subprocess
 import sys
@@ -252,6 +253,53 @@ def test_a_profile_declaring_8_tib_is_refused_before_allocating(tmp_path, out_di
     path.write_bytes(zstandard.ZstdCompressor().compress(_profile_bytes([("train.groups.2", 1 << 40)])))
     result = runner.invoke(cli, ["profile", "merge", str(path), "-o", str(out_dir / "m.prof")])
     refused(result, "declares 8,796,093,022,208 bytes", out_dir)
+
+
+@pytest.fixture(scope="module")
+def small_profile(fp8_checkpoint, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("small-profile")
+    np.save(folder / "ids.npy", np.random.default_rng(0).integers(0, 2000, size=5000))
+    from click.testing import CliRunner
+
+    assert CliRunner().invoke(cli, ["profile", "--model", str(fp8_checkpoint), "--prompts", str(folder / "ids.npy"),
+                                    "--out", str(folder / "p.prof"), "--quiet"]).exit_code == 0
+    return folder / "p.prof"
+
+
+def _with_header(profile: Path, out: Path, field: str, value) -> Path:
+    """A copy of `profile` with one header field (a dotted path) set to `value`, the arrays kept."""
+    import zstandard
+
+    with open(profile, "rb") as handle:
+        data = zstandard.ZstdDecompressor().stream_reader(handle).read()
+    (length,) = struct.unpack_from("<Q", data, len(PROFILE_MAGIC))
+    start = len(PROFILE_MAGIC) + 8
+    header = json.loads(data[start:start + length])
+    *parents, last = field.split(".")
+    target = header
+    for key in parents:
+        target = target[key]
+    target[last] = value
+    encoded = json.dumps(header).encode()
+    out.write_bytes(zstandard.ZstdCompressor().compress(
+        PROFILE_MAGIC + struct.pack("<Q", len(encoded)) + encoded + data[start + length:]))
+    return out
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("inputs", [1, 2], "inputs"), ("inputs", [{}], "inputs"), ("inputs", "abc", "inputs"),
+    ("spec", "x", "spec"), ("spec.multipliers", ["1"], "spec"), ("model", 3, "model"),
+    ("parts.train.tokens", -1, "parts.train"), ("parts.heldout.requests", 1.5, "parts.heldout"),
+    ("heldout_every", 0, "heldout_every"), ("tokenizer_sha256", [], "tokenizer_sha256"),
+])
+def test_a_profile_header_field_of_the_wrong_type_is_named(small_profile, fp8_checkpoint, tmp_path, out_dir,
+                                                           runner, field, value, named):
+    profile = _with_header(small_profile, tmp_path / "bad.prof", field, value)
+    message = f"{profile}: corrupt profile (header field {named} must be"
+    refused(runner.invoke(cli, convert_args(fp8_checkpoint, out_dir / "t.bin", "--profile", str(profile))),
+            message, out_dir)
+    refused(runner.invoke(cli, ["profile", "merge", str(profile), str(small_profile), "-o",
+                                str(out_dir / "m.prof"), "--quiet"]), message, out_dir)
 
 
 @pytest.mark.parametrize("template, message", [
@@ -520,6 +568,37 @@ def test_a_profile_never_replaces_a_checkpoint_file_even_with_force(checkpoint, 
     for force in ([], ["--force"]):
         assert runner.invoke(cli, ["profile", "--model", str(checkpoint), "--prompts", str(prompt),
                                    "--out", str(profile), "--quiet", *force]).exit_code == 0
+
+
+def test_an_output_that_is_a_fifo_is_never_replaced_even_with_force(fp8_checkpoint, fp8_table, tmp_path, runner):
+    prompt, profile, folder = tmp_path / "doc.txt", tmp_path / "p.prof", tmp_path / "out"
+    prompt.write_text("alpha beta gamma delta")
+    assert runner.invoke(cli, ["profile", "--model", str(fp8_checkpoint), "--prompts", str(prompt),
+                               "--out", str(profile), "--quiet"]).exit_code == 0
+    folder.mkdir()
+    fifo = folder / "x"
+    os.mkfifo(fifo)
+    for args in (convert_args(fp8_checkpoint, fifo, "--force"),
+                 ["profile", "--model", str(fp8_checkpoint), "--prompts", str(prompt), "--out", str(fifo),
+                  "--force", "--quiet"],
+                 ["profile", "merge", str(profile), "-o", str(fifo), "--force", "--quiet"]):
+        refused(runner.invoke(cli, args), f"{fifo} is a FIFO, not a regular file", folder, ("x",))
+        assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_pagesums_refuses_a_fifo_or_a_folder_in_place_of_its_output(fp8_table, out_dir, runner):
+    table = out_dir / "t.bin"
+    shutil.copyfile(fp8_table, table)
+    shutil.copyfile(manifest_path(fp8_table), manifest_path(table))
+    sums = out_dir / "t.bin.pagesums"
+    os.mkfifo(sums)
+    refused(runner.invoke(cli, ["pagesums", str(table), "-q"]), f"{sums} is a FIFO, not a regular file",
+            out_dir, ("t.bin", "t.bin.json", "t.bin.pagesums"))
+    assert stat.S_ISFIFO(os.lstat(sums).st_mode)
+    sums.unlink()
+    sums.mkdir()
+    refused(runner.invoke(cli, ["pagesums", str(table), "-q"]), f"{sums} is a folder",
+            out_dir, ("t.bin", "t.bin.json", "t.bin.pagesums"))
 
 
 def test_a_profile_output_that_is_a_folder_is_refused_before_any_work(fp8_checkpoint, tmp_path, runner,

@@ -3,6 +3,7 @@ really writes, and refuses broken ones; the reader's check at open agrees with i
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,8 +12,10 @@ import numpy as np
 import pytest
 
 from ple_prep.cli import cli
+from ple_prep.converters import open_source
 from ple_prep.core.errors import BadInput
 from ple_prep.format.manifest import SCHEMA_PATH, manifest_path, validate_manifest, validate_with_schema
+from ple_prep.offline.writer import convert
 from ple_prep.tools.fixtures import FIXTURE_ROWS, make_gguf
 
 SCHEMA = json.loads(SCHEMA_PATH.read_text())
@@ -152,3 +155,11 @@ def test_manifest_schema_gguf_type_must_match_encoding(manifests):
     manifest["ggml_type"] = None
     assert not VALIDATOR.is_valid(manifest)
 
+
+
+def test_convert_never_publishes_a_manifest_the_schema_refuses(fp8_checkpoint, tmp_path):
+    with open_source(fp8_checkpoint) as source:
+        source.spec = dataclasses.replace(source.spec, vocab_size=0)
+        with pytest.raises(BadInput, match="t.bin.json does not match the manifest schema: ngram.vocab_size"):
+            convert(source, tmp_path / "t.bin")
+    assert list(tmp_path.iterdir()) == []

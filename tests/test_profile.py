@@ -181,6 +181,12 @@ def test_profile_heldout_is_about_a_tenth_and_by_content():
     ("keys.jsonl", '{"other": 1}\n', "expected a string 'text'"),
     ("ids.jsonl", '{"token_ids": [1, "a"]}\n', "token_ids must be a list of integers"),
     ("range.jsonl", '{"token_ids": [1, 248320]}\n', "token ids must be in [0, 248320)"),
+    ("huge.jsonl", '{"text": "ok"}\n{"token_ids": [99999999999999999999999]}\n',
+     "huge.jsonl:2: token ids must be in [0, 248320)"),
+    ("surrogate.jsonl", '{"text": "\\ud800"}\n', "surrogate.jsonl:1: text must be valid Unicode"),
+    ("prompt.jsonl", '{"prompt": "a \\udfff b"}\n', "prompt.jsonl:1: text must be valid Unicode"),
+    ("chat-surrogate.jsonl", '{"messages": [{"role": "user", "content": "hi \\ud800"}]}\n',
+     "chat-surrogate.jsonl:1: text must be valid Unicode"),
     ("chat.jsonl", '{"messages": "hi"}\n', "messages must be a list"),
     ("latin.txt", b"\xff\xfe bad", "is not UTF-8"),
 ])

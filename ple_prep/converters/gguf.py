@@ -81,7 +81,7 @@ def spec_from_metadata(metadata: dict[str, Any], arch: str = GGUF_ARCHITECTURE,
 
     The stored multipliers, head sizes and offsets are the hash; everything else is checked
     against them: lengths, offsets as running sums from 0, head sizes as consecutive primes,
-    and (given the vocabulary size) the multipliers the seed derives. GGUF keeps no
+    and the multipliers the seed derives from the vocabulary size. GGUF keeps no
     `ngram_vocab_size_base`; the first head size stands in for it (it gives the same primes).
     """
     prefix = f"{arch}.ple."
@@ -93,11 +93,13 @@ def spec_from_metadata(metadata: dict[str, Any], arch: str = GGUF_ARCHITECTURE,
     missing = [key for name, key in keys.items() if name != "vocab_size" and key not in metadata]
     if missing:
         raise BadInput(f"GGUF metadata lacks {', '.join(missing)}: not a {arch} n-gram PLE model")
-    values = {name: metadata.get(key) for name, key in keys.items()}
+    if keys["vocab_size"] not in metadata:
+        # The manifest records the vocabulary size, and the multipliers are checked against it.
+        raise BadInput(f"GGUF metadata lacks {keys['vocab_size']} (and tokenizer.ggml.tokens, whose "
+                       f"count stands in for it): the vocabulary size is unknown")
+    values = {name: metadata[key] for name, key in keys.items()}
     values["seed"] = metadata.get(prefix + "seed", DEFAULT_SEED)
-    integers = all(type(v) is int for n, v in values.items()
-                   if n not in ("multipliers", "offsets", "sizes")
-                   and not (n == "vocab_size" and v is None))
+    integers = all(type(v) is int for n, v in values.items() if n not in ("multipliers", "offsets", "sizes"))
     lists = all(isinstance(values[n], (list, tuple)) and all(type(v) is int for v in values[n])
                 for n in ("multipliers", "offsets", "sizes"))
     if not (integers and lists):
@@ -122,17 +124,16 @@ def spec_from_metadata(metadata: dict[str, Any], arch: str = GGUF_ARCHITECTURE,
     if sizes[0] < 2 or tuple(primes_from(sizes[0], heads)) != sizes:
         raise BadInput(f"GGUF metadata head sizes {list(sizes)} are not consecutive primes")
     vocab_size, seed = values["vocab_size"], values["seed"]
-    if vocab_size is not None:
-        derived = NgramSpec.derive(
-            vocab_size=vocab_size, eos_token_id=values["eos"], ngram_size=ngram_size,
-            heads_per_ngram=heads_per_ngram, seed=seed, ngram_vocab_size_base=sizes[0],
-            make_ngram_vocab_size_divisible_by=divisible_by, ple_embed_dim=values["row_values"] * heads,
-            where="GGUF metadata")
-        if derived.multipliers != multipliers:
-            raise BadInput(f"GGUF metadata multipliers {list(multipliers)} disagree with "
-                           f"{list(derived.multipliers)}, derived from vocab_size {vocab_size} "
-                           f"and seed {seed}")
-    return NgramSpec(vocab_size or 0, values["eos"], ngram_size, heads_per_ngram, seed, 0,
+    derived = NgramSpec.derive(
+        vocab_size=vocab_size, eos_token_id=values["eos"], ngram_size=ngram_size,
+        heads_per_ngram=heads_per_ngram, seed=seed, ngram_vocab_size_base=sizes[0],
+        make_ngram_vocab_size_divisible_by=divisible_by, ple_embed_dim=values["row_values"] * heads,
+        where="GGUF metadata")
+    if derived.multipliers != multipliers:
+        raise BadInput(f"GGUF metadata multipliers {list(multipliers)} disagree with "
+                       f"{list(derived.multipliers)}, derived from vocab_size {vocab_size} "
+                       f"and seed {seed}")
+    return NgramSpec(vocab_size, values["eos"], ngram_size, heads_per_ngram, seed, 0,
                      values["row_values"] * heads, sizes[0], divisible_by, multipliers, sizes, offsets)
 
 

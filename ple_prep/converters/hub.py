@@ -88,11 +88,23 @@ def _cached_models(cache: Path) -> dict[str, Path]:
 
     The hub names a repo's folder `models--OWNER--NAME`; listing names is one directory read,
     where `scan_cache_dir` would stat every file of every repo (about a second for 20,000 files).
+    A folder whose name is no repo id the hub accepts (`models--a--b--c`, `..` in a name) is no
+    download of the hub's, and is skipped.
     """
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
     if not cache.is_dir():
         return {}
-    return {entry.name[len("models--"):].replace("--", "/"): entry for entry in cache.iterdir()
-            if entry.name.startswith("models--") and entry.is_dir()}
+    repos = {}
+    for entry in cache.iterdir():
+        if entry.name.startswith("models--") and entry.is_dir():
+            repo_id = entry.name[len("models--"):].replace("--", "/")
+            try:
+                validate_repo_id(repo_id)
+            except HFValidationError:
+                continue
+            repos[repo_id] = entry
+    return repos
 
 
 def _name_part(repo_id: str) -> str:

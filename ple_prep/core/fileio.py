@@ -224,7 +224,8 @@ def check_output(out: Path, *, force: bool, inputs: Iterable[Path] = (), protect
                  replaceable: Callable[[Path], bool] = lambda path: False, what: str = "command",
                  option: str = "--out") -> None:
     """BadInput unless `out` may be written: its folder exists, it is not a folder, it is not (the
-    same file as) one of `inputs`, and an existing file is replaced only with `force`.
+    same file as) one of `inputs`, and an existing file is replaced only with `force`. Anything else
+    there (a FIFO, a device, a socket) is never replaced; a symlink is (the link, not its target).
 
     Outputs never replace inputs, `force` or not; nor does one replace a file of `protected_folder`
     (a checkpoint's folder) unless `replaceable` says ple-prep wrote it. Call this before any
@@ -237,6 +238,9 @@ def check_output(out: Path, *, force: bool, inputs: Iterable[Path] = (), protect
         raise BadInput(f"{out} is a folder; give a file name")
     if not os.path.lexists(out):
         return
+    mode = os.lstat(out).st_mode
+    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+        raise BadInput(f"{out} is {_kind(mode)}, not a regular file: ple-prep never replaces one")
     for path in inputs:
         if os.path.exists(path) and os.path.exists(out) and os.path.samefile(out, path):
             raise BadInput(f"{out} is {path}, an input of this {what}: choose another {option}")

@@ -1,11 +1,11 @@
 """The sidecar manifest `<table>.json` (docs/FORMAT.md). Standard library only.
 
 Its JSON Schema, `manifest.schema.json` beside this module, is the one description of the format:
-`validate_with_schema` checks a manifest against all of it (verify and inspect do, with the
-`jsonschema` package), and the reader's check at open (`validate_manifest`) is a subset of it that
-takes its required keys, enumerations and patterns from the same file, so the two cannot disagree
-on those; tests/test_manifest_schema.py holds the subset to the schema on every manifest convert
-writes and on every broken one it lists.
+`validate_with_schema` checks a manifest against all of it (`write_manifest` before writing one,
+verify and inspect too, with the `jsonschema` package), and the reader's check at open
+(`validate_manifest`) is a subset of it that takes its required keys, enumerations and patterns
+from the same file, so the two cannot disagree on those; tests/test_manifest_schema.py holds the
+subset to the schema on every manifest convert writes and on every broken one it lists.
 """
 from __future__ import annotations
 
@@ -231,8 +231,11 @@ def _validate_tensor_parallel(manifest: dict[str, Any], name: str) -> None:
 
 
 def write_manifest(manifest: dict[str, Any], final: Path, token: str | None = None) -> Path:
-    """Write the manifest of `final` to a new temporary file (fsynced); the caller publishes it."""
+    """Write the manifest of `final` to a new temporary file (fsynced); the caller publishes it.
+    BadInput, and nothing written, when the manifest does not match the schema."""
     data = json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n"
+    # What is checked is what readers will parse (the dict holds tuples, which JSON makes arrays).
+    validate_with_schema(json.loads(data), final.name)
     with partial_output(final, token) as (handle, temporary):
         handle.write(data)
     return temporary

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..core.constants import HEADER_SIZE
 from ..core.errors import BadInput
-from ..core.fileio import open_regular, read_exactly, write_atomic
+from ..core.fileio import check_output, open_regular, read_exactly, write_atomic
 from ..format.header import Header
 from ..format.manifest import load_table_manifest
 from ..format.pagesums import pack, page_sums, pagesums_path
@@ -23,9 +23,12 @@ READ_BYTES = 8 << 20
 
 
 def write_page_sums(table_path: str | Path, progress: Callable[[int], None] = lambda _: None) -> Path:
-    """The page-sums file of the table at `table_path`, written beside it (replacing an older one)."""
+    """The page-sums file of the table at `table_path`, written beside it (replacing an older one;
+    a folder, FIFO or device there is refused before the table is read)."""
     table_path = Path(table_path)
     manifest = load_table_manifest(table_path)
+    out = pagesums_path(table_path)
+    check_output(out, force=True)
     checksums = manifest["checksums"]
     block_bytes = checksums["block_bytes"]
     descriptor = open_regular(table_path, "table")
@@ -54,6 +57,5 @@ def write_page_sums(table_path: str | Path, progress: Callable[[int], None] = la
                                f"manifest's crc32: the file is damaged; no page sums written (run ple-prep verify)")
     finally:
         os.close(descriptor)
-    out = pagesums_path(table_path)
     write_atomic(out, pack(header, sums))
     return out

@@ -14,8 +14,10 @@ and the header's `arrays` names the .npy records in order. For each part P (trai
     P.group_counts.N  uint64, tokens that read each group
     P.rows            int64, sorted distinct global rows read
     P.row_counts      uint64, tokens that read each row
-The header also holds the hash spec, the tokenizer's sha256, the token and request counts per part,
-and each input file (name, bytes, sha256, requests, tokens).
+The header also holds the hash spec (`NgramSpec.to_json`), the model's name, the tokenizer's sha256
+(or null), `heldout_every` (at least 1), the request and token counts per part, and each input file
+(name, bytes, sha256 or null, requests, tokens); counts are non-negative integers, and a reader
+refuses a header that breaks any of this, naming the field.
 """
 from __future__ import annotations
 
@@ -691,6 +693,7 @@ def _from_parts(header: Any, arrays: dict[str, np.ndarray | None], path: Path,
         raise BadInput(f"{path} is not a ple-prep profile")
     if header.get("version") != PROFILE_VERSION:
         raise BadInput(f"{path}: profile version {header.get('version')} is not {PROFILE_VERSION}")
+    _check_header_fields(header, path)
     try:
         spec = NgramSpec.from_json(header["spec"])
         parts = {}
@@ -705,9 +708,39 @@ def _from_parts(header: Any, arrays: dict[str, np.ndarray | None], path: Path,
                         or keys.ndim != 1 or np.any(keys[1:] <= keys[:-1])):
                     raise BadInput(f"{path}: corrupt profile (groups of order {order})")
                 groups[order] = (keys, counts)
-            parts[part] = PartCounts(int(header["parts"][part]["requests"]),
-                                     int(header["parts"][part]["tokens"]), groups)
-        return Profile(spec, header["tokenizer_sha256"], str(header["model"]), list(header["inputs"]),
-                       parts, int(header["heldout_every"]))
+            parts[part] = PartCounts(header["parts"][part]["requests"], header["parts"][part]["tokens"], groups)
+        return Profile(spec, header["tokenizer_sha256"], header["model"], header["inputs"], parts,
+                       header["heldout_every"])
     except (KeyError, TypeError, ValueError) as exc:
         raise BadInput(f"{path}: corrupt profile ({exc})") from None
+
+
+def _check_header_fields(header: dict[str, Any], path: Path) -> None:
+    """The header's fields as `save_profile` writes them; BadInput naming the first that is not."""
+    def count(value: Any) -> bool:
+        return type(value) is int and value >= 0
+
+    def text_or_null(entry: dict[str, Any], key: str) -> bool:
+        return key in entry and (entry[key] is None or isinstance(entry[key], str))
+
+    spec, inputs, parts = header.get("spec"), header.get("inputs"), header.get("parts")
+    lists = ("multipliers", "head_sizes", "head_offsets")
+    fields = [
+        ("spec", isinstance(spec, dict) and all(
+            isinstance(spec.get(name), list) and all(type(v) is int for v in spec[name]) if name in lists
+            else type(spec.get(name)) is int for name in (f.name for f in dataclasses.fields(NgramSpec))),
+         "an object of the hash's integers"),
+        ("model", isinstance(header.get("model"), str), "a string"),
+        ("tokenizer_sha256", text_or_null(header, "tokenizer_sha256"), "a string or null"),
+        ("heldout_every", type(header.get("heldout_every")) is int and header["heldout_every"] >= 1,
+         "a positive integer"),
+        ("inputs", isinstance(inputs, list) and all(
+            isinstance(entry, dict) and isinstance(entry.get("name"), str) and text_or_null(entry, "sha256")
+            and all(count(entry.get(key)) for key in ("bytes", "requests", "tokens")) for entry in inputs),
+         "a list of {name, sha256 (or null), bytes, requests, tokens}, the counts non-negative integers"),
+    ] + [(f"parts.{part}", isinstance(parts, dict) and isinstance(parts.get(part), dict)
+          and all(count(parts[part].get(key)) for key in ("requests", "tokens")),
+          "{requests, tokens}, non-negative integers") for part in PARTS]
+    for name, ok, expected in fields:
+        if not ok:
+            raise BadInput(f"{path}: corrupt profile (header field {name} must be {expected})")

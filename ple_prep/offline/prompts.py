@@ -171,14 +171,17 @@ class PromptReader:
                     if not isinstance(ids, list) or not all(
                             isinstance(i, int) and not isinstance(i, bool) for i in ids):
                         raise BadInput(f"{where}: token_ids must be a list of integers")
+                    if ids:
+                        # Before int64 holds them: JSON integers have no bound.
+                        self._check_range(min(ids), max(ids), where)
                     yield where, np.array(ids, dtype=np.int64)
                 elif isinstance(record.get("text"), str):
-                    yield where, _Text(record["text"], True)
+                    yield where, _unicode_text(record["text"], True, where)
                 elif isinstance(record.get("prompt"), str):
-                    yield where, _Text(record["prompt"], True)
+                    yield where, _unicode_text(record["prompt"], True, where)
                 elif "messages" in record:
                     # Rendered text already holds the template's special tokens.
-                    yield where, _Text(self.render_chat(record["messages"], where), False)
+                    yield where, _unicode_text(self.render_chat(record["messages"], where), False, where)
                 else:
                     raise BadInput(f"{where}: expected a string 'text' or 'prompt', chat "
                                    f"'messages', or 'token_ids'")
@@ -243,10 +246,23 @@ class PromptReader:
 
     def _checked(self, tokens: np.ndarray, where: str) -> np.ndarray:
         tokens = np.asarray(tokens).astype(np.int64, copy=False)
-        if len(tokens) and (tokens.min() < 0 or tokens.max() >= self.spec.vocab_size):
-            raise BadInput(f"{where}: token ids must be in [0, {self.spec.vocab_size}); "
-                           f"found {int(tokens.min())}..{int(tokens.max())}")
+        if len(tokens):
+            self._check_range(int(tokens.min()), int(tokens.max()), where)
         return tokens
+
+    def _check_range(self, low: int, high: int, where: str) -> None:
+        if low < 0 or high >= self.spec.vocab_size:
+            raise BadInput(f"{where}: token ids must be in [0, {self.spec.vocab_size}); found {low}..{high}")
+
+
+def _unicode_text(text: str, add_special_tokens: bool, where: str) -> _Text:
+    """A text for the tokenizer, which takes valid Unicode only: JSON can spell a lone surrogate
+    ("\\ud800"), which no UTF-8 holds."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise BadInput(f"{where}: text must be valid Unicode, encodable as UTF-8 ({exc.reason})") from None
+    return _Text(text, add_special_tokens)
 
 
 def _ignore(data: bytes) -> None:

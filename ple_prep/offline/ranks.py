@@ -13,7 +13,7 @@ from ..converters.base import TableSource
 from ..core.errors import BadInput
 from ..format.header import Header
 from ..format.layout import TableLayout
-from .writer import RowRange, WriteOptions, check_free_space, convert
+from .writer import RowRange, WriteOptions, check_convertible, check_free_space, convert
 
 
 def rank_rows(total_rows: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
@@ -41,8 +41,8 @@ def convert_ranks(source: TableSource, out: str | Path, tp_size: int,
     """Write one prepared file per rank in `tp_ranks` (all ranks by default); returns (path, manifest).
 
     `layout_for(first_row, num_rows)`, when given, returns a rank's layout
-    (`offline.planner.plan_for_source`). Every rank file is atomic on its own; free space for all
-    of them is checked before the first.
+    (`offline.planner.plan_for_source`). Every rank's outputs, and free space for all of them, are
+    checked before the first is written; each rank file is atomic on its own, published when done.
     """
     options = options or WriteOptions()
     # Checked before listing the ranks: --tp-size 2**62 must be refused, not allocated.
@@ -50,16 +50,17 @@ def convert_ranks(source: TableSource, out: str | Path, tp_size: int,
     ranks = list(range(tp_size)) if tp_ranks is None else list(tp_ranks)
     ranges = [rank_rows(source.num_rows, tp_size, rank) for rank in ranks]
     out = Path(out)
-    if out.parent.is_dir():
-        sizes = [Header.for_table(page_size=options.page_size, row_bytes=source.row_bytes,
-                                  encoding=source.encoding, values_per_row=source.values_per_row,
-                                  num_rows=num_rows, first_row=first_row, num_placed=0,
-                                  file_id=bytes(16)).file_size
-                 for first_row, num_rows in ranges]
-        check_free_space(out.parent, sum(sizes))
+    paths = [rank_path(out, rank, tp_size) for rank in ranks]
+    for path in paths:
+        check_convertible(source, path, options)
+    sizes = [Header.for_table(page_size=options.page_size, row_bytes=source.row_bytes,
+                              encoding=source.encoding, values_per_row=source.values_per_row,
+                              num_rows=num_rows, first_row=first_row, num_placed=0,
+                              file_id=bytes(16)).file_size
+             for first_row, num_rows in ranges]
+    check_free_space(out.parent, sum(sizes))
     written = []
-    for rank, (first_row, num_rows) in zip(ranks, ranges):
-        path = rank_path(out, rank, tp_size)
+    for rank, path, (first_row, num_rows) in zip(ranks, paths, ranges):
         layout = layout_for(first_row, num_rows) if layout_for is not None else None
         manifest = convert(source, path, options, layout=layout, progress=progress,
                            rows=RowRange(first_row, num_rows, tp_rank=rank, tp_size=tp_size))

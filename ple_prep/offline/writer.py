@@ -311,6 +311,13 @@ def check_outputs(source: TableSource, targets: tuple[Path, ...]) -> None:
                      replaceable=_is_ple_prep_output, what="conversion")
 
 
+def check_convertible(source: TableSource, out: Path, options: WriteOptions) -> None:
+    """What `convert` refuses about `out` and its manifest, checked without writing anything: for
+    a caller that writes several tables and must refuse before the first (convert checks again)."""
+    check_outputs(source, (out, manifest_path(out)))
+    _check_replaceable(out, manifest_path(out), options)
+
+
 def _convert_locked(source: TableSource, out: Path, manifest_out: Path, options: WriteOptions,
                     layout: TableLayout | None, rows: RowRange,
                     progress: Callable[[int], None] | None, head: tuple[Any, int] | None) -> dict[str, Any]:

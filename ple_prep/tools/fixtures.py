@@ -159,6 +159,9 @@ def make_fixture(out: str | Path, variant: str = "fp8", *, force: bool = False, 
     variants (a folder with both GGUF and safetensors files is one convert refuses) and a refused
     or failed run leaves nothing behind.
     """
+    if type(seed) is not int or seed < 0:
+        # numpy's generators take no negative seed.
+        raise BadInput(f"the fixture seed must be a non-negative integer, not {seed!r}")
     out = Path(out)
     if os.path.lexists(out):
         if not out.is_dir() or out.is_symlink():
