@@ -241,6 +241,12 @@ def virtual_bytes() -> int:
     raise AssertionError("no VmSize in /proc/self/status")
 
 
+@pytest.mark.parametrize("max_ids", [0, steps.MAX_IDS])
+def test_a_lookup_of_more_ids_than_its_reads_can_rank_is_refused_by_name(table, max_ids):
+    with pytest.raises(ValueError, match=f"max_ids must be from 1 to {steps.MAX_IDS - 1}"):
+        steps.StepLookup(table, device="cpu", max_ids=max_ids)
+
+
 def test_bad_calls_are_refused(table):
     lookup = steps.StepLookup(table, device="cpu", max_ids=32)
     try:

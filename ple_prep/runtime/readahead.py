@@ -256,6 +256,9 @@ class CachedDiskTier:
         except OSError:
             os.close(descriptor)
             return None
+        except BaseException:
+            os.close(descriptor)
+            raise
 
     def cancelled(self, job: ReadAhead) -> None:
         with self._wake:

@@ -79,6 +79,8 @@ READ_DEPTH = 512
 # more through the side stream and the copy engine, beside the work before the finish: from 256 ids
 # the kernels' step is 1-3% slower (BENCHMARKS.md, "Serving inside vLLM's CUDA graphs").
 KERNEL_MAX_IDS = 64
+# Bound of a step's ids (with its one staging row more, under runtime/native/disk_reads.c's RANK_BITS).
+MAX_IDS = (1 << 24) - 1
 
 
 class StepLookup:
@@ -89,8 +91,8 @@ class StepLookup:
         if _native is None:
             raise RuntimeError("StepLookup needs the compiled runtime helper (runtime/native/): reinstall "
                                "ple-prep where a C compiler is present")
-        if max_ids < 1:
-            raise ValueError("max_ids must be >= 1")
+        if not 1 <= max_ids < MAX_IDS:
+            raise ValueError(f"max_ids must be from 1 to {MAX_IDS - 1}")
         self.capacity = int(max_ids)
         self.table = table
         # A cold read that makes no progress this long fails its step: the table's disk-tier
