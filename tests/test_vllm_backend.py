@@ -1,6 +1,9 @@
 """The vLLM plugin's core without vLLM: table checks, the default budget and the split lookup (CPU)."""
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -70,6 +73,31 @@ def test_an_error_of_the_started_lookup_surfaces_at_finish_and_at_every_later_ca
             with pytest.raises(IndexError, match=f"row id {FIXTURE_ROWS} is outside"):
                 rows.check()
         assert isinstance(rows.pending_error(), IndexError)
+
+
+def test_a_failed_steps_error_taken_by_one_thread_is_raised_to_another(fp8_table):
+    """The worker's thread takes a failed step's error from the lookup while vLLM's output thread
+    checks the step's output: that check raises too, never passes in between."""
+    with open_table(fp8_table) as table:
+        rows = PrefetchedRows(table, device="cpu", resident_bytes=0, max_tokens=4, heads=16)
+        if not rows.graph_safe:
+            pytest.skip("needs the compiled helper")
+        taken = threading.Event()
+
+        def taking_slowly():  # the lookup hands its error out once, then builds it
+            taken.set()
+            time.sleep(0.2)
+            raise OSError(5, "Input/output error")
+
+        rows.source.check = taking_slowly
+        worker = threading.Thread(target=lambda: pytest.raises(OSError, rows.check))
+        worker.start()
+        taken.wait(10)
+        rows.source.check = lambda: None  # taken: the lookup has nothing left to hand out
+        with pytest.raises(OSError, match="Input/output error"):
+            rows.check()
+        worker.join()
+        rows.close()
 
 
 def test_too_many_tokens_are_refused_at_start(fp8_table):

@@ -99,8 +99,8 @@ def test_the_v2_runners_steps_feed_the_schedule_but_its_dummy_runs_do_not(served
 def test_vllms_warmup_requests_are_neither_read_ahead_nor_recorded(served, tmp_path):
     traffic.serve(served, 0, Settings("/t.bin", record_profile=str(tmp_path / "served.prof")), record=True)
     tokens = list(range(200))
-    traffic.on_schedule(Schedule([NewRequest("_warmup_0_", tokens), NewRequest("_v2_mixed_warmup_prefill_", tokens)],
-                                 {"_warmup_0_": 10, "_v2_mixed_warmup_prefill_": 10}))
+    warmups = ["_warmup_0_", "_v2_mixed_warmup_prefill_", "_step5_dsa_warmup_decode_", "_sparse_mla_v2_warmup_prefill_"]
+    traffic.on_schedule(Schedule([NewRequest(name, tokens) for name in warmups], dict.fromkeys(warmups, 10)))
     assert traffic._SERVED.worker is None and traffic._SERVED.jobs == {}
     assert traffic._SERVED.recorder.seen == 0
     traffic._SERVED.recorder.close()

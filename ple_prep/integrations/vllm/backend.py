@@ -9,6 +9,7 @@ the rows of vLLM's own ETP-sharded table do.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -107,6 +108,7 @@ class PrefetchedRows:
         self._whole = (first, stop) == (0, table.manifest["total_rows"])
         self._started: int | None = None
         self._failure: BaseException | None = None
+        self._taking = threading.Lock()
         self._owned: torch.Tensor | None = None
         # The last finish's values shaped (tokens, heads * values): a view made again only when the
         # count changes (every decode step of a batch has the same; a view costs microseconds).
@@ -130,11 +132,14 @@ class PrefetchedRows:
     def check(self) -> None:
         """Raise the error of a failed step (StepLookup.check), and from then on at every call;
         without the helper `finish` raises its errors itself."""
-        if self._failure is None and self.graph_safe:
-            try:
-                self.source.check()
-            except Exception as error:
-                self._failure = error
+        # Under the lock: the source hands its error out once, and a thread checking a step's output
+        # must not pass while the worker's thread is between taking it and keeping it (traffic.py).
+        with self._taking:
+            if self._failure is None and self.graph_safe:
+                try:
+                    self.source.check()
+                except Exception as error:
+                    self._failure = error
         if self._failure is not None:
             raise self._failure
 
@@ -165,14 +170,15 @@ class PrefetchedRows:
             self._owned = owned.view(-1, self.heads, 1)
             ids = ids.where(owned, first)
         # The source reads the ids in row-major order, any shape.
-        try:
-            if self.graph_safe:
-                self.source.start(ids, finish_in_same_graph=finish_in_same_graph)
-            else:
-                self.source.start(ids)
-        except Exception as error:
-            self._failure = error
-            raise
+        with self._taking:  # its check takes a failed step's error (as `check`)
+            try:
+                if self.graph_safe:
+                    self.source.start(ids, finish_in_same_graph=finish_in_same_graph)
+                else:
+                    self.source.start(ids)
+            except Exception as error:
+                self._failure = error
+                raise
         self._started = count
 
     def finish(self) -> torch.Tensor:

@@ -45,9 +45,9 @@ from ...runtime import TrafficRecorder
 
 logger = logging.getLogger(__name__)
 
-# The request ids of the steps vLLM's V2 runner runs to warm its kernels up before serving
-# (docs/SERVING.md, "Host cache and read-ahead"): no one's prompt, neither read ahead nor recorded.
-WARMUP_REQUEST_PREFIXES = ("_warmup_", "_v2_mixed_warmup")
+# The request ids of the steps vLLM 0.33.0 runs to warm its kernels up before serving (docs/SERVING.md,
+# "Host cache and read-ahead"): no one's prompt, neither read ahead nor recorded.
+WARMUP_REQUEST_PREFIXES = ("_warmup_", "_v2_mixed_warmup", "_step5_dsa_warmup", "_sparse_mla_v2_warmup")
 
 
 class _Served:
@@ -142,7 +142,7 @@ def on_schedule(scheduler_output: Any) -> None:
             continue
         if served.worker is None:
             served.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ple-prep-read-ahead-feed")
-        served.feeding.add(request.req_id)
+        served.feeding.add(request.req_id)  # before the feed thread can see it: no lock needed
         served.worker.submit(_read_ahead, request.req_id, np.asarray(tokens, dtype=np.int64), start, first)
 
 

@@ -79,8 +79,8 @@ READ_DEPTH = 512
 # more through the side stream and the copy engine, beside the work before the finish: from 256 ids
 # the kernels' step is 1-3% slower (BENCHMARKS.md, "Serving inside vLLM's CUDA graphs").
 KERNEL_MAX_IDS = 64
-# Bound of a step's ids (with its one staging row more, under runtime/native/disk_reads.c's RANK_BITS).
-MAX_IDS = (1 << 24) - 1
+# A step's ids at most: with its one staging row more, under runtime/native/disk_reads.c's RANK_BITS.
+MAX_IDS = (1 << 24) - 2
 
 
 class StepLookup:
@@ -91,8 +91,8 @@ class StepLookup:
         if _native is None:
             raise RuntimeError("StepLookup needs the compiled runtime helper (runtime/native/): reinstall "
                                "ple-prep where a C compiler is present")
-        if not 1 <= max_ids < MAX_IDS:
-            raise ValueError(f"max_ids must be from 1 to {MAX_IDS - 1}")
+        if not 1 <= max_ids <= MAX_IDS:
+            raise ValueError(f"max_ids must be from 1 to {MAX_IDS}")
         self.capacity = int(max_ids)
         self.table = table
         # A cold read that makes no progress this long fails its step: the table's disk-tier
@@ -165,6 +165,7 @@ class StepLookup:
                                              self._kernel_counters.data_ptr(), self.kernel_max_ids)
             buffers.index[:] = self._poison
         header = table.header
+        self.read_depth = capped_depth(READ_DEPTH, header.page_size)  # cold reads in flight at most
         self._descriptor = reopen_direct(table.descriptor)
         # The table's host cache (open_table's host_cache_bytes), which the thread reads and fills.
         tier = table.host_cache
@@ -173,7 +174,7 @@ class StepLookup:
         # timeout's reach): as the table's O_DIRECT reader found; else only a block file system's AIO is trusted.
         synchronous = getattr(table._gatherer.direct, "synchronous", not on_block_file_system(self._descriptor))
         disk = (self._descriptor, header.data_offset, header.data_offset + header.num_pages * header.page_size,
-                header.page_size, capped_depth(READ_DEPTH, header.page_size), self.read_timeout,
+                header.page_size, self.read_depth, self.read_timeout,
                 None if self.host_cache is None else self.host_cache.handle, synchronous)
         arguments = table._gatherer._stage_arguments(self.host_ids, table.order, table.first_row, self.num_resident,
                                                      self._slots, self._host_index, buffers.host_rows,
