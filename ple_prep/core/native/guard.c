@@ -58,9 +58,14 @@ void refuse_fault(const char *base, const char *address)
         ? PyUnicode_FromFormat("reading rows through the mapping failed at byte %lld of the file (an I/O error, "
                                "or the file shrank)", (long long)(address - base))
         : PyUnicode_FromString("reading rows through the mapping failed (an I/O error, or the file shrank)");
+    set_os_error(EIO, message);
+}
+
+void set_os_error(int error, PyObject *message)
+{
     if (!message)
         return;
-    PyObject *arguments = Py_BuildValue("(iN)", EIO, message);
+    PyObject *arguments = Py_BuildValue("(iN)", error, message);
     if (arguments) {
         PyErr_SetObject(PyExc_OSError, arguments);
         Py_DECREF(arguments);

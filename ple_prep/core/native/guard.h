@@ -27,5 +27,7 @@ int guard_faults(void);
 
 /* The error (OSError EIO) for a fault at `address` of a mapping starting at `base`. */
 void refuse_fault(const char *base, const char *address);
+/* OSError(error, message), taking the reference to `message` (NULL: the error already set). */
+void set_os_error(int error, PyObject *message);
 
 #endif

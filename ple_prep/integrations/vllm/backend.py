@@ -78,6 +78,25 @@ def default_resident_bytes(table: Table) -> int:
     return 0
 
 
+class _KeptFailure:
+    """Around a call of a PrefetchedRows' source: its error kept for every later `start` and `check`.
+    Under a lock: the source hands an error out once, and a thread checking a step's output must not
+    pass while the worker's thread is between taking it and keeping it (traffic.py). An object, not
+    a generator's context: it is entered at every start and finish."""
+
+    def __init__(self):
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if isinstance(error, Exception):
+            self.error = error
+        self._lock.release()
+
+
 class PrefetchedRows:
     """bf16 PLE values for (tokens, heads) row ids: `start(ids)` early, `finish()` where they are used.
 
@@ -107,8 +126,7 @@ class PrefetchedRows:
         # A rank's file holds its block only; other ids read a stand-in row that is then zeroed.
         self._whole = (first, stop) == (0, table.manifest["total_rows"])
         self._started: int | None = None
-        self._failure: BaseException | None = None
-        self._taking = threading.Lock()
+        self._failure = _KeptFailure()
         self._owned: torch.Tensor | None = None
         # The last finish's values shaped (tokens, heads * values): a view made again only when the
         # count changes (every decode step of a batch has the same; a view costs microseconds).
@@ -125,23 +143,18 @@ class PrefetchedRows:
 
     def pending_error(self) -> BaseException | None:
         """The error of a failed step: the one `check` raises (StepLookup.pending_error)."""
-        if self._failure is not None or not self.graph_safe:
-            return self._failure
+        if self._failure.error is not None or not self.graph_safe:
+            return self._failure.error
         return self.source.pending_error()
 
     def check(self) -> None:
         """Raise the error of a failed step (StepLookup.check), and from then on at every call;
         without the helper `finish` raises its errors itself."""
-        # Under the lock: the source hands its error out once, and a thread checking a step's output
-        # must not pass while the worker's thread is between taking it and keeping it (traffic.py).
-        with self._taking:
-            if self._failure is None and self.graph_safe:
-                try:
-                    self.source.check()
-                except Exception as error:
-                    self._failure = error
-        if self._failure is not None:
-            raise self._failure
+        if self._failure.error is None and self.graph_safe:
+            with self._failure:
+                self.source.check()
+        if self._failure.error is not None:
+            raise self._failure.error
 
     def close(self) -> None:
         self.source.close()
@@ -158,8 +171,8 @@ class PrefetchedRows:
         A start that was never finished (its forward pass failed before the PLE layer) is dropped.
         """
         self.source.drop()
-        if self._failure is not None:
-            raise self._failure
+        if self._failure.error is not None:
+            raise self._failure.error
         count = ids.numel()
         if count > self.source.capacity:
             raise ValueError(f"{count // self.heads} tokens exceed the {self.source.capacity // self.heads} "
@@ -170,15 +183,11 @@ class PrefetchedRows:
             self._owned = owned.view(-1, self.heads, 1)
             ids = ids.where(owned, first)
         # The source reads the ids in row-major order, any shape.
-        with self._taking:  # its check takes a failed step's error (as `check`)
-            try:
-                if self.graph_safe:
-                    self.source.start(ids, finish_in_same_graph=finish_in_same_graph)
-                else:
-                    self.source.start(ids)
-            except Exception as error:
-                self._failure = error
-                raise
+        with self._failure:  # its check takes a failed step's error (as `check`)
+            if self.graph_safe:
+                self.source.start(ids, finish_in_same_graph=finish_in_same_graph)
+            else:
+                self.source.start(ids)
         self._started = count
 
     def finish(self) -> torch.Tensor:
@@ -187,11 +196,8 @@ class PrefetchedRows:
         if self._started is None:
             raise RuntimeError("the PLE lookup was finished without a start")
         count, self._started = self._started, None
-        try:
+        with self._failure:
             values = self.source.finish()
-        except Exception as error:
-            self._failure = error
-            raise
         if self._shaped is None or len(self._shaped) * self.heads != count:
             self._shaped = values.view(count // self.heads, -1)
         values = self._shaped

@@ -208,9 +208,7 @@ class Settings:
 
     def table_path(self, rank: int, size: int) -> str:
         """This rank's table file, which must exist."""
-        where = self.origins.get("table", TABLE_VARIABLE)
-        path = parse_table(self.table, where).format(rank=rank, size=size)
-        named = self.table if path == self.table else f"{self.table} (rank {rank} of {size}: {path})"
+        where, path, named = self._rank_table(rank, size)
         if not os.path.exists(path):
             raise refuse(where, named, "no such file")
         if os.path.isdir(path):
@@ -219,12 +217,16 @@ class Settings:
 
     def refused_table(self, rank: int, size: int, error: Exception) -> BadInput:
         """The error of a table that `open_table` refused, naming the settings it was opened with."""
-        where = self.origins.get("table", TABLE_VARIABLE)
-        path = self.table.format(rank=rank, size=size)
-        named = self.table if path == self.table else f"{self.table} (rank {rank} of {size}: {path})"
+        where, _path, named = self._rank_table(rank, size)
         options = [self.origins[name] for name in OPEN_OPTIONS if getattr(self, name) is not None]
         opened = f" (opened with {', '.join(options)})" if options else ""
         return refuse(where, named, f"{error}{opened}")
+
+    def _rank_table(self, rank: int, size: int) -> tuple[str, str, str]:
+        """Where the table was set, this rank's file, and the value as a message shows it."""
+        where = self.origins.get("table", TABLE_VARIABLE)
+        path = parse_table(self.table, where).format(rank=rank, size=size)
+        return where, path, self.table if path == self.table else f"{self.table} (rank {rank} of {size}: {path})"
 
 
 def read_settings(additional_config: Mapping[str, Any] | None, environ: Mapping[str, str]) -> Settings | None:

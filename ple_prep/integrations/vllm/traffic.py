@@ -183,27 +183,8 @@ def install(module: Any) -> None:
     """Make the `GPUModelRunner` of one of vLLM's runner modules call `on_schedule` first (once):
     the V1 runner's `_update_states`, else the V2 runner's `execute_model` but for dummy runs."""
     runner = getattr(module, "GPUModelRunner", None)
-    update = getattr(runner, "_update_states", None)
-    if update is not None:
-        if not getattr(update, "ple_prep_feed", False):
-            def _update_states(self, scheduler_output, *args, **kwargs):
-                on_schedule(scheduler_output)
-                return update(self, scheduler_output, *args, **kwargs)
-
-            _update_states.ple_prep_feed = True
-            runner._update_states = _update_states
-        return
-    execute = getattr(runner, "execute_model", None)
-    if execute is None or getattr(execute, "ple_prep_feed", False):
-        return
-
-    def execute_model(self, scheduler_output, *args, dummy_run: bool = False, **kwargs):
-        if not dummy_run:
-            on_schedule(scheduler_output)
-        return execute(self, scheduler_output, *args, dummy_run=dummy_run, **kwargs)
-
-    execute_model.ple_prep_feed = True
-    runner.execute_model = execute_model
+    if not _wrap_once(runner, "_update_states", _feeding_updates, "ple_prep_feed"):
+        _wrap_once(runner, "execute_model", _feeding_steps, "ple_prep_feed")
 
 
 def install_output_check(module: Any) -> None:
@@ -211,15 +192,38 @@ def install_output_check(module: Any) -> None:
     `raise_failed_lookups` (once): at once for an output already on the host, for an asynchronous
     one when its `get_output` has it."""
     worker = getattr(module, "Worker", None)
-    if worker is None:
-        return
     for name in ("execute_model", "sample_tokens"):
-        method = getattr(worker, name, None)
-        if method is None or getattr(method, "ple_prep_checked", False):
-            continue
-        checked = _checking_outputs(method)
-        checked.ple_prep_checked = True
-        setattr(worker, name, checked)
+        _wrap_once(worker, name, _checking_outputs, "ple_prep_checked")
+
+
+def _wrap_once(owner: Any, name: str, wrapper_of, mark: str) -> bool:
+    """Replace `owner.name` by `wrapper_of(owner.name)`, marked `mark`, unless it is marked already;
+    whether `owner` has that method."""
+    method = getattr(owner, name, None)
+    if method is None:
+        return False
+    if not getattr(method, mark, False):
+        wrapper = wrapper_of(method)
+        setattr(wrapper, mark, True)
+        setattr(owner, name, wrapper)
+    return True
+
+
+def _feeding_updates(update):
+    def _update_states(self, scheduler_output, *args, **kwargs):
+        on_schedule(scheduler_output)
+        return update(self, scheduler_output, *args, **kwargs)
+
+    return _update_states
+
+
+def _feeding_steps(execute):
+    def execute_model(self, scheduler_output, *args, dummy_run: bool = False, **kwargs):
+        if not dummy_run:
+            on_schedule(scheduler_output)
+        return execute(self, scheduler_output, *args, dummy_run=dummy_run, **kwargs)
+
+    return execute_model
 
 
 def _checking_outputs(method):

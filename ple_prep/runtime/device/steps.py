@@ -74,7 +74,6 @@ HOST_WAIT_SECONDS = 120.0
 # keeps: at 64 a cold chunk was well behind the eager path (BENCHMARKS.md, "Serving inside vLLM's
 # CUDA graphs").
 READ_DEPTH = 512
-
 # Up to this many ids (4 tokens) a step goes through the step kernels (runtime/native/step_kernels.cu),
 # more through the side stream and the copy engine, beside the work before the finish: from 256 ids
 # the kernels' step is 1-3% slower (BENCHMARKS.md, "Serving inside vLLM's CUDA graphs").

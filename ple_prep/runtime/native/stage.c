@@ -263,15 +263,9 @@ PyObject *finish_stage(stage_call *call)
     else if (call->staged && part < request->parts)
         PyErr_SetString(PyExc_RuntimeError, "stage: the slots buffer changed while the rows were copied "
                         "(another thread wrote it); nothing was staged");
-    else if (call->probe_error) {
-        PyObject *error = Py_BuildValue("(iN)", call->probe_error,
-                                        PyUnicode_FromFormat("mincore failed on the table's mapping (%s)",
+    else if (call->probe_error)
+        set_os_error(call->probe_error, PyUnicode_FromFormat("mincore failed on the table's mapping (%s)",
                                                              strerror(call->probe_error)));
-        if (error) {
-            PyErr_SetObject(PyExc_OSError, error);
-            Py_DECREF(error);
-        }
-    }
     else if (call->bad >= 0)
         refuse_row_id(call->request.id[call->bad], call->first_row, call->num_rows);
     else if (call->disk > call->out_rows)
