@@ -175,6 +175,32 @@ def test_a_lookup_on_a_file_system_whose_reads_complete_inside_io_submit_opens_w
     assert recovered
 
 
+def test_a_failing_page_cache_probe_raises_its_errno_and_names_the_table(fp8_table, tmp_path):
+    """mincore failing (here by a preloaded stand-in returning ENOMEM) under the device source's
+    lookup: an OSError with that errno, naming the table and what failed."""
+    pytest.importorskip("torch")
+    from ple_prep.runtime.device import steps
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if steps._native is None or compiler is None:
+        pytest.skip("needs the compiled helper and a C compiler")
+    shim = tmp_path / "failing_mincore.c"
+    shim.write_text("#include <errno.h>\n#include <stddef.h>\n"
+                    "int mincore(void *a, size_t n, unsigned char *v) { (void)a; (void)n; (void)v; "
+                    "errno = ENOMEM; return -1; }\n")
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(tmp_path / "failing_mincore.so"), str(shim)], check=True)
+    code = ("import sys, numpy as np\n"
+            "from ple_prep.runtime import EmbeddingSource, open_table\n"
+            "with open_table(sys.argv[1], read_path='mapped') as table:\n"
+            "    try:\n"
+            "        EmbeddingSource(table, device='cpu', max_ids=64)(np.arange(40))\n"
+            "    except OSError as error:\n"
+            "        print(error.errno, error)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(fp8_table)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "LD_PRELOAD": str(tmp_path / "failing_mincore.so")})
+    expected = f"12 [Errno 12] {fp8_table}: mincore failed on the table's mapping (Cannot allocate memory)"
+    assert done.stdout.strip() == expected, done.stdout + done.stderr[-2000:]
+
+
 def test_the_default_path_reads_with_pread_where_o_direct_completes_inside_io_submit(faults, source_rows):
     """FUSE does O_DIRECT reads synchronously: one at a time, and a hung one out of the timeout's reach."""
     with open_table(faults.path("t.bin")) as table:
