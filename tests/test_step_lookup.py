@@ -4,6 +4,7 @@ raise their cause; on a GPU, one CUDA graph replayed with new ids."""
 from __future__ import annotations
 
 import gc
+import mmap
 import shutil
 import subprocess
 import time
@@ -21,7 +22,7 @@ from support.step_calls import poison, serve, token_ids  # noqa: E402
 from ple_prep.format.manifest import manifest_path  # noqa: E402
 from ple_prep.ngram import row_ids  # noqa: E402
 from ple_prep.offline.writer import WriteOptions  # noqa: E402
-from ple_prep.runtime import open_table  # noqa: E402
+from ple_prep.runtime import RECORD_BYTES, FailureRecord, open_table  # noqa: E402
 from ple_prep.runtime.device import buffers, driver, steps  # noqa: E402
 from ple_prep.runtime.device.dequant import decoder_for  # noqa: E402
 from ple_prep.tools.benchmark import cached_fraction, evict  # noqa: E402
@@ -183,6 +184,41 @@ def test_the_start_after_a_failed_step_raises_its_cause_and_the_next_start_is_se
         with pytest.raises(IndexError, match=f"row id {table.num_rows + 3} is outside"):
             lookup.start(torch.from_numpy(good.reshape(-1)).cuda())
         assert np.array_equal(bits(serve(lookup, good)), expected_bits(table, good))
+    finally:
+        lookup.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_failed_step_is_in_the_shared_record_before_the_step_is_released_and_stays_the_first(table, device):
+    """The record (mapped shared memory, as another process maps it) holds the first failure ever, with
+    the cause `check` raises, once the failed step's rows are delivered; a later failure leaves it."""
+    shared = mmap.mmap(-1, RECORD_BYTES)
+    record = FailureRecord(shared)
+    record.describe(name=table.path.name, holder="rank 1", capacity=64 * 16, read_timeout=30.0)
+    lookup = steps.StepLookup(table, device=device, resident_bytes=1000 * table.row_bytes, max_ids=64 * 16,
+                              failure_record=record)
+    try:
+        assert record.error() is None
+        good = token_ids(table, 3, 4)
+        assert np.array_equal(bits(serve(lookup, good)), expected_bits(table, good))
+        assert record.error() is None
+        for bad in (table.num_rows + 7, table.num_rows + 9):
+            ids = token_ids(table, 4, 1).reshape(-1).copy()
+            ids[5] = bad
+            lookup.start(torch.from_numpy(ids).to(lookup.device))
+            if device == "cpu":
+                with pytest.raises(IndexError):
+                    lookup.finish()
+            else:
+                lookup.finish()
+                torch.cuda.synchronize()  # the step's rows delivered: the record shows its failure
+            error = FailureRecord(shared).error()  # a reader of its own, as another process's
+            assert isinstance(error, IndexError)
+            assert str(error) == f"row id {table.num_rows + 7} is outside the table"
+            if device != "cpu":
+                with pytest.raises(IndexError, match=f"row id {bad} is outside"):
+                    lookup.check()
+        assert FailureRecord(shared).holder == "rank 1"
     finally:
         lookup.close()
 

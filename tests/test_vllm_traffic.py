@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from ple_prep.integrations.vllm import traffic
+from ple_prep.integrations.vllm import backend, failures, traffic
 from ple_prep.integrations.vllm.backend import PrefetchedRows
 from ple_prep.integrations.vllm.settings import Settings
 from ple_prep.ngram import NgramSpec, row_ids
@@ -214,3 +214,56 @@ def test_a_failed_step_is_raised_by_the_next_schedule_and_every_later_one(served
                 traffic.on_schedule(Schedule([], {}))
     finally:
         rows.close()
+
+
+@pytest.mark.needs_helper
+def test_another_workers_failed_step_is_raised_before_this_workers_output_is_handed_over(served, monkeypatch,
+                                                                                         tmp_path):
+    """Two workers of one instance (two lookups here; processes in tests/vllm_plugin): the service
+    thread of worker 1 writes its failed step into its record; worker 0 raises it, naming worker 1
+    and the cause, at the next schedule and before any output. A step of worker 1's own raises its
+    own error, as before."""
+    table = served
+    monkeypatch.setattr(failures, "records_folder", lambda: tmp_path)
+    workers = [failures.SharedFailures("instance-7", rank, 2, folder=tmp_path) for rank in range(2)]
+    rows = PrefetchedRows(table, device="cpu", resident_bytes=0, max_tokens=4, heads=16,
+                          failure_record=workers[1].own, holder="worker rank 1 of 2")
+    try:
+        traffic.watch(rows, workers[1])
+        assert workers[0].first_error() is None
+        ids = torch.from_numpy(np.arange(16, dtype=np.int64).reshape(1, 16) + table.first_row)
+        ids[0, 3] = table.first_row + table.num_rows + 5
+        rows.start(ids)
+        deadline = time.monotonic() + 30
+        while rows.pending_error() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        error = workers[0].first_error()
+        assert isinstance(error, failures.FailedOnAnotherRank)
+        assert str(error) == (f"the PLE lookup of worker rank 1 of 2 failed a step: IndexError: row id "
+                              f"{table.first_row + table.num_rows + 5} is outside the table")
+        assert workers[1].first_error() is None  # its own: the lookup raises it, with its own type
+        with pytest.raises(IndexError):
+            traffic.on_schedule(Schedule([], {}))
+        monkeypatch.setattr(traffic, "_SERVED", traffic._Served())
+        traffic.watch(PrefetchedRows(table, device="cpu", resident_bytes=0, max_tokens=4, heads=16), workers[0])
+        for _ in range(2):
+            with pytest.raises(failures.FailedOnAnotherRank, match="worker rank 1 of 2 failed a step"):
+                traffic.raise_failed_lookups()
+    finally:
+        rows.close()
+    workers[0].remove()
+    assert not list(tmp_path.iterdir())
+    workers[1].remove()  # the other worker's exit finds it gone
+
+
+def test_an_error_raised_without_the_service_thread_is_written_to_the_record(tmp_path):
+    """EmbeddingSource's errors (and a start's own refusals) are written as a message, once: the first stays."""
+    (worker,) = [failures.SharedFailures("instance-8", 0, 1, folder=tmp_path)]
+    record = worker.own
+    kept = backend._KeptFailure(record)
+    for message in ("first", "second"):
+        with pytest.raises(OSError), kept:
+            raise OSError(5, message)
+    other = failures.SharedFailures("instance-8", 1, 2, folder=tmp_path)
+    assert str(other.first_error()) == "the PLE lookup of rank 0 failed a step: OSError: [Errno 5] first"
+    worker.remove()

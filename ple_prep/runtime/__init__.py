@@ -2,11 +2,12 @@
 gguf or torch); `EmbeddingSource` and `StepLookup` (runtime/device/, need torch) are imported at
 their first use, so importing this package never imports torch."""
 from .compiled import CompiledHelperMissing, compiled_helper_missing
+from .failure_record import RECORD_BYTES, FailureRecord
 from .recording import TrafficRecorder
 from .table import READ_PATHS, Table, open_table
 
-__all__ = ["READ_PATHS", "CompiledHelperMissing", "EmbeddingSource", "StepLookup", "Table", "TrafficRecorder",
-           "compiled_helper_missing", "open_table"]
+__all__ = ["READ_PATHS", "RECORD_BYTES", "CompiledHelperMissing", "EmbeddingSource", "FailureRecord", "StepLookup",
+           "Table", "TrafficRecorder", "compiled_helper_missing", "open_table"]
 
 
 def __getattr__(name: str):

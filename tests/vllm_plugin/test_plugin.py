@@ -31,6 +31,7 @@ from ple_prep.core.errors import BadInput
 from ple_prep.format.manifest import manifest_path
 from ple_prep.integrations.vllm import storage
 from ple_prep.integrations.vllm.backend import TableMismatch
+from ple_prep.integrations.vllm.failures import records_folder
 from ple_prep.integrations.vllm.loader import PreparedTableLoader
 
 
@@ -123,6 +124,29 @@ def test_tensor_parallel_ranks_serve_their_own_files_and_sum_to_the_whole_input(
         expected = ple_input(reference, *step).view(torch.int16).numpy()
         for output in outputs:
             np.testing.assert_array_equal(output[f"arr_{index}"], expected)
+
+
+def test_a_lookup_failed_on_another_rank_is_raised_where_the_output_is_handed_over(checkpoints, fp8_rank_tables,
+                                                                                   tmp_path):
+    """vLLM takes a step's output from one rank and only logs another's exception: a lookup failed on
+    rank 1 (its file shrank) is raised on rank 0 too, naming rank 1 and the cause; the file the
+    ranks shared is gone once they exit."""
+    for name in os.listdir(fp8_rank_tables):
+        shutil.copy(fp8_rank_tables / name, tmp_path / name)
+    port, instance = free_port(), f"failed-rank-test-{os.getpid()}"
+    script = Path(__file__).with_name("failed_rank.py")
+    ranks = [subprocess.Popen([sys.executable, str(script), str(rank), "2", str(port),
+                               str(tmp_path / "ple.tp{rank}of{size}.bin"), str(checkpoints["fp8"]), instance],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(2)]
+    outputs = [process.communicate(timeout=300)[0] for process in ranks]
+    for process, output in zip(ranks, outputs):
+        assert process.returncode == 0, output[-3000:]
+    cause = re.search(r"rank 1 raised: (.*ple\.tp1of2\.bin.*)", outputs[1]).group(1)
+    assert (f"rank 0 check: FailedOnAnotherRank: the PLE lookup of worker rank 1 of 2 (ETP rank 1 of 2) failed "
+            f"a step: OSError: {cause}") in outputs[0], outputs[0][-3000:]
+    assert "rank 1 check: OSError" in outputs[1]  # its own lookup's error, as before
+    assert not list(records_folder().glob(f"ple-prep-failures-*-{instance}"))
 
 
 def test_plugin_never_allocates_the_table_and_drops_the_checkpoint_rows(checkpoints, tables):

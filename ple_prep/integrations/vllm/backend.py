@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from ...core.errors import BadInput
-from ...runtime import EmbeddingSource, StepLookup, Table
+from ...runtime import EmbeddingSource, FailureRecord, StepLookup, Table
 
 # The table encodings that serve each of vLLM's PLE embedding methods, by the method's name.
 METHOD_ENCODINGS = {"fp8": "fp8_e4m3", "nvfp4": "nvfp4_packed", "unquantized": "bf16"}
@@ -82,10 +82,12 @@ class _KeptFailure:
     """Around a call of a PrefetchedRows' source: its error kept for every later `start` and `check`.
     Under a lock: the source hands an error out once, and a thread checking a step's output must not
     pass while the worker's thread is between taking it and keeping it (traffic.py). An object, not
-    a generator's context: it is entered at every start and finish."""
+    a generator's context: it is entered at every start and finish. With a shared record
+    (failures.py) the error is written there too, for the rank that hands the step's output over."""
 
-    def __init__(self):
+    def __init__(self, record: FailureRecord | None):
         self.error: BaseException | None = None
+        self.record = record
         self._lock = threading.Lock()
 
     def __enter__(self) -> None:
@@ -94,6 +96,8 @@ class _KeptFailure:
     def __exit__(self, kind, error, traceback) -> None:
         if isinstance(error, Exception):
             self.error = error
+            if self.record is not None:
+                self.record.publish(error)
         self._lock.release()
 
 
@@ -110,23 +114,31 @@ class PrefetchedRows:
     later `start` and `check`: vLLM stops its engine at the first error of a step, and no step after
     the failed one may pass for served (traffic.py checks before handing a step's output over). Without the
     helper, `EmbeddingSource`'s split call serves eagerly.
+
+    `failure_record`: where the first failure is kept for other processes (failures.py), described
+    as `holder`'s (a rank). StepLookup's service thread writes a failed step there before it
+    releases the step; other errors are written when they are raised.
     """
 
     def __init__(self, table: Table, *, device: str | torch.device, resident_bytes: int, max_tokens: int,
-                 heads: int):
+                 heads: int, failure_record: FailureRecord | None = None, holder: str = ""):
         self.table = table
         self.heads = heads
         if table.compiled:
-            self.source = StepLookup(table, device=device, resident_bytes=resident_bytes, max_ids=max_tokens * heads)
+            self.source = StepLookup(table, device=device, resident_bytes=resident_bytes, max_ids=max_tokens * heads,
+                                     failure_record=failure_record)
         else:
             self.source = EmbeddingSource(table, device=device, resident_bytes=resident_bytes,
                                           max_ids=max_tokens * heads)
+        if failure_record is not None:
+            failure_record.describe(name=table.path.name, holder=holder, capacity=self.source.capacity,
+                                    read_timeout=getattr(self.source, "read_timeout", 0.0))
         self.device = self.source.device
         first, stop = table.row_range
         # A rank's file holds its block only; other ids read a stand-in row that is then zeroed.
         self._whole = (first, stop) == (0, table.manifest["total_rows"])
         self._started: int | None = None
-        self._failure = _KeptFailure()
+        self._failure = _KeptFailure(failure_record)
         self._owned: torch.Tensor | None = None
         # The last finish's values shaped (tokens, heads * values): a view made again only when the
         # count changes (every decode step of a batch has the same; a view costs microseconds).

@@ -43,6 +43,7 @@ from .backend import (
     check_scale,
     default_resident_bytes,
 )
+from .failures import shared_failures
 from .observe import StatsLog
 from .settings import Settings, read_settings
 
@@ -79,6 +80,18 @@ def check_cudagraph_mode(graph_safe: bool) -> None:
                        "which is not built in this environment (no C compiler when ple-prep was installed): "
                        "reinstall ple-prep where a C compiler is present, or start vLLM with "
                        "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' or --enforce-eager")
+
+
+def _shared_failures():
+    """This worker's failure records shared with the instance's other workers (failures.py) and the
+    worker's name in them; (None, name) for a single process, which has no one to tell."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None, "the worker"
+    rank, size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    holder = f"worker rank {rank} of {size}"
+    if size == 1:
+        return None, holder
+    return shared_failures(get_current_vllm_config().instance_id, rank, size), holder
 
 
 def in_full_graph() -> bool:
@@ -146,9 +159,11 @@ class PreparedTableEmbedding(Qwen4ExpPLEEmbedding):
                                "slower, and FULL CUDA graphs are refused; reinstall ple-prep where a C compiler "
                                "is present")
             check_cudagraph_mode(graph_safe=table.compiled)
+            shared, holder = _shared_failures()
             self.rows = PrefetchedRows(table, device=device, resident_bytes=budget,
                                        max_tokens=max_total_tokens * self.etp_data_parallel_size,
-                                       heads=num_ngram_heads)
+                                       heads=num_ngram_heads, failure_record=shared and shared.own,
+                                       holder=f"{holder} (ETP rank {self.tp_rank} of {self.tp_size})")
         except BaseException:
             table.close()
             raise
@@ -156,7 +171,7 @@ class PreparedTableEmbedding(Qwen4ExpPLEEmbedding):
         # Read-ahead and recording fed from the schedule (traffic.py); one process records a replica's traffic.
         traffic.serve(table, self.rows.source.num_resident, settings,
                       record=self.tp_rank == 0 and data_parallel_rank == 0)
-        traffic.watch(self.rows)
+        traffic.watch(self.rows, shared)
         self.quant_method = _CheckedAfterLoading(embedding_method)
         self._output_dim = num_ngram_heads * embedding_dim
         self._shard_rows_dropped = 0

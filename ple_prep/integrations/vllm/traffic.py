@@ -59,8 +59,10 @@ class _Served:
         self.recorder: TrafficRecorder | None = None
         self.jobs: dict[str, list] = {}
         self.worker: concurrent.futures.ThreadPoolExecutor | None = None
-        # The storages' lookups, whose failed steps each schedule raises (`watch`).
+        # The storages' lookups, whose failed steps each schedule raises (`watch`), and the records
+        # of the instance's other workers (failures.py).
         self.lookups: weakref.WeakSet = weakref.WeakSet()
+        self.shared: list = []
         # Requests whose read-ahead the feed thread has not stored yet (`_read_ahead`), and those
         # of them that finished meanwhile; the lock orders a finish and the store of its jobs.
         self.feeding: set[str] = set()
@@ -103,17 +105,25 @@ def _tokenizer_sha256() -> str | None:
     return digest.hexdigest()
 
 
-def watch(rows) -> None:
+def watch(rows, shared=None) -> None:
     """Raise the error of a failed step of `rows` (PrefetchedRows) at the next schedule and before
     any later step's output is handed over: a run of FULL CUDA graphs replays the lookup with no
-    call of the plugin, which would otherwise raise it only at the next step that is not one."""
+    call of the plugin, which would otherwise raise it only at the next step that is not one.
+    `shared` (failures.SharedFailures): the same for the lookups of the instance's other workers."""
     _SERVED.lookups.add(rows)
+    if shared is not None and shared not in _SERVED.shared:
+        _SERVED.shared.append(shared)
 
 
 def raise_failed_lookups() -> None:
-    """Raise the error of a watched lookup's failed step (PrefetchedRows keeps raising it)."""
+    """Raise the error of a watched lookup's failed step (PrefetchedRows keeps raising it), then
+    another worker's (a record keeps it)."""
     for rows in list(_SERVED.lookups):
         rows.check()
+    for shared in _SERVED.shared:
+        error = shared.first_error()
+        if error is not None:
+            raise error
 
 
 def on_schedule(scheduler_output: Any) -> None:
@@ -229,7 +239,7 @@ def _feeding_steps(execute):
 def _checking_outputs(method):
     def checked(self, *args, **kwargs):
         output = method(self, *args, **kwargs)
-        if output is None or not _SERVED.lookups:
+        if output is None or not (_SERVED.lookups or _SERVED.shared):
             return output
         get_output = getattr(output, "get_output", None)
         if callable(get_output):  # an asynchronous output: its tokens are on the host once it returns

@@ -40,10 +40,11 @@ its own lock, never the GIL), the others are read from the file and admitted int
 `Table.read_ahead` fills too (docs/RUNTIME.md, "Host cache and read-ahead").
 A step whose reads make no progress for `read_timeout` fails (ReadTimeout at `check`); the thread
 abandons the stuck reads with their buffer and serves the next step (docs/RELIABILITY.md, section 10).
+With a `failure_record` (runtime/failure_record.py) the thread also writes the first failure there,
+before it releases that step, for another process to raise.
 """
 from __future__ import annotations
 
-import errno
 import os
 import time
 import weakref
@@ -52,7 +53,8 @@ import numpy as np
 import torch
 
 from ...core.fileio import on_block_file_system, reopen_direct
-from ..readcheck import DEFAULT_READ_TIMEOUT, ReadTimeout, capped_depth, check_timeout
+from ..failure_record import FailureRecord, step_failure_error
+from ..readcheck import DEFAULT_READ_TIMEOUT, capped_depth, check_timeout
 from ..table import Table
 from .buffers import DeviceBuffers, poison_row
 from .dequant import decoder_for
@@ -86,7 +88,8 @@ class StepLookup:
     """bf16 PLE values for row ids on a device, looked up without any host wait in the caller's calls."""
 
     def __init__(self, table: Table, *, device: str | torch.device = "cuda", resident_bytes: int = 0,
-                 max_ids: int = 4096 * 16, read_timeout: float | None = None):
+                 max_ids: int = 4096 * 16, read_timeout: float | None = None,
+                 failure_record: FailureRecord | None = None):
         if _native is None:
             raise RuntimeError("StepLookup needs the compiled runtime helper (runtime/native/): reinstall "
                                "ple-prep where a C compiler is present")
@@ -180,7 +183,9 @@ class StepLookup:
                                                      LOOKUP_THREADS)
         try:
             self._service = _native.step_service(self._flags_array, disk, self._poison,
-                                                 (LOOKUP_THREADS, LOOKUP_PART_IDS), self._cuda, *arguments)
+                                                 (LOOKUP_THREADS, LOOKUP_PART_IDS), self._cuda,
+                                                 None if failure_record is None else failure_record.buffer,
+                                                 *arguments)
         except BaseException:
             os.close(self._descriptor)
             if handles:
@@ -320,27 +325,13 @@ class StepLookup:
         return None if failure is None else self._error_of(*failure)
 
     def _error_of(self, kind: str, value: int, offset: int) -> BaseException:
-        name = self.table.path.name
         if kind == "id":
             try:
                 self.table.slot_of(np.array([value], dtype=np.int64))
             except IndexError as error:
                 return error
-            return IndexError(f"row id {value} is outside the table")
-        if kind == "read" and value == -2:
-            return ReadTimeout(errno.ETIMEDOUT, f"{self.table.path}: no read of the PLE step service completed in "
-                                                f"{self.read_timeout:g} s (waiting for byte {offset}): the disk "
-                                                f"stalled; this step failed and the next one reads again")
-        if kind == "read" and value == -1:
-            return OSError(errno.EIO, f"{name}: short O_DIRECT read at byte {offset}: the file shrank")
-        if kind == "read":
-            return OSError(value, f"{name}: O_DIRECT read at byte {offset}: {os.strerror(value)}")
-        if kind == "mapped":
-            return OSError(value, f"{name}: reading rows through the mapping failed at byte {offset} of the file "
-                                  "(an I/O error, or the file shrank)")
-        if kind == "count":
-            return ValueError(f"{value} row ids exceed this lookup's max_ids = {self.capacity}")
-        return RuntimeError(f"the PLE step service failed a step ({kind})")
+        return step_failure_error(kind, value, offset, name=self.table.path.name, read_timeout=self.read_timeout,
+                                  capacity=self.capacity)
 
     def _wait_on_host(self) -> None:
         """The CPU's stand-in for the device's wait: READY, then its reset."""

@@ -67,6 +67,7 @@ typedef struct {
     int32_t poison_row;
     Py_buffer flags_view;
     int32_t *flags;
+    Py_buffer record_view;      /* a failure record other processes read (runtime/failure_record.py), or len 0 */
     disk_reader reader;
     int has_reader;
     int async_reads;            /* the reader's reads go through native AIO (not one pread at a time) */
@@ -92,6 +93,12 @@ static void store_flag(service *server, int word, int32_t value)
     __atomic_store_n(&server->flags[word], value, __ATOMIC_RELEASE);
 }
 
+static void release_views(service *server)
+{
+    PyBuffer_Release(&server->flags_view);
+    PyBuffer_Release(&server->record_view);
+}
+
 /* The next request's count, or 0 once stopping. */
 static int32_t next_request(service *server)
 {
@@ -115,7 +122,32 @@ static int32_t next_request(service *server)
     }
 }
 
-/* Keep the step's failure if it is the first since the last was taken. */
+/* The record's states (runtime/failure_record.py): written while BEING_WRITTEN, then STEP_FAILURE. */
+#define RECORD_BYTES 512
+#define RECORD_EMPTY 0
+#define RECORD_BEING_WRITTEN 1
+#define RECORD_STEP_FAILURE 2
+
+/* Into the shared record, if it is still empty: kind, value, offset, then the state (released), so
+ * a process reading the state reads the rest whole. Before the step's READY: a step that used the
+ * failed rows is complete only after the record shows them. */
+static void share_failure(service *server, int kind, long long value, long long offset)
+{
+    if (server->record_view.len == 0)
+        return;
+    char *record = server->record_view.buf;
+    int32_t empty = RECORD_EMPTY;
+    if (!__atomic_compare_exchange_n((int32_t *)record, &empty, RECORD_BEING_WRITTEN, 0, __ATOMIC_ACQ_REL,
+                                     __ATOMIC_ACQUIRE))
+        return;
+    int32_t kind_word = kind;
+    int64_t words[2] = {value, offset};
+    memcpy(record + 4, &kind_word, sizeof kind_word);
+    memcpy(record + 8, words, sizeof words);
+    __atomic_store_n((int32_t *)record, RECORD_STEP_FAILURE, __ATOMIC_RELEASE);
+}
+
+/* Keep the step's failure if it is the first since the last was taken; share the first ever. */
 static void record_failure(service *server, int kind, long long value, long long offset)
 {
     pthread_mutex_lock(&server->stats_lock);
@@ -125,6 +157,7 @@ static void record_failure(service *server, int kind, long long value, long long
         server->failure_offset = offset;
         store_flag(server, FAILED, 1);
     }
+    share_failure(server, kind, value, offset);
     pthread_mutex_unlock(&server->stats_lock);
 }
 
@@ -238,7 +271,7 @@ static void service_destroy(PyObject *capsule)
         return;
     stop(server);
     free_stage_call(server->call);
-    PyBuffer_Release(&server->flags_view);
+    release_views(server);
     if (server->has_reader)
         disk_reader_close(&server->reader);
     Py_XDECREF(server->cache);
@@ -246,19 +279,22 @@ static void service_destroy(PyObject *capsule)
     PyMem_RawFree(server);
 }
 
-/* step_service(flags, disk, poison_row, (threads, part_ids), device_copies, *the arguments of stage) -> service
+/* step_service(flags, disk, poison_row, (threads, part_ids), device_copies, record, *the arguments of stage)
+ *     -> service
  * A step's stage is split over up to `threads` threads, parts of at least part_ids ids. `disk`:
  * None (rows not in the page cache fail their step) or (fd, data_offset, file_end, page_size,
  * depth, timeout, cache, synchronous) for disk_reads.c (a read wait of `timeout` seconds with
  * no progress fails the step; `cache`: a host cache of hostcache_new for the table's rows, or None;
  * `synchronous`: O_DIRECT reads complete inside io_submit on this file system, so the worker's
  * preads serve them), the descriptor held open by the caller until the service is stopped.
- * `device_copies`: a device copies each step's span from the pinned buffer (counted in copied_bytes). */
+ * `device_copies`: a device copies each step's span from the pinned buffer (counted in copied_bytes).
+ * `record`: None, or a writable buffer of at least RECORD_BYTES (shared with other processes) that
+ * gets the first failure ever (share_failure). */
 PyObject *step_service(PyObject *self, PyObject *args)
 {
-    if (PyTuple_GET_SIZE(args) < 5) {
-        PyErr_SetString(PyExc_TypeError,
-                        "step_service(flags, disk, poison_row, (threads, part_ids), device_copies, *stage arguments)");
+    if (PyTuple_GET_SIZE(args) < 6) {
+        PyErr_SetString(PyExc_TypeError, "step_service(flags, disk, poison_row, (threads, part_ids), device_copies, "
+                                         "record, *stage arguments)");
         return NULL;
     }
     PyObject *disk = PyTuple_GET_ITEM(args, 1);
@@ -284,15 +320,20 @@ PyObject *step_service(PyObject *self, PyObject *args)
     service *server = PyMem_RawCalloc(1, sizeof(service));
     if (!server)
         return PyErr_NoMemory();
-    if (get_buffer(PyTuple_GET_ITEM(args, 0), &server->flags_view, 1, sizeof(int32_t), "flags") != 0) {
+    PyObject *record = PyTuple_GET_ITEM(args, 5);
+    if (get_buffer(PyTuple_GET_ITEM(args, 0), &server->flags_view, 1, sizeof(int32_t), "flags") != 0
+        || (record != Py_None && get_buffer(record, &server->record_view, 1, 1, "record") != 0)) {
+        release_views(server);
         PyMem_RawFree(server);
         return NULL;
     }
-    PyObject *stage_args = PyTuple_GetSlice(args, 5, PyTuple_GET_SIZE(args));
+    PyObject *stage_args = PyTuple_GetSlice(args, 6, PyTuple_GET_SIZE(args));
     stage_call *call = stage_args ? new_stage_call(stage_args) : NULL;
     Py_XDECREF(stage_args);
     const char *refused = !call ? NULL
         : server->flags_view.len < FLAG_WORDS * (Py_ssize_t)sizeof(int32_t) ? "step_service: flags must be 64 int32"
+        : record != Py_None && (server->record_view.len < RECORD_BYTES || (uintptr_t)server->record_view.buf % 8)
+            ? "step_service: a record must be 512 bytes, 8-byte aligned"
         : (const char *)call->request.index < call->request.out + call->out_rows * call->request.row_bytes
             ? "step_service: index must follow out in one buffer"
         : poison_row < 0 || poison_row >= call->request.num_resident + call->out_rows
@@ -305,7 +346,7 @@ PyObject *step_service(PyObject *self, PyObject *args)
         if (call) {
             free_stage_call(call);
         }
-        PyBuffer_Release(&server->flags_view);
+        release_views(server);
         PyMem_RawFree(server);
         return NULL;
     }
@@ -320,7 +361,7 @@ PyObject *step_service(PyObject *self, PyObject *args)
                              depth, timeout) != 0) {
             PyErr_SetFromErrno(PyExc_OSError);
             free_stage_call(call);
-            PyBuffer_Release(&server->flags_view);
+            release_views(server);
             PyMem_RawFree(server);
             return NULL;
         }
@@ -339,7 +380,7 @@ PyObject *step_service(PyObject *self, PyObject *args)
     PyObject *capsule = PyCapsule_New(server, SERVICE_CAPSULE, service_destroy);
     if (!capsule) {
         free_stage_call(call);
-        PyBuffer_Release(&server->flags_view);
+        release_views(server);
         if (server->has_reader)
             disk_reader_close(&server->reader);
         Py_XDECREF(server->cache);
