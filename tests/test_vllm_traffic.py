@@ -15,7 +15,7 @@ from ple_prep.integrations.vllm.backend import PrefetchedRows
 from ple_prep.integrations.vllm.settings import Settings
 from ple_prep.ngram import NgramSpec, row_ids
 from ple_prep.offline.profile import load_profile
-from ple_prep.runtime import open_table
+from ple_prep.runtime import gather, open_table
 
 
 @dataclasses.dataclass
@@ -267,3 +267,33 @@ def test_an_error_raised_without_the_service_thread_is_written_to_the_record(tmp
     other = failures.SharedFailures("instance-8", 1, 2, folder=tmp_path)
     assert str(other.first_error()) == "the PLE lookup of rank 0 failed a step: OSError: [Errno 5] first"
     worker.remove()
+
+
+def test_without_the_helper_a_rank_with_others_to_tell_completes_a_failed_step_with_nan_values(
+        served, monkeypatch, tmp_path):
+    """EmbeddingSource raises a failed lookup at finish, before the ranks' all-reduce: with other
+    ranks (a record), the step's values are NaN instead, the error is kept and shared, and raised
+    by the next check and start."""
+    table = served
+    monkeypatch.setattr(gather, "_native", None)
+    worker, other = (failures.SharedFailures("instance-9", rank, 2, folder=tmp_path) for rank in range(2))
+    rows = PrefetchedRows(table, device="cpu", resident_bytes=0, max_tokens=4, heads=16,
+                          failure_record=worker.own, holder="worker rank 0 of 2")
+    assert not rows.graph_safe
+    try:
+        ids = torch.from_numpy(np.arange(32, dtype=np.int64).reshape(2, 16) + table.first_row)
+        rows.start(ids)
+        assert not torch.isnan(rows.finish().float()).any()
+        ids[1, 3] = table.first_row + table.num_rows + 5
+        rows.start(ids)
+        values = rows.finish()
+        assert values.shape == (2, 16 * table.values_per_row) and torch.isnan(values.float()).all()
+        message = f"row id {table.first_row + table.num_rows + 5} is outside"
+        with pytest.raises(IndexError, match=message):
+            rows.check()
+        with pytest.raises(IndexError, match=message):
+            rows.start(ids)
+        assert f"worker rank 0 of 2 failed a step: IndexError: {message}" in str(other.first_error())
+    finally:
+        rows.close()
+        worker.remove()

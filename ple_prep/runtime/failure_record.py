@@ -36,13 +36,14 @@ _WRITING_SECONDS = 0.1
 
 
 def step_failure_error(kind: str, value: int, offset: int, *, name: str, read_timeout: float,
-                       capacity: int) -> BaseException:
+                       capacity: int, path: str | os.PathLike | None = None) -> BaseException:
     """The exception of a step the service thread failed (`kind`, `value`, `offset` as
-    step_service_error gives them) for a lookup of table file `name`."""
+    step_service_error gives them) for a lookup of table file `name` (a stall names its `path`
+    where that is known: the mount that stalled)."""
     if kind == "id":
         return IndexError(f"row id {value} is outside the table")
     if kind == "read" and value == -2:
-        return ReadTimeout(errno.ETIMEDOUT, f"{name}: no read of the PLE step service completed in "
+        return ReadTimeout(errno.ETIMEDOUT, f"{path or name}: no read of the PLE step service completed in "
                                             f"{read_timeout:g} s (waiting for byte {offset}): the disk "
                                             f"stalled; this step failed and the next one reads again")
     if kind == "read" and value == -1:

@@ -331,7 +331,7 @@ class StepLookup:
             except IndexError as error:
                 return error
         return step_failure_error(kind, value, offset, name=self.table.path.name, read_timeout=self.read_timeout,
-                                  capacity=self.capacity)
+                                  capacity=self.capacity, path=self.table.path)
 
     def _wait_on_host(self) -> None:
         """The CPU's stand-in for the device's wait: READY, then its reset."""
