@@ -9,6 +9,9 @@ export PYTHONUNBUFFERED=1
 python3 setup.py build_ext --inplace > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
 python3 -c 'from ple_prep.runtime import _native; assert hasattr(_native, "step_service"); print("compiled helper: ok")'
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
+# The GPU machine's image has no jsonschema, which writing a table's manifest needs: carry it as wheels
+# (jsonschema, jsonschema-specifications, referencing, rpds-py, attrs) on PYTHONPATH.
+python3 -c 'import jsonschema' 2>/dev/null || { echo "jsonschema is missing: carry its wheels (a comment above says which)"; exit 1; }
 [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider tests/test_step_lookup.py tests/test_vllm_backend.py \
     > "$out/tests.log" 2>&1 || true
 [ ! -f "$out/tests.log" ] || tail -12 "$out/tests.log"
