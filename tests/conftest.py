@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import os
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any, Callable
 
@@ -166,3 +168,18 @@ def faults(faultfs):
     faultfs.clear()
     yield faultfs
     faultfs.clear()
+
+
+@pytest.fixture
+def small_disk(tmp_path, request):
+    """Mount a tmpfs of `request.param` bytes; skip (with the reason) where that is not possible."""
+    if os.geteuid() != 0:
+        pytest.skip("full-disk test needs root to mount a small tmpfs (run the suite as root)")
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={request.param}", "tmpfs",
+                           str(mount_point)], capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"full-disk test could not mount a tmpfs: {done.stderr.strip()}")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], check=True)

@@ -1,13 +1,11 @@
 """Full disk: a convert that runs out of space says so in one line and leaves no partial file.
 
-The disk is a small tmpfs the test mounts (root only; otherwise the tests skip and say why). The
+The disk is a small tmpfs the test mounts (`small_disk` in conftest.py: root only; otherwise the
+tests skip and say why). The
 free-space pre-check would refuse up front, so it is bypassed (monkeypatched) for the ENOSPC tests:
 they exercise the writer's own handling of a disk that fills after the check.
 """
 from __future__ import annotations
-
-import os
-import subprocess
 
 import pytest
 
@@ -16,21 +14,6 @@ from ple_prep.converters import open_source
 from ple_prep.core.errors import BadInput
 from ple_prep.offline import writer
 from ple_prep.offline.ranks import convert_ranks
-
-
-@pytest.fixture
-def small_disk(tmp_path, request):
-    """Mount a tmpfs of `request.param` bytes; skip (with the reason) where that is not possible."""
-    if os.geteuid() != 0:
-        pytest.skip("full-disk test needs root to mount a small tmpfs (run the suite as root)")
-    mount_point = tmp_path / "disk"
-    mount_point.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={request.param}", "tmpfs",
-                           str(mount_point)], capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"full-disk test could not mount a tmpfs: {done.stderr.strip()}")
-    yield mount_point
-    subprocess.run(["umount", "-l", str(mount_point)], check=True)
 
 
 def _table_size(checkpoint) -> int:

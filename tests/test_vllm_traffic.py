@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import subprocess
+import sys
 import threading
 import time
 
@@ -269,17 +271,18 @@ def test_an_error_raised_without_the_service_thread_is_written_to_the_record(tmp
     worker.remove()
 
 
-def test_without_the_helper_a_rank_with_others_to_tell_completes_a_failed_step_with_nan_values(
-        served, monkeypatch, tmp_path):
-    """EmbeddingSource raises a failed lookup at finish, before the ranks' all-reduce: with other
-    ranks (a record), the step's values are NaN instead, the error is kept and shared, and raised
-    by the next check and start."""
+@pytest.mark.parametrize("source", [pytest.param("StepLookup", marks=pytest.mark.needs_helper), "EmbeddingSource"])
+def test_a_rank_with_others_to_tell_completes_a_failed_step_with_nan_values(served, monkeypatch, tmp_path, source):
+    """Where a failed lookup raises at finish (EmbeddingSource, without the helper; StepLookup on the
+    CPU), before the ranks' all-reduce: with other ranks (a record), the step's values are NaN
+    instead, the error is kept and shared, and raised by the next check and start."""
     table = served
-    monkeypatch.setattr(gather, "_native", None)
+    if source == "EmbeddingSource":
+        monkeypatch.setattr(gather, "_native", None)
     worker, other = (failures.SharedFailures("instance-9", rank, 2, folder=tmp_path) for rank in range(2))
     rows = PrefetchedRows(table, device="cpu", resident_bytes=0, max_tokens=4, heads=16,
                           failure_record=worker.own, holder="worker rank 0 of 2")
-    assert not rows.graph_safe
+    assert type(rows.source).__name__ == source
     try:
         ids = torch.from_numpy(np.arange(32, dtype=np.int64).reshape(2, 16) + table.first_row)
         rows.start(ids)
@@ -297,3 +300,21 @@ def test_without_the_helper_a_rank_with_others_to_tell_completes_a_failed_step_w
     finally:
         rows.close()
         worker.remove()
+
+
+@pytest.mark.parametrize("small_disk", ["4k"], indirect=True)
+def test_a_full_shared_memory_is_an_error_at_construction_not_a_signal_at_the_first_write(small_disk):
+    """/dev/shm full (a tmpfs of one page, filled): the records cannot be allocated, which is an
+    OSError naming ENOSPC where they are made; a file only sized would be a SIGBUS at the first write.
+    In a process of its own, so that a signal fails the test instead of ending the suite."""
+    (small_disk / "filler").write_bytes(bytes(4096))
+    code = ("import errno, sys\n"
+            "from pathlib import Path\n"
+            "from ple_prep.integrations.vllm.failures import SharedFailures\n"
+            "try:\n"
+            f"    shared = SharedFailures('instance-10', 1, 2, folder=Path({str(small_disk)!r}))\n"
+            "    shared.own.describe(name='t.bin', holder='worker rank 1 of 2', capacity=16, read_timeout=30.0)\n"
+            "except OSError as error:\n"
+            "    sys.exit(7 if error.errno == errno.ENOSPC else 1)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 7, (result.returncode, result.stderr[-2000:])

@@ -1,6 +1,6 @@
 """A lookup's first failed step, kept in memory that other processes read.
 
-Where several processes serve one model (vLLM's tensor- and pipeline-parallel ranks), the one whose
+Where several processes serve one model (vLLM's tensor-parallel ranks), the one whose
 output the engine takes must raise a step that failed in any of them. So a lookup can be given a
 record in memory the others map too (integrations/vllm/failures.py keeps them in a file under
 /dev/shm). StepLookup's service thread writes the first failure it keeps into it before it releases

@@ -2,11 +2,11 @@
 
     python tests/vllm_plugin/failed_rank.py RANK SIZE PORT TABLE_TEMPLATE CHECKPOINT INSTANCE_ID
 
-Builds the layer with the plugin serving this rank's copy of its file (the disk tier only, read with
-O_DIRECT) and serves a step. Then the last rank's file shrinks and that rank's next lookup fails,
-alone (no all-reduce: on the CPU the failed lookup raises before it). After a barrier every rank
-checks the lookups as vLLM's worker does before it hands a step's output over, and prints what that
-raised.
+Builds the layer with the plugin serving this rank's copy of its file (the disk tier only) and
+serves a step. Then the last rank's file shrinks and every rank serves the next step, the ranks'
+all-reduce included: the last rank's lookup fails. Each rank prints whether its step's values hold
+NaN and what checking the lookups raised, as vLLM's worker checks them before it hands a step's
+output over.
 """
 from __future__ import annotations
 
@@ -32,16 +32,11 @@ ple_input(layer, *steps[0])
 traffic.raise_failed_lookups()  # nothing failed yet
 torch.distributed.barrier()
 if rank == size - 1:
-    storage = layer.ngram_embedding
-    table = storage.table
+    table = layer.ngram_embedding.table
     os.truncate(table.path, table.header.data_offset)
-    first, _stop = table.row_range
-    try:
-        storage.rows.start(torch.arange(first, first + 32, dtype=torch.int64).view(-1, 16))
-        storage.rows.finish()
-    except OSError as error:
-        print(f"rank {rank} raised: {error}")
 torch.distributed.barrier()
+values = ple_input(layer, *steps[1])
+print(f"rank {rank} step: NaN values {bool(torch.isnan(values.float()).any())}")
 try:
     traffic.raise_failed_lookups()
 except Exception as error:  # noqa: BLE001 (printed for the test)

@@ -117,8 +117,8 @@ class PrefetchedRows:
 
     `failure_record`: where the first failure is kept for other processes (failures.py), described
     as `holder`'s (a rank). StepLookup's service thread writes a failed step there before it
-    releases the step; other errors are written when they are raised. With a record, `finish`
-    without the helper also gives a failed step NaN values instead of raising.
+    releases the step; other errors are written when they are raised. With a record, a `finish`
+    that would raise gives the step NaN values instead.
     """
 
     def __init__(self, table: Table, *, device: str | torch.device, resident_bytes: int, max_tokens: int,
@@ -213,12 +213,13 @@ class PrefetchedRows:
             with self._failure:
                 values = self.source.finish()
         except Exception:
-            if self._failure.record is None or self.graph_safe:
+            if self._failure.record is None:
                 raise
-            # Without the helper a failed lookup raises here, before the ranks' all-reduce, where the
-            # other ranks would wait for this one until vLLM's timeout. With other ranks to tell
-            # (failures.py) the step completes with NaN values, as StepLookup's failed steps do, and
-            # the error, kept and shared, is raised before any output is handed over.
+            # A lookup that raises here (EmbeddingSource; StepLookup on the CPU) would do it before the
+            # ranks' all-reduce, where the other ranks wait for this one until vLLM's timeout. With
+            # other ranks to tell (failures.py) the step completes with NaN values, as StepLookup's
+            # failed steps on a GPU do, and the error, kept and shared, is raised before any output
+            # is handed over.
             values = self.source.output[:count].fill_(float("nan"))
         if self._shaped is None or len(self._shaped) * self.heads != count:
             self._shaped = values.view(count // self.heads, -1)

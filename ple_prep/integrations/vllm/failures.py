@@ -1,8 +1,8 @@
 """A failed PLE lookup on any rank of a vLLM instance, raised where vLLM takes the step's output.
 
-With tensor or pipeline parallelism vLLM 0.33.0 takes a step's output from one worker (the first
-rank of the last pipeline stage) and only logs another rank's exception. Yet a lookup failed on any
-rank puts its NaN rows into every rank's input (the ranks' all-reduce, the stages' hidden states).
+With tensor parallelism (vLLM 0.33.0 refuses pipeline parallelism for the PLE model) vLLM takes a
+step's output from one worker and only logs another rank's exception. Yet a lookup failed on any
+rank of the embedding's group puts its NaN rows into every rank's input (the ranks' all-reduce).
 So each worker's lookup keeps its first failure in a record (runtime/failure_record.py) in one file
 per instance, shared by the workers of this host (`/dev/shm`, one record per world rank), and each
 worker raises every rank's failure before it hands a step's output over (traffic.py). The failed
@@ -10,7 +10,8 @@ rank's service thread writes its record before it releases the step; the step's 
 that rank's rows, so by the time the output's tokens are on the host the record shows the failure.
 
 Ranks on other hosts write their own host's file: a failure there is raised by that host's workers,
-as without this file.
+as without this file. The workers of every data-parallel replica that vLLM starts from one config
+(its default launcher) share one file, so a failure in one replica stops the others' outputs too.
 """
 from __future__ import annotations
 
@@ -46,10 +47,10 @@ class SharedFailures:
         size = world_size * RECORD_BYTES
         descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            # Every rank grows the file to the same size; none shrinks it (a later rank's ftruncate
-            # never drops another's record).
-            if os.fstat(descriptor).st_size < size:
-                os.ftruncate(descriptor, size)
+            # Every rank allocates the same size and none shrinks the file, so no rank drops another's
+            # record. Allocated, not only sized: a full /dev/shm is ENOSPC here, not a SIGBUS at the
+            # first write into the mapping.
+            os.posix_fallocate(descriptor, 0, size)
             self._map = mmap.mmap(descriptor, size)
         finally:
             os.close(descriptor)

@@ -91,7 +91,12 @@ def _shared_failures():
     holder = f"worker rank {rank} of {size}"
     if size == 1:
         return None, holder
-    return shared_failures(get_current_vllm_config().instance_id, rank, size), holder
+    try:
+        return shared_failures(get_current_vllm_config().instance_id, rank, size), holder
+    except OSError as error:  # serving goes on; only other ranks' failures are no longer raised here
+        logger.warning("ple-prep: failed PLE lookups cannot be shared with the other workers (%s): a lookup "
+                       "failed on another rank is raised on that rank only", error)
+        return None, holder
 
 
 def in_full_graph() -> bool:
