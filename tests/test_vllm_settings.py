@@ -38,13 +38,15 @@ def test_additional_config_wins_key_by_key():
 @pytest.mark.parametrize("text, count", [
     ("4GiB", 4 << 30), ("4G", 4 << 30), ("4GB", 4 * 10**9), ("4 GB", 4 * 10**9), ("512M", 512 << 20),
     ("512MB", 512 * 10**6), ("1.5g", 3 << 29), ("1000", 1000), (7, 7), (" 2 KiB ", 2048), ("3kb", 3000),
-    ("1TiB", 1 << 40), ("0.5K", 512), ("10B", 10)])
+    ("1TiB", 1 << 40), ("0.5K", 512), ("10B", 10), ("4Gi", 4 << 30), ("512Mi", 512 << 20), (4e9, 4 * 10**9),
+    (4.0, 4)])
 def test_parse_bytes_reads_decimal_and_binary_units(text, count):
     assert parse_bytes(text, "x") == count
 
 
 @pytest.mark.parametrize("text", [
-    "-1", "lots", "", True, -5, 4.0, None, [4], "4 G B", "4GiBs", "1e9", "0x10", "4_000",
+    "-1", "lots", "", True, -5, 4.5, float("nan"), float("inf"), None, [4], "4 G B", "4GiBs", "1e9", "0x10",
+    "4_000",
     "\uff14GiB",            # a fullwidth digit
     "\u0664GiB",            # an Arabic-Indic digit
     "4\u00a0GiB",           # a no-break space
@@ -100,7 +102,7 @@ def test_table_templates_hold_only_rank_and_size_and_are_checked_at_parse_time(t
     assert time.monotonic() - started < 1.0
 
 
-@pytest.mark.parametrize("read_path", ["Direct", "o_direct", 0, 1, False, ["direct"], "mapped "])
+@pytest.mark.parametrize("read_path", ["o_direct", 0, 1, False, ["direct"], "di rect"])
 def test_read_paths_come_from_a_closed_list_at_parse_time(read_path):
     with pytest.raises(BadInput, match=r"^additional_config\['ple_prep'\]\['read_path'\]=.*: the read path is one of "
                                        + ", ".join(READ_PATHS)):
@@ -110,6 +112,11 @@ def test_read_paths_come_from_a_closed_list_at_parse_time(read_path):
 def test_each_read_path_is_accepted():
     for read_path in READ_PATHS:
         assert read_settings({}, {"PLE_PREP_TABLE": "/a.bin", "PLE_PREP_READ_PATH": read_path}).read_path == read_path
+
+
+@pytest.mark.parametrize("written, read_path", [("Direct", "direct"), (" mapped ", "mapped"), ("PREAD", "pread")])
+def test_a_read_path_is_read_in_any_case_and_without_its_blanks(written, read_path):
+    assert read_settings({"ple_prep": {"table": "/a.bin", "read_path": written}}, {}).read_path == read_path
 
 
 def test_an_empty_environment_value_counts_as_unset():
@@ -180,7 +187,8 @@ def test_read_timeout_and_verification_are_parsed_strictly(variable, text, cause
         read_settings({}, {"PLE_PREP_TABLE": "/a.bin", variable: text})
 
 
-@pytest.mark.parametrize("value, seconds", [("30", 30.0), ("0", 0.0), ("2.5", 2.5), (15, 15.0)])
+@pytest.mark.parametrize("value, seconds", [("30", 30.0), ("0", 0.0), ("2.5", 2.5), (15, 15.0), ("60s", 60.0),
+                                            ("10 s", 10.0), ("1.2345", 1.2345)])
 def test_stats_seconds_are_read_from_the_environment_or_the_config(value, seconds):
     where = {"PLE_PREP_TABLE": "/nvme/ple.bin"}
     if isinstance(value, str):

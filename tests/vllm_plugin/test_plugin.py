@@ -95,14 +95,17 @@ def test_the_plugins_loader_is_vllms_for_its_default_load_formats():
         assert type(get_model_loader(LoadConfig(load_format=load_format))) is PreparedTableLoader
 
 
-def test_other_load_strategies_read_the_shards_as_vllm_does(checkpoints, tables):
+def test_other_load_strategies_read_the_shards_as_vllm_does_and_the_log_names_the_option(checkpoints, tables,
+                                                                                        caplog):
     from vllm.config import LoadConfig
     from vllm.model_executor.model_loader import get_model_loader
 
     served = build_layer(vllm_config(tables["fp8"]), text_config("fp8"), None)
     loader = get_model_loader(LoadConfig(load_format="auto", safetensors_load_strategy="eager"))
     model_config = types.SimpleNamespace(model=str(checkpoints["fp8"]), revision=None)
-    assert not any(tensor.is_meta for _, tensor in loader.get_all_weights(model_config, served))
+    with caplog.at_level("WARNING"):
+        assert not any(tensor.is_meta for _, tensor in loader.get_all_weights(model_config, served))
+    assert "load options (safetensors strategy eager) read whole checkpoint files" in caplog.text
 
 
 def test_tensor_parallel_ranks_serve_their_own_files_and_sum_to_the_whole_input(checkpoints, fp8_rank_tables,
@@ -239,6 +242,27 @@ def test_refuses_other_hash_constants_loaded_from_the_checkpoint(checkpoints, ta
         build_layer(vllm_config(tables["fp8"]), text_config("fp8"), checkpoint_weights(checkpoints["fp8"], other))
 
 
+def test_dummy_weights_leave_the_scale_unchecked_and_the_table_served(checkpoints, tables, caplog):
+    """--load-format dummy fills every weight, the scale among them, with random values: the table's
+    rows are still real, so it is served, with a warning, instead of refused for another scale."""
+    config = vllm_config(tables["fp8"])
+    config.load_config.load_format = "dummy"
+    other = {"ngram_embedding.weight_scale": torch.tensor([3e-4], dtype=torch.bfloat16)}
+    with caplog.at_level("WARNING"):
+        layer = build_layer(config, text_config("fp8"), checkpoint_weights(checkpoints["fp8"], other))
+    assert "--load-format dummy" in caplog.text
+    reference = build_layer(vllm_config(), text_config("fp8"), checkpoint_weights(checkpoints["fp8"]))
+    step = next(iter(schedule()))
+    assert torch.equal(ple_input(layer, *step).view(torch.int16), ple_input(reference, *step).view(torch.int16))
+
+
+def test_a_sharded_state_load_is_refused_naming_the_load_format(tables):
+    config = vllm_config(tables["fp8"])
+    config.load_config.load_format = "sharded_state"
+    with pytest.raises(BadInput, match=r"--load-format sharded_state loads a state vLLM saved"):
+        build_layer(config, text_config("fp8"), None)
+
+
 def test_refuses_another_checkpoints_scale(checkpoints, tables):
     other = {"ngram_embedding.weight_scale": torch.tensor([3e-4], dtype=torch.bfloat16)}
     with pytest.raises(TableMismatch, match=r"converted from a checkpoint with scale"):
@@ -343,7 +367,7 @@ def test_the_stats_line_and_prometheus_count_each_tier(tables, checkpoints, tmp_
     tiers = ("rows_resident", "rows_page_cache", "rows_host_cache", "rows_disk")
     assert window["starts"] == 5 and sum(window[tier] for tier in tiers) == \
         window["ids"] == sum(len(tokens) for tokens, _, _ in schedule()) * 16
-    assert re.search(r"PLE .*: 5 steps in 0 s, \d+ rows: [\d.]+% GPU, [\d.]+% page cache, [\d.]+% host cache, "
+    assert re.search(r"PLE .*: 5 steps in [\d.]+ s, \d+ rows: [\d.]+% GPU, [\d.]+% page cache, [\d.]+% host cache, "
                      r"[\d.]+% disk \(\d+ pages, [\d.]+ MiB read\); read-ahead covered [\d.]+% of the rows off the "
                      r"GPU; \d+ steps late at the PLE layer \(GPU wait <= [\d.]+ ms\); 0 failed; host [\d.]+ us a "
                      r"step, [\d.]+ MiB to the GPU", caplog.text), caplog.text
@@ -356,6 +380,15 @@ def test_the_stats_line_and_prometheus_count_each_tier(tables, checkpoints, tmp_
                        "host_cache": window["rows_host_cache"], "disk": window["rows_disk"]}
     assert (registry.get_sample_value("ple_prep_read_bytes_total") or 0) == window["bytes_read"]
     assert storage_.stats_log.flush()["starts"] == 0  # a window holds what came after the last
+    # PLE_PREP_STATS_SECONDS=0 stops the lines, not the counters: the last window is exported at close.
+    ple_input(layer, *next(iter(schedule())))
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        storage_.stats_log.close()
+    assert "steps in" not in caplog.text
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    assert registry.get_sample_value("ple_prep_steps_total") == 6
 
 
 @pytest.mark.needs_helper

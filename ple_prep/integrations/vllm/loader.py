@@ -133,13 +133,22 @@ class PreparedTableLoader(DefaultModelLoader):
                 and not config.model_loader_extra_config.get("enable_multithread_load")
                 and self._encoder_only_lm_prefixes is None)
 
+    def _whole_file_options(self) -> list[str]:
+        """Which of the load options `_reads_lazily` refuses are set."""
+        config = self.load_config
+        return [option for option, applies in (
+            (f"load format {config.load_format}", config.load_format not in LOAD_FORMATS),
+            (f"safetensors strategy {config.safetensors_load_strategy}",
+             config.safetensors_load_strategy not in (None, "lazy")),
+            ("multi-threaded loading", bool(config.model_loader_extra_config.get("enable_multithread_load"))),
+            ("an encoder-only model's prefixes", self._encoder_only_lm_prefixes is not None)) if applies]
+
     def _get_weights_iterator(self, source: DefaultModelLoader.Source):
         if not self._skip_shards:
             return super()._get_weights_iterator(source)
         if not self._reads_lazily():
-            logger.warning("ple-prep: vLLM's load options (load format %s, safetensors strategy %s, multi-threaded "
-                           "loading) read whole checkpoint files: the PLE shards are read at boot and dropped",
-                           self.load_config.load_format, self.load_config.safetensors_load_strategy)
+            logger.warning("ple-prep: vLLM's load options (%s) read whole checkpoint files: the PLE shards are read "
+                           "at boot and dropped", ", ".join(self._whole_file_options()))
             return super()._get_weights_iterator(source)
         _, files, use_safetensors, _ = self._prepare_weights(
             source.model_or_path, source.subfolder, source.revision, source.fall_back_to_pt,

@@ -34,7 +34,8 @@ READ_TIMEOUT_VARIABLE = "PLE_PREP_READ_TIMEOUT"
 VERIFY_READS_VARIABLE = "PLE_PREP_VERIFY_READS"
 # The longest read timeout a setting may ask for: an hour, past any disk's own retry time.
 MAX_READ_TIMEOUT_SECONDS = 3600
-_SECONDS = re.compile(r"([0-9]{1,4})(?:\.([0-9]{1,6}))? ?s?", re.ASCII)
+# Seconds as people write them: "30", "2.5s", "60 s".
+_SECONDS = re.compile(r"([0-9]{1,6})(?:\.([0-9]{1,6}))? ?s?", re.ASCII)
 STATS_VARIABLE = "PLE_PREP_STATS_SECONDS"
 # The lookup's counters go to vLLM's log this often by default; at most once a day.
 DEFAULT_STATS_SECONDS = 60.0
@@ -43,11 +44,12 @@ HOST_CACHE_VARIABLE = "PLE_PREP_HOST_CACHE_BYTES"
 READ_AHEAD_VARIABLE = "PLE_PREP_READ_AHEAD"
 RECORD_PROFILE_VARIABLE = "PLE_PREP_RECORD_PROFILE"
 # Byte units, by their lowercase spelling: GB, MB, KB, TB are powers of 1000 (4GB = 4 * 10**9), GiB,
-# MiB, KiB, TiB and the bare letters G, M, K, T powers of 1024 (4GiB = 4G = 4 * 2**30).
+# MiB, KiB, TiB, Kubernetes' Gi, Mi, Ki, Ti and the bare letters G, M, K, T powers of 1024
+# (4GiB = 4Gi = 4G = 4 * 2**30).
 UNITS = {"": 1, "b": 1,
          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-         "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
-         "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+         "k": 1 << 10, "ki": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mi": 1 << 20, "mib": 1 << 20,
+         "g": 1 << 30, "gi": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "ti": 1 << 40, "tib": 1 << 40}
 # The most a byte count may say where nothing tighter applies: 1 TiB, above any one GPU's memory and
 # 20 times the whole FP8 table, so that a typo of a few digits is refused rather than believed.
 MAX_BYTES = 1 << 40
@@ -63,8 +65,11 @@ def refuse(where: str, value: Any, cause: str) -> BadInput:
 
 
 def parse_bytes(value: Any, where: str, limit: int = MAX_BYTES) -> int:
-    """A byte count: an integer, or ASCII digits with an optional fraction and unit (`UNITS`:
-    4GB = 4 * 10**9, 4GiB = 4G = 4 * 2**30), at most `limit`; a fraction of a byte rounds down."""
+    """A byte count: an integer (a JSON number such as 4e9 too, if whole), or ASCII digits with an
+    optional fraction and unit (`UNITS`: 4GB = 4 * 10**9, 4GiB = 4G = 4 * 2**30), at most `limit`; a
+    fraction of a byte rounds down."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if isinstance(value, int) and not isinstance(value, bool):
         count = value
     elif isinstance(value, str):
@@ -107,18 +112,26 @@ def parse_table(value: Any, where: str) -> str:
 
 
 def parse_read_path(value: Any, where: str) -> str:
-    if value not in READ_PATHS or not isinstance(value, str):
+    """One of READ_PATHS, in any case, blanks around it ignored."""
+    path = value.strip().lower() if isinstance(value, str) else None
+    if path not in READ_PATHS:
         raise refuse(where, value, f"the read path is one of {', '.join(READ_PATHS)}")
-    return value
+    return path
+
+
+def _seconds(value: Any) -> float | None:
+    """A number of seconds as written ("30", "2.5s", "60 s", 30), or None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str) and (found := _SECONDS.fullmatch(value.strip())):
+        return float(f"{found.group(1)}.{found.group(2) or 0}")
+    return None
 
 
 def parse_seconds(value: Any, where: str) -> float:
     """A positive number of seconds, at most MAX_READ_TIMEOUT_SECONDS ("30", "2.5s", 30)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    elif isinstance(value, str) and (found := _SECONDS.fullmatch(value.strip())):
-        seconds = float(f"{found.group(1)}.{found.group(2) or 0}")
-    else:
+    seconds = _seconds(value)
+    if seconds is None:
         raise refuse(where, value, "not a number of seconds; write one such as 30 or 2.5s")
     if not 0 < seconds <= MAX_READ_TIMEOUT_SECONDS:
         raise refuse(where, value, f"the read timeout is more than 0 and at most {MAX_READ_TIMEOUT_SECONDS} seconds")
@@ -155,13 +168,11 @@ def parse_profile_path(value: Any, where: str) -> str:
 
 
 def parse_stats_seconds(value: Any, where: str) -> float:
-    """Seconds between the log's stats lines: 0 (none) to MAX_STATS_SECONDS, ASCII digits."""
-    seconds = value
-    if isinstance(value, str) and re.fullmatch(r"[0-9]{1,6}(\.[0-9]{1,3})?", value.strip(), re.ASCII):
-        seconds = float(value)
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= MAX_STATS_SECONDS:
+    """Seconds between the log's stats lines: 0 (none) to MAX_STATS_SECONDS ("60", "60s", 60)."""
+    seconds = _seconds(value)
+    if seconds is None or not 0 <= seconds <= MAX_STATS_SECONDS:
         raise refuse(where, value, f"seconds between stats lines, 0 (none) to {MAX_STATS_SECONDS:g}")
-    return float(seconds)
+    return seconds
 
 
 @dataclasses.dataclass(frozen=True)

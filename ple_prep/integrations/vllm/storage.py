@@ -82,6 +82,20 @@ def check_cudagraph_mode(graph_safe: bool) -> None:
                        "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' or --enforce-eager")
 
 
+def load_format() -> str:
+    config = get_current_vllm_config().load_config
+    return str(getattr(config, "load_format", "auto") or "auto")
+
+
+def check_load_format() -> None:
+    """Refuse a load format that loads vLLM's own saved weights, the PLE table's among them, which this
+    storage does not hold (its weight has no rows)."""
+    if load_format() == "sharded_state":
+        raise BadInput("ple-prep serves the PLE table from its prepared file, and --load-format sharded_state "
+                       "loads a state vLLM saved with the PLE table in it: load the checkpoint (--load-format auto), "
+                       "or unset PLE_PREP_TABLE and additional_config['ple_prep']")
+
+
 def _shared_failures():
     """This worker's failure records shared with the instance's other workers (failures.py) and the
     worker's name in them; (None, name) for a single process, which has no one to tell."""
@@ -164,6 +178,7 @@ class PreparedTableEmbedding(Qwen4ExpPLEEmbedding):
                                "slower, and FULL CUDA graphs are refused; reinstall ple-prep where a C compiler "
                                "is present")
             check_cudagraph_mode(graph_safe=table.compiled)
+            check_load_format()
             shared, holder = _shared_failures()
             self.rows = PrefetchedRows(table, device=device, resident_bytes=budget,
                                        max_tokens=max_total_tokens * self.etp_data_parallel_size,
@@ -182,7 +197,7 @@ class PreparedTableEmbedding(Qwen4ExpPLEEmbedding):
         self._shard_rows_dropped = 0
         self._owner: weakref.ref[nn.Module] | None = None
         self._watch_registration()
-        self.stats_log = StatsLog(prefix, self.rows, settings.stats_seconds if self.rows.graph_safe else 0)
+        self.stats_log = StatsLog(prefix, self.rows, settings.stats_seconds)
         logger.info("PLE rows of %s from %s (ETP rank %d of %d): %.2f GiB resident on %s, the rest from the file",
                     prefix, table.path, self.tp_rank, self.tp_size, self.rows.resident_bytes / 2**30, device)
         if compiled_helper_missing() is not None:
@@ -211,7 +226,11 @@ class PreparedTableEmbedding(Qwen4ExpPLEEmbedding):
         scale = getattr(self, "weight_scale_2", None)
         if scale is None and isinstance(self.embedding_method, Qwen4ExpPLEFp8EmbeddingMethod):
             scale = self.weight_scale
-        check_scale(self.table, None if scale is None else float(scale.reshape(-1)[0]))
+        if load_format() == "dummy":  # random weights, the scale among them: the table's values are real
+            logger.warning("ple-prep: --load-format dummy gives the model random weights; the PLE values come "
+                           "from %s all the same", self.table.path)
+        else:
+            check_scale(self.table, None if scale is None else float(scale.reshape(-1)[0]))
         logger.info("PLE storage: %d checkpoint rows dropped at load; %s serves them",
                     self._shard_rows_dropped, self.table.path)
 
