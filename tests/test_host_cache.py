@@ -87,6 +87,31 @@ def test_lookup_returns_admitted_rows_and_misses_the_others(cache_loops):
     assert cache.hits and cache.misses
 
 
+def test_a_negative_slot_is_never_a_hit_of_an_empty_or_another_entry(cache_loops, ordered):
+    """slot + 1 is what an entry holding that slot stores, and 0 an empty entry's word: -1 matched both."""
+    cache = HostCache(Header(8), 1 * 16 * hostcache.WAYS + 1)
+    cache.admit(np.arange(100, 108), np.ones((8, 8), dtype=np.uint8))
+    cache.clear()
+    out = poisoned(2, 8)
+    assert cache.lookup(np.array([-1, 100]), out).tolist() == [0, 1]
+    assert (out == POISON).all() and cache.hits == 0
+    with open_table(ordered.path, read_path="mapped", host_cache_bytes=4 << 20) as table:
+        with pytest.raises(IndexError, match="slot -1 is outside"):
+            table.host_cache.gather_slots(np.array([-1]))
+
+
+def test_each_read_ahead_chunk_is_refused_as_a_request_is_and_a_closed_table_says_so(ordered):
+    with open_table(ordered.path, read_path="mapped", host_cache_bytes=4 << 20, max_request_rows=1000) as table:
+        with pytest.raises(ValueError, match="1000"):
+            table.read_ahead([np.zeros(10, dtype=np.int64), np.zeros(2000, dtype=np.int64)])
+        with pytest.raises(TypeError, match="integers"):
+            table.read_ahead([np.zeros(10, dtype=np.float32)])
+        table.read_ahead([np.zeros(1000, dtype=np.int64)]).wait(30)
+    for call in (lambda: table.gather(np.arange(4)), lambda: table.read_ahead([np.arange(4)])):
+        with pytest.raises(ValueError, match="the table is closed"):
+            call()
+
+
 def test_compiled_and_numpy_loops_agree(monkeypatch):
     if hostcache._native is None:
         pytest.skip("the host cache's compiled helper is not built here")

@@ -278,11 +278,11 @@ class HostCache:
         return (((hashed >> np.uint64(32)) * np.uint64(self.sets)) >> np.uint64(32)).astype(np.int64)
 
     def _find(self, slots: np.ndarray) -> np.ndarray:
-        """The entry holding each slot, or -1."""
+        """The entry holding each slot, or -1 (for a negative slot too: slot + 1 would be an empty entry's word)."""
         first = self._sets_of(slots) * self.ways
         words = self._words[first[:, None] + np.arange(self.ways)]
         match = (words & _SLOT_MASK) == slots.astype(np.uint64)[:, None] + _ONE
-        return np.where(match.any(axis=1), first + match.argmax(axis=1), -1)
+        return np.where(match.any(axis=1) & (slots >= 0), first + match.argmax(axis=1), -1)
 
     def _lookup(self, slots: np.ndarray, out: np.ndarray, positions: np.ndarray | None) -> tuple[np.ndarray, int]:
         if positions is not None and len(positions) and (positions.min() < 0 or positions.max() >= len(out)):

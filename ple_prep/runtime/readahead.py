@@ -122,8 +122,11 @@ class CachedDiskTier:
         return (self._data_offset + slots // self.rows_per_page * self._page_size) // self._block
 
     def gather_slots(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """uint8 `(len(slots), row_bytes)`: the rows at these file slots, in request order."""
+        """uint8 `(len(slots), row_bytes)`: the rows at these file slots, in request order; IndexError
+        for a negative slot (one past the file fails its read)."""
         slots = np.ascontiguousarray(slots, dtype=np.int64).reshape(-1)
+        if len(slots) and int(slots.min()) < 0:
+            raise IndexError(f"slot {int(slots.min())} is outside the table")
         count, row_bytes = len(slots), self.cache.row_bytes
         if out is None:
             out = np.empty((count, row_bytes), dtype=np.uint8)

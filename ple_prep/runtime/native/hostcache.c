@@ -49,9 +49,11 @@ static inline int64_t set_index(const host_cache *cache, int64_t slot)
     return (int64_t)(((((uint64_t)slot * MULTIPLIER) >> 32) * (uint64_t)cache->sets) >> 32);
 }
 
-/* The entry holding `slot`, or -1. */
+/* The entry holding `slot`, or -1 (for a negative slot too: slot + 1 would be an empty entry's word). */
 static inline int64_t find(const host_cache *cache, int64_t slot)
 {
+    if (slot < 0)
+        return -1;
     const uint64_t *word = cache->word;
     int64_t first = set_index(cache, slot) * cache->ways;
     for (int64_t way = 0; way < cache->ways; way++)
