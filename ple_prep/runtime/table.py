@@ -114,8 +114,6 @@ class Table:
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu":
             raise TypeError(f"row ids must be integers, not {ids.dtype}")
-        if self.order is None:
-            raise ValueError("the table is closed")
         return self.order.slot_of(ids.reshape(-1), self.first_row)
 
     def _request_ids(self, ids) -> np.ndarray:
@@ -265,10 +263,9 @@ class Table:
         return self._disk
 
     def read_ahead(self, chunks, skip_slots: int = 0) -> ReadAhead | None:
-        """Read the rows of a request's coming chunks (row ids each, in the order they will be
-        gathered) into the host cache on a thread, leaving out slots below `skip_slots` (a
-        resident tier's); returns at once (None without a host cache). runtime/readahead.py. Each chunk is
-        refused as `gather` refuses a request (not integers, more than `max_request_rows` ids)."""
+        """Read the rows of a request's coming chunks (row ids each, in the order they will be gathered,
+        each refused as `gather` refuses a request) into the host cache on a thread, leaving out slots
+        below `skip_slots` (a resident tier's); returns at once (None without a host cache)."""
         if self._disk is None:
             return None
         self._watch.check()

@@ -35,6 +35,8 @@ class FileWatch:
         return status.st_size, status.st_mtime_ns
 
     def check(self) -> None:
+        if self.descriptor < 0:
+            raise ValueError(f"{self.path.name}: the table is closed")
         if self.change is None and time.monotonic() >= self.next_check:
             self.change = self.changed()
             self.next_check = time.monotonic() + self.CHECK_SECONDS
