@@ -47,6 +47,7 @@ import numpy as np
 from .hostcache import HostCache
 from .readcheck import MIN_BLOCK, ReadTimeout, read_error
 from .readplan import ReadAhead
+from .requests import check_slot_range
 
 try:
     from . import _native
@@ -123,10 +124,9 @@ class CachedDiskTier:
 
     def gather_slots(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """uint8 `(len(slots), row_bytes)`: the rows at these file slots, in request order; IndexError
-        for a negative slot (one past the file fails its read)."""
+        for a slot outside the table."""
         slots = np.ascontiguousarray(slots, dtype=np.int64).reshape(-1)
-        if len(slots) and int(slots.min()) < 0:
-            raise IndexError(f"slot {int(slots.min())} is outside the table")
+        check_slot_range(slots, self.reader._header.num_rows)
         count, row_bytes = len(slots), self.cache.row_bytes
         if out is None:
             out = np.empty((count, row_bytes), dtype=np.uint8)

@@ -25,8 +25,13 @@ def checked_slots(slots, num_slots: int, limit: int) -> np.ndarray:
         raise TypeError(f"slots must be integers, not {slots.dtype}")
     check_request(slots.size, limit)
     slots = np.ascontiguousarray(slots, dtype=np.int64).reshape(-1)
+    check_slot_range(slots, num_slots)
+    return slots
+
+
+def check_slot_range(slots: np.ndarray, num_slots: int) -> None:
+    """IndexError for a slot outside [0, num_slots)."""
     if len(slots):
         low, high = int(slots.min()), int(slots.max())
         if low < 0 or high >= num_slots:
             raise IndexError(f"slot {low if low < 0 else high} is outside the table's {num_slots} slots")
-    return slots

@@ -1,6 +1,7 @@
 """The plugin inside vLLM 0.33.0's real Qwen4Exp n-gram embedding, against vLLM's own device table."""
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -497,3 +498,17 @@ def test_the_log_says_when_the_compiled_helper_is_missing(tables):
     assert result.returncode == 0, result.stderr[-3000:]
     log = result.stdout + result.stderr
     assert "ple-prep: ple-prep's compiled helper is not built" in log and "install a C compiler" in log, log[-3000:]
+
+
+def test_a_worker_whose_records_cannot_be_made_serves_on_and_says_why(monkeypatch, caplog):
+    """/dev/shm full: the worker serves without sharing its failures, with a warning naming the cause."""
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    monkeypatch.setattr(storage, "shared_failures", full)
+    with set_current_vllm_config(vllm_config()), caplog.at_level("WARNING"):
+        assert storage._worker_records() == (None, "worker rank 1 of 2")
+    assert "cannot be shared with the other workers ([Errno 28] No space left on device)" in caplog.text

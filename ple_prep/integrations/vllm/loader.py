@@ -127,14 +127,8 @@ class PreparedTableLoader(DefaultModelLoader):
         finally:
             self._skip_shards = False
 
-    def _reads_lazily(self) -> bool:
-        config = self.load_config
-        return (config.load_format in LOAD_FORMATS and config.safetensors_load_strategy in (None, "lazy")
-                and not config.model_loader_extra_config.get("enable_multithread_load")
-                and self._encoder_only_lm_prefixes is None)
-
     def _whole_file_options(self) -> list[str]:
-        """Which of the load options `_reads_lazily` refuses are set."""
+        """The load options set under which vLLM reads whole checkpoint files (none: it reads lazily)."""
         config = self.load_config
         return [option for option, applies in (
             (f"load format {config.load_format}", config.load_format not in LOAD_FORMATS),
@@ -146,9 +140,10 @@ class PreparedTableLoader(DefaultModelLoader):
     def _get_weights_iterator(self, source: DefaultModelLoader.Source):
         if not self._skip_shards:
             return super()._get_weights_iterator(source)
-        if not self._reads_lazily():
+        whole_file_options = self._whole_file_options()
+        if whole_file_options:
             logger.warning("ple-prep: vLLM's load options (%s) read whole checkpoint files: the PLE shards are read "
-                           "at boot and dropped", ", ".join(self._whole_file_options()))
+                           "at boot and dropped", ", ".join(whole_file_options))
             return super()._get_weights_iterator(source)
         _, files, use_safetensors, _ = self._prepare_weights(
             source.model_or_path, source.subfolder, source.revision, source.fall_back_to_pt,

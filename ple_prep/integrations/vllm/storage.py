@@ -96,7 +96,7 @@ def check_load_format() -> None:
                        "or unset PLE_PREP_TABLE and additional_config['ple_prep']")
 
 
-def _shared_failures():
+def _worker_records():
     """This worker's failure records shared with the instance's other workers (failures.py) and the
     worker's name in them; (None, name) for a single process, which has no one to tell."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
@@ -179,7 +179,7 @@ class PreparedTableEmbedding(Qwen4ExpPLEEmbedding):
                                "is present")
             check_cudagraph_mode(graph_safe=table.compiled)
             check_load_format()
-            shared, holder = _shared_failures()
+            shared, holder = _worker_records()
             self.rows = PrefetchedRows(table, device=device, resident_bytes=budget,
                                        max_tokens=max_total_tokens * self.etp_data_parallel_size,
                                        heads=num_ngram_heads, failure_record=shared and shared.own,
