@@ -486,6 +486,79 @@ def test_eager_cold_steps_beside_busy_streams_never_wait_on_other_device_work(ta
             lookup.close()
 
 
+def step_in_mode(lookup, ids: torch.Tensor, consumer: torch.Tensor, mode: str, device_work: bool):
+    """One step's calls as `mode` runs them ("eager", "full-graph": start and finish in one captured
+    graph, "piecewise-graphs": each in a graph of its own), with about a millisecond of device work
+    between start and finish or none: a function that queues the step."""
+    def work() -> None:
+        if device_work:
+            torch.cuda._sleep(2_000_000)
+
+    def eager() -> None:
+        lookup.start(ids)
+        work()
+        consumer.copy_(lookup.finish())
+
+    if mode == "eager":
+        return eager
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graphs = [torch.cuda.CUDAGraph() for _ in range(2)]
+    with torch.cuda.stream(stream):
+        if mode == "full-graph":
+            with torch.cuda.graph(graphs[0]):
+                lookup.start(ids, finish_in_same_graph=True)
+                work()
+                consumer.copy_(lookup.finish())
+        else:
+            with torch.cuda.graph(graphs[0]):
+                lookup.start(ids)
+            with torch.cuda.graph(graphs[1]):
+                consumer.copy_(lookup.finish())
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    if mode == "full-graph":
+        return graphs[0].replay
+
+    def piecewise() -> None:
+        graphs[0].replay()
+        work()
+        graphs[1].replay()
+
+    return piecewise
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["eager", "full-graph", "piecewise-graphs"])
+def test_a_step_is_counted_late_when_the_device_waited_for_its_rows_and_only_then(table, mode, device_half):
+    """The device marks its arrival at finish before it waits, in every mode, and clears it after, so
+    the thread counts a step late when the device got there first: a step whose finish follows its
+    start at once after 150 ms idle (the thread then polls 1 ms apart) is late, one with a millisecond
+    of device work between start and finish is not, nor is the step after it."""
+    lookup = steps.StepLookup(table, device="cuda", resident_bytes=2000 * table.row_bytes, max_ids=64 * 16)
+    ids = torch.from_numpy(token_ids(table, 2, 3).reshape(-1)).cuda()
+    consumer = torch.empty(ids.numel(), table.values_per_row, dtype=torch.bfloat16, device="cuda")
+    try:
+        serve(lookup, ids.cpu().numpy())  # warm-up outside any capture
+        at_once, after_work = (step_in_mode(lookup, ids, consumer, mode, work) for work in (False, True))
+        before = lookup.stats()["late"]
+        for _ in range(5):
+            time.sleep(0.15)
+            at_once()
+            torch.cuda.synchronize()
+        idle_late = lookup.stats()["late"] - before
+        before = lookup.stats()["late"]
+        for _ in range(10):
+            after_work()
+            torch.cuda.synchronize()
+        busy_late = lookup.stats()["late"] - before
+        assert np.array_equal(bits(consumer), expected_bits(table, ids.cpu().numpy()))
+        lookup.check()
+        assert idle_late >= 4 and busy_late <= 1, (idle_late, busy_late)
+    finally:
+        lookup.close()
+
+
 @needs_cuda
 def test_a_collection_due_during_an_eager_finish_s_capture_waits_until_after_it(table, monkeypatch):
     """The first eager finish of a size captures its device half; a CUDA graph left in a reference
@@ -493,7 +566,7 @@ def test_a_collection_due_during_an_eager_finish_s_capture_waits_until_after_it(
     while its thread captures)."""
     lookup = steps.StepLookup(table, device="cuda", resident_bytes=2000 * table.row_bytes, max_ids=64 * 16)
     thresholds = gc.get_threshold()
-    graphs = lookup._kernel_graphs if 8 * 16 <= lookup.kernel_max_ids else lookup._graphs  # the step's
+    graphs = lookup._graphs
     device_half = graphs._device_half
 
     def device_half_due_a_collection(size: int) -> torch.Tensor:

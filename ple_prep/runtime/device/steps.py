@@ -15,18 +15,17 @@ pinned memory (the rows copied from the page cache where they are there, else re
 with O_DIRECT, runtime/native/disk_reads.c), without ever taking the GIL and without any CUDA
 call, and stores 1 into a second flag (READY). The device's fetch waits for READY, resets it and
 copies the staged span (as many rows as the step has ids, and their index: a size fixed by the
-count, so a graph holds it). Up to `kernel_max_ids` ids (a decode step's), two small kernels on the
-caller's stream do that (runtime/native/step_kernels.cu): the first stores the ids and the request,
-the second marks the device's arrival (ARRIVED), waits for READY and copies the span with its own
-loads, with no side stream, memory operation or copy engine to pay for (docs/RUNTIME.md, "Kernels
-for small steps").
+count, so a graph holds it). Up to `kernel_max_ids` ids (a decode step's), two small kernels do that
+(runtime/native/step_kernels.cu): the first stores the ids and the request, the second marks the
+device's arrival (ARRIVED), waits for READY and copies the span with its own loads, with no memory
+operation or copy engine to pay for (docs/RUNTIME.md, "Kernels for small steps"); both go on the
+caller's stream, the second queued by finish.
 Larger steps go through stream memory operations and the copy engine: where the step's finish is
-queued eagerly or in the same CUDA graph, start queues the fetch too, on a side stream forked from
-the current one (so it runs beside the work between start and finish, decoder layer 0), and finish
-joins it; else (a piecewise graph may end between start and finish, and a capture may not end with a
-side stream unjoined) start queues only the request on the current stream and finish queues the
-fetch there; `finish` then marks the arrival beside the index and decode, on a stream of its own (a
-stream memory operation on the current stream holds the work behind it). `finish` queues the index
+queued eagerly or in the same CUDA graph, start queues the fetch too, on the side stream, and finish
+marks the arrival and joins it; else (a piecewise graph may end between start and finish, and a
+capture may not end with a side stream unjoined) start queues only the request on the current stream
+and finish queues the arrival and the fetch there. The arrival is marked before the device waits, so
+a step whose rows were not ready is counted late in every mode. `finish` queues the index
 and decode into `output`.
 Only the thread's host store releases a wait (docs/RUNTIME.md, "A step in one CUDA graph", why).
 Neither call waits on the host or depends on the host's state of the step, so the same calls run
@@ -130,11 +129,9 @@ class StepLookup:
         self._started_beside = False  # the last start's copy went on the side stream
         self._held_ids: torch.Tensor | None = None
         self._device_index = self.device.index if self.device.type == "cuda" else -1
-        # An eager finish's device half, as CUDA graphs by size (GraphCache keeps them), launched
-        # through their exec handles: after the step kernels' fetch, the index and decode alone; else
-        # with the arrival's mark beside them.
-        self._kernel_graphs = GraphCache(buffers, self.device, self._index_and_decode)
-        self._graphs = GraphCache(buffers, self.device, self._device_half_here)
+        # An eager finish's device half after the fetch, the index and decode, as CUDA graphs by size
+        # (GraphCache keeps them), launched through their exec handles.
+        self._graphs = GraphCache(buffers, self.device, self._index_and_decode)
         # The most ids a step may have to go through the step kernels (0: they are not loaded here).
         self.kernel_max_ids = 0
         handles = None
@@ -142,14 +139,13 @@ class StepLookup:
             from .driver import device_context
 
             self._context = device_context(self.device.index)
-            # Streams of its own (torch hands its pooled streams out again, to captures too): one
-            # beside the caller's for the ids' copy, the request and the fetch (start), one for the
-            # arrival's write (finish); events: start's fork, finish's arrival, the joins of each.
-            (self._side, self._arrival), events = _native.step_handles(self._context, 2, 4)
-            self._fork, self._done, self._arrive, self._arrived = events
+            # A stream of its own beside the caller's for the ids' copy, the request and the fetch (torch
+            # hands its pooled streams out again, to captures too); events: start's fork, finish's join.
+            (self._side,), events = _native.step_handles(self._context, 1, 2)
+            self._fork, self._done = events
             kernels = load_step_kernels(self._context)
             module, request_kernel, fetch_kernel = kernels or (0, 0, 0)
-            handles = (self._context, (self._side, self._arrival), events, (module,))  # destroyed with the service
+            handles = (self._context, (self._side,), events, (module,))  # destroyed with the service
             # The step kernels' two counters (runtime/native/step_kernels.cu), zero between steps.
             self._kernel_counters = torch.zeros(2, dtype=torch.int32, device=self.device)
             self.kernel_max_ids = min(KERNEL_MAX_IDS, self.capacity) if kernels else 0
@@ -246,36 +242,24 @@ class StepLookup:
             self.check()
             return self._index_and_decode(count)
         stream = self._current_stream()
-        through_kernels = started <= self.kernel_max_ids
-        graphs = self._kernel_graphs if through_kernels else self._graphs
-        key = (graphs.size_for(count), False)
-        launch = graphs.execs.get(key, 0)
         self._held_ids = None
-        if self._started_beside:  # the side stream joined, and outside a capture the graph launched
-            capturing = _native.queue_step_finish(stream, self._side, self._done, launch)
-        else:  # the fetch queued, and outside a capture the graph launched
+        key = (self._graphs.size_for(count), False)
+        launch = self._graphs.execs.get(key, 0)
+        if self._started_beside:  # the arrival marked, the side stream joined, outside a capture the graph launched
+            capturing = _native.queue_step_finish(stream, self._side, self._done, self._flag_address + 4 * ARRIVED,
+                                                  launch)
+        else:  # the arrival marked and the fetch queued, and outside a capture the graph launched
             capturing = _native.queue_step_fetch(self._queue, stream, launch, started)
         if capturing:
-            return self._index_and_decode(count) if through_kernels else self._device_half(count, stream)
+            return self._index_and_decode(count)
         if not launch:
-            if key not in graphs.graphs:  # captured once per size, then launched by handle
-                graphs.capture(*key, torch.cuda.current_stream(self.device))
-            if key in graphs.execs:
-                _native.launch_graph(graphs.execs[key], stream)
+            if key not in self._graphs.graphs:  # captured once per size, then launched by handle
+                self._graphs.capture(*key, torch.cuda.current_stream(self.device))
+            if key in self._graphs.execs:
+                _native.launch_graph(self._graphs.execs[key], stream)
             else:  # a torch without graph exec handles
-                graphs.graphs[key].replay()
-        return graphs.output_view(count)
-
-    def _device_half(self, count: int, stream: int) -> torch.Tensor:
-        """The index and decode of the fetched rows, queued on `stream` (the current one); the
-        device's arrival marked beside them on the arrival stream, joined after."""
-        _native.queue_step_arrival(stream, self._arrival, self._arrive, self._flag_address + 4 * ARRIVED)
-        values = self._index_and_decode(count)
-        _native.queue_step_finish(stream, self._arrival, self._arrived, 0)
-        return values
-
-    def _device_half_here(self, count: int) -> torch.Tensor:
-        return self._device_half(count, self._current_stream())
+                self._graphs.graphs[key].replay()
+        return self._graphs.output_view(count)
 
     def _index_and_decode(self, count: int) -> torch.Tensor:
         """Each position's row picked from its tier and decoded into `output`."""
@@ -302,7 +286,7 @@ class StepLookup:
             return
         stream = self._current_stream()
         if self._started_beside:
-            _native.queue_step_finish(stream, self._side, self._done, 0)
+            _native.queue_step_finish(stream, self._side, self._done, 0, 0)
         else:
             _native.queue_step_fetch(self._queue, stream, 0, started)
         self._held_ids = None
@@ -334,7 +318,7 @@ class StepLookup:
                                   capacity=self.capacity, path=self.table.path)
 
     def _wait_on_host(self) -> None:
-        """The CPU's stand-in for the device's wait: READY, then its reset."""
+        """The CPU's stand-in for the device's wait: the arrival marked, READY, then both reset."""
         self._flags_array[ARRIVED] = 1
         deadline = time.monotonic() + HOST_WAIT_SECONDS
         while self._flags_array[READY] == 0:
@@ -342,6 +326,7 @@ class StepLookup:
                 raise TimeoutError(f"the PLE step service did not serve a step within {HOST_WAIT_SECONDS:.0f} s")
             time.sleep(20e-6)
         self._flags_array[READY] = 0
+        self._flags_array[ARRIVED] = 0
 
     # --- state -----------------------------------------------------------------------------------
 

@@ -60,23 +60,28 @@ static void set_memop(stream_memop *operation, unsigned kind, unsigned long long
     operation->value.value = value;
 }
 
-/* Unless request_flag is 0, the write of `count` into it (the request); the wait until the service
- * thread's host store of 1 into ready_flag, its reset to 0 and the copy of `bytes` staged rows and
- * index from pinned `source` to device `target`, on `stream`. The writes and the wait go in one
- * driver call: each call costs the host microseconds (BENCHMARKS.md). The wait is released by the
- * host alone, never by other device work: a wait that other queued device work must release can
- * hang where their streams share one of the device's hardware queues (docs/RUNTIME.md, "A step in
- * one CUDA graph"). */
+/* Unless request_flag is 0, the write of `count` into it (the request); unless arrived_flag is 0, the
+ * write of 1 into it (the device's arrival at the finish), reset after the wait (the thread reads it
+ * before it stores the ready flag); the wait until the service thread's host store of 1 into
+ * ready_flag, its reset to 0 and the copy of `bytes` staged rows and index from pinned
+ * `source` to device `target`, on `stream`. The writes and the wait go in one driver call: each call
+ * costs the host microseconds (BENCHMARKS.md). The wait is released by the host alone, never by
+ * other device work: a wait that other queued device work must release can hang where their streams
+ * share one of the device's hardware queues (docs/RUNTIME.md, "A step in one CUDA graph"). */
 static cuda_result queue_fetch(void *stream, unsigned long long request_flag, uint32_t count,
-                               unsigned long long ready_flag, unsigned long long target, const void *source,
-                               Py_ssize_t bytes)
+                               unsigned long long arrived_flag, unsigned long long ready_flag,
+                               unsigned long long target, const void *source, Py_ssize_t bytes)
 {
-    stream_memop operations[3];
+    stream_memop operations[5];
     unsigned used = 0;
     if (request_flag)
         set_memop(&operations[used++], WRITE_VALUE_32, request_flag, count);
+    if (arrived_flag)
+        set_memop(&operations[used++], WRITE_VALUE_32, arrived_flag, 1);
     set_memop(&operations[used++], WAIT_VALUE_32, ready_flag, 1); /* flags 0: CU_STREAM_WAIT_VALUE_GEQ */
     set_memop(&operations[used++], WRITE_VALUE_32, ready_flag, 0);
+    if (arrived_flag)
+        set_memop(&operations[used++], WRITE_VALUE_32, arrived_flag, 0);
     cuda_result result = batch_memops(stream, used, operations, 0);
     if (result == 0 && bytes > 0)
         result = cuda.copy_to_device(target, source, (size_t)bytes, stream);
@@ -174,14 +179,14 @@ static void span_of(const step_queue *queue, Py_ssize_t count, Py_ssize_t *low, 
     *bytes = queue->index_at + 4 * count - *low;
 }
 
-/* That span to the device, after the wait for READY and its reset, on `stream`; the request's write
- * first unless `request` is 0. */
-static cuda_result queue_span_fetch(const step_queue *queue, void *stream, Py_ssize_t count, int request)
+/* That span to the device, after the wait for READY and its reset, on `stream`: beside the caller's
+ * work with the request's write first (a start), else with the arrival's write first (a finish). */
+static cuda_result queue_span_fetch(const step_queue *queue, void *stream, Py_ssize_t count, int beside)
 {
     Py_ssize_t low, bytes;
     span_of(queue, count, &low, &bytes);
-    return queue_fetch(stream, request ? queue->request_flag : 0, (uint32_t)count, queue->ready_flag,
-                       queue->span_device + (unsigned long long)low, queue->span_host + low, bytes);
+    return queue_fetch(stream, beside ? queue->request_flag : 0, (uint32_t)count, beside ? 0 : queue->arrived_flag,
+                       queue->ready_flag, queue->span_device + (unsigned long long)low, queue->span_host + low, bytes);
 }
 
 /* step_kernels.cu's launches: KERNEL_THREADS a block, a block per REQUEST_IDS_PER_BLOCK ids or
@@ -219,15 +224,24 @@ static cuda_result launch_fetch(const step_queue *queue, void *stream, Py_ssize_
                               1, 0, stream, parameters, NULL);
 }
 
+/* The side stream made to wait for what `stream` queued so far (a record of the fork event there): work
+ * then queued on the side stream runs beside `stream`'s later work, until queue_step_finish joins it. */
+static cuda_result fork_side(const step_queue *queue, void *stream)
+{
+    cuda_result result = cuda.event_record(queue->fork, stream);
+    return result == 0 ? cuda.stream_wait_event(queue->side, queue->fork, 0) : result;
+}
+
 /* queue_step_start(queue, stream, ids, beside_in_capture, count) -> whether it went beside: a step's
  * start in one call of the helper, a fraction of torch calls' cost on the H200's host (BENCHMARKS.md).
  * The copy of `count` int64 ids from device address `ids` into the queue's pinned ids and the write of
  * `count` into its request flag. Up to the queue's kernel_max_ids ids, step_request does both on
- * `stream`, and the fetch (queue_step_fetch) is step_fetch there. Else, where `stream` is not being
- * captured, or is and `beside_in_capture` (the finish comes in the same graph), they go on the side
- * stream after a record of the fork event on `stream` (beside the caller's work that follows on
- * `stream`; joined again by queue_step_finish), followed there by the fetch of the staged span; else
- * on `stream`, and the finish queues the fetch (queue_step_fetch). */
+ * `stream`, and the fetch (queue_step_fetch) is step_fetch there: on a side stream they cost a FULL
+ * graph's step more, not less (docs/benchmark-history.md, "The step kernels beside the work"). Else,
+ * where `stream` is not being captured, or is and `beside_in_capture` (the finish comes in the same
+ * graph), they go on the side stream after a record of the fork event on `stream` (beside the
+ * caller's work that follows on `stream`; joined again by queue_step_finish), followed there by the
+ * fetch of the staged span; else on `stream`, and the finish queues the fetch (queue_step_fetch). */
 PyObject *queue_step_start(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     void *stream;
@@ -246,13 +260,9 @@ PyObject *queue_step_start(PyObject *self, PyObject *const *args, Py_ssize_t nar
     else {
         result = capturing(stream, &beside);
         beside = !beside || beside_in_capture;
-        void *on = stream;
-        if (result == 0 && beside) {
-            result = cuda.event_record(queue->fork, stream);
-            if (result == 0)
-                result = cuda.stream_wait_event(queue->side, queue->fork, 0);
-            on = queue->side;
-        }
+        if (result == 0 && beside)
+            result = fork_side(queue, stream);
+        void *on = beside ? queue->side : stream;
         if (result == 0)
             result = cuda.copy_to_host(queue->ids_target, ids, (size_t)count * 8, on);
         if (result == 0 && beside)
@@ -267,7 +277,7 @@ PyObject *queue_step_start(PyObject *self, PyObject *const *args, Py_ssize_t nar
 
 /* queue_step_fetch(queue, stream, graph, count) -> whether `stream` is being captured: the fetch of a
  * start that did not go beside, on `stream` (step_fetch up to kernel_max_ids ids, else the memory
- * operations' wait and the copy engine's copy), then, where `stream` is not captured and `graph` is
+ * operations' arrival, wait and the copy engine's copy), then, where `stream` is not captured and `graph` is
  * not 0, that graph exec launched on it (an eager finish's device half in the same call). */
 PyObject *queue_step_fetch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -288,40 +298,28 @@ PyObject *queue_step_fetch(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return PyBool_FromLong(captured);
 }
 
-/* queue_step_arrival(stream, arrival, arrive, arrived_flag): the write of 1 into arrived_flag on
- * stream `arrival`, forked from `stream` at event `arrive`: it marks the device's arrival at the
- * PLE layer without holding the work queued next on `stream`. queue_step_finish joins `arrival`. */
-PyObject *queue_step_arrival(PyObject *self, PyObject *args)
-{
-    void *stream, *arrival, *arrive;
-    unsigned long long arrived_flag;
-    if (!PyArg_ParseTuple(args, "O&O&O&K", parse_pointer, &stream, parse_pointer, &arrival, parse_pointer, &arrive,
-                          &arrived_flag) || memops_ready() != 0)
-        return NULL;
-    cuda_result result = cuda.event_record(arrive, stream);
-    if (result == 0)
-        result = cuda.stream_wait_event(arrival, arrive, 0);
-    if (result == 0)
-        result = write_value32(arrival, arrived_flag, 1, 0);
-    if (result != 0)
-        return PyErr_Format(PyExc_RuntimeError, "queueing a step's arrival failed (CUDA error %d)", result);
-    Py_RETURN_NONE;
-}
-
-/* queue_step_finish(stream, side, done, graph) -> whether `stream` is being captured: `stream`
- * waits for everything queued on `side` so far (a record of event `done` there; a capture may not
- * end with a side stream unjoined), then, where it is not captured and `graph` is not 0, launches
- * that graph exec on it (an eager finish's device half in one call). */
+/* queue_step_finish(stream, side, done, arrived_flag, graph) -> whether `stream` is being captured:
+ * `stream` waits for everything queued on `side` so far (a record of event `done` there; a capture may
+ * not end with a side stream unjoined); unless arrived_flag is 0, with the write of 1 into it before
+ * that wait (the device's arrival) and of 0 after (the thread reads it before it stores the ready
+ * flag, so it never stays for the next step); then, where `stream` is not captured and `graph` is not
+ * 0, that graph exec launched on it (an eager finish's device half in one call). */
 PyObject *queue_step_finish(PyObject *self, PyObject *args)
 {
     void *stream, *side, *done, *graph;
+    unsigned long long arrived_flag;
     int captured = 0;
-    if (!PyArg_ParseTuple(args, "O&O&O&O&", parse_pointer, &stream, parse_pointer, &side, parse_pointer, &done,
-                          parse_pointer, &graph) || cuda_ready() != 0)
+    if (!PyArg_ParseTuple(args, "O&O&O&KO&", parse_pointer, &stream, parse_pointer, &side, parse_pointer, &done,
+                          &arrived_flag, parse_pointer, &graph)
+        || (arrived_flag ? memops_ready() : cuda_ready()) != 0)
         return NULL;
-    cuda_result result = cuda.event_record(done, side);
+    cuda_result result = arrived_flag ? write_value32(stream, arrived_flag, 1, 0) : 0;
+    if (result == 0)
+        result = cuda.event_record(done, side);
     if (result == 0)
         result = cuda.stream_wait_event(stream, done, 0);
+    if (result == 0 && arrived_flag)
+        result = write_value32(stream, arrived_flag, 0, 0);
     if (result == 0)
         result = capturing(stream, &captured);
     if (result == 0 && graph && !captured)

@@ -22,7 +22,8 @@ extern "C" __global__ void step_request(const long long *ids, long long *host_id
 }
 
 /* The device's arrival marked (block 0), the wait until the service thread's host store into the
- * ready flag (every block), its reset (the last block to see it), then the copy of `bytes` staged
+ * ready flag (every block), its reset and the arrival's (the last block to see it: the thread read the
+ * arrival before it stored the ready flag, so a step's arrival never stays for the next), then the copy of `bytes` staged
  * bytes from pinned `source` to device `target` with uncached loads (the host wrote them after the
  * kernel started). Where both addresses have the same offset from 16-byte alignment (the step
  * lookup's buffers see to it, runtime/device/buffers.py), head and tail bytes go singly and the rest as
@@ -39,6 +40,7 @@ extern "C" __global__ void step_fetch(volatile unsigned *ready, volatile unsigne
         if (atomicAdd(blocks_seen, 1u) == gridDim.x - 1) {
             *blocks_seen = 0u;
             *ready = 0u;
+            *arrived = 0u;
             __threadfence_system();
         }
     }

@@ -5,12 +5,12 @@
  * Three int32 words in pinned memory, a cache line apart, carry a step:
  *   flags[REQUEST]  the device writes the step's id count after copying its ids into the pinned
  *                   ids buffer (a stream memory operation); the thread takes it and writes 0;
- *   flags[ARRIVED]  the device writes 1 when it reaches the step's finish (beside its wait for
- *                   the fetch): the thread, finding it set when the rows are ready, counts the
- *                   step as late;
+ *   flags[ARRIVED]  the device writes 1 when it reaches the step's finish (before its wait for
+ *                   the fetch) and 0 once its wait is over: the thread, finding it set when the
+ *                   rows are ready, counts the step as late;
  *   flags[READY]    the thread stores 1 once the step's rows and index are staged in pinned
  *                   memory; the device waits for 1, writes 0 and copies them (on the CPU the
- *                   caller waits and resets it).
+ *                   caller stores the arrival, waits and resets both).
  *   flags[FAILED]   the thread stores 1 when it keeps a failure, step_service_error's take stores
  *                   0: the caller's start reads it before it asks for the failure.
  * The device writes the request of step n + 1 after its reset of READY for step n, so a step's
@@ -247,7 +247,6 @@ static void *service_main(void *argument)
         if (count == 0)
             break;
         store_flag(server, REQUEST, 0);
-        store_flag(server, ARRIVED, 0);
         serve(server, count);
     }
     return NULL;

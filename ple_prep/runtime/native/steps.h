@@ -12,7 +12,6 @@ PyObject *step_service_error(PyObject *self, PyObject *args);
 PyObject *new_step_queue(PyObject *self, PyObject *args);
 PyObject *queue_step_start(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *queue_step_fetch(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
-PyObject *queue_step_arrival(PyObject *self, PyObject *args);
 PyObject *queue_step_finish(PyObject *self, PyObject *args);
 PyObject *step_handles(PyObject *self, PyObject *args);
 PyObject *drop_handles(PyObject *self, PyObject *args);
@@ -30,7 +29,6 @@ PyObject *launch_graph(PyObject *self, PyObject *args);
      "A step's ids copy to pinned memory and its request."}, \
     {"queue_step_fetch", (PyCFunction)(void (*)(void))queue_step_fetch, METH_FASTCALL, \
      "A step's wait for its staged rows, their copy, and an eager finish's graph."}, \
-    {"queue_step_arrival", queue_step_arrival, METH_VARARGS, "A step's arrival at the PLE layer, marked beside."}, \
     {"queue_step_finish", queue_step_finish, METH_VARARGS, "A step's side stream joined to the caller's."}, \
     {"step_handles", step_handles, METH_VARARGS, "A step lookup's own CUDA streams and events."}, \
     {"drop_handles", drop_handles, METH_VARARGS, "step_handles' streams and events, step_kernels' modules, destroyed."}, \
