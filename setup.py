@@ -2,18 +2,18 @@
 results) when not: ple_prep.core._native (the rows copy and slot lookup of the format layer, the
 n-gram hash, the profile's counting and the planner's page packing) and ple_prep.runtime._native
 (the runtime's staging, thread pool and CUDA driver calls), which reuses core/native's row
-addressing, and holds the host cache's loops. Everything else is in pyproject.toml."""
+addressing and page sums, and holds the host cache's loops. Everything else is in pyproject.toml."""
 from setuptools import Extension, setup
 
 CORE = "ple_prep/core/native/"
 RUNTIME = "ple_prep/runtime/native/"
-SHARED = [CORE + "buffers.c", CORE + "guard.c", CORE + "slots.c"]
+SHARED = [CORE + "buffers.c", CORE + "guard.c", CORE + "slots.c", CORE + "pagesums.c"]
 # Hidden symbols: the two modules each carry the shared files, and only their init functions are exported.
 FLAGS = ["-O2", "-fvisibility=hidden"]
 
 setup(ext_modules=[
     Extension("ple_prep.core._native",
-              [CORE + name for name in ("module.c", "pagesums.c", "ngramcount.c", "pack.c", "rankindex.c")] + SHARED,
+              [CORE + name for name in ("module.c", "ngramcount.c", "pack.c", "rankindex.c")] + SHARED,
               extra_compile_args=FLAGS, optional=True,
               depends=[CORE + name for name in ("buffers.h", "guard.h", "pagesums.h", "rows.h", "ngramcount.h",
                                                  "pack.h", "rankindex.h")]),
@@ -22,7 +22,7 @@ setup(ext_modules=[
                                            "steps.c", "memops.c", "disk_reads.c", "disk_fill.c", "readahead.c")]
               + SHARED,
               extra_compile_args=FLAGS, optional=True,
-              depends=[CORE + "buffers.h", CORE + "guard.h", CORE + "rows.h"]
+              depends=[CORE + "buffers.h", CORE + "guard.h", CORE + "pagesums.h", CORE + "rows.h"]
               + [RUNTIME + name for name in ("cuda.h", "hostcache.h", "jobs.h", "pool.h", "stage.h", "view.h",
                                              "steps.h", "memops.h", "disk_reads.h", "disk_fill.h", "readahead.h")]),
 ])

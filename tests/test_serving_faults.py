@@ -374,6 +374,93 @@ def test_a_disk_returning_zeros_is_refused_with_verify_reads_and_served_without(
     assert recovered and recovered_again
 
 
+def test_a_lookup_step_reading_other_bytes_fails_with_verify_reads_and_its_rows_stay_out_of_the_cache(
+        summed_faultfs, source_rows):
+    """StepLookup's thread (the vLLM plugin's lookup) reads pages itself: with `verify_reads` it checks
+    them against the page sums as the table's readers do, so a disk returning zeros fails the step
+    with EIO naming the file, and the zeros are never admitted into the host cache that later steps
+    and `Table.gather` read; without it they are served and kept (the cache's documented trade)."""
+    torch = pytest.importorskip("torch")
+    from support.bf16_bits import bits, expected_bits
+
+    from ple_prep.runtime.device import steps
+    if steps._native is None:
+        pytest.skip("needs the compiled helper")
+    faults = summed_faultfs
+    path = faults.path("t.bin")
+
+    def case():
+        outcomes = []
+        for verify in (False, True):
+            with open_table(path, read_path="direct", verify_reads=verify, host_cache_bytes=64 << 20) as table:
+                ids = cold_request(table)[:64]
+                with open_table(faults.source / "t.bin", host_cache_bytes=0) as truth:  # not through the faults
+                    want = expected_bits(truth, ids)
+                lookup = steps.StepLookup(table, device="cpu", resident_bytes=0, max_ids=64)
+                try:
+                    row = int(row_offsets(table.header, table.slot_of(ids[7:8]))[0])
+                    evict(path)
+                    faults.fail("t.bin", row, row + table.row_bytes, "zeros")
+                    lookup.start(torch.from_numpy(ids))
+                    try:
+                        outcomes.append(("served", bool(np.array_equal(bits(lookup.finish()), want))))
+                    except OSError as exc:
+                        outcomes.append(("refused", str(exc)))
+                    faults.clear()
+                    evict(path)
+                    lookup.start(torch.from_numpy(ids))
+                    again = bool(np.array_equal(bits(lookup.finish()), want))
+                    outcomes.append((again, bool(np.array_equal(table.gather(ids), source_rows[ids]))))
+                finally:
+                    lookup.close()
+        return outcomes
+
+    unverified, kept, verified, recovered = in_child(case)
+    assert unverified == ("served", False) and kept == (False, False)  # the zeros, then from the cache
+    assert verified[0] == "refused" and "t.bin" in verified[1] and "page sum differs" in verified[1], verified
+    assert recovered == (True, True)
+
+
+def test_a_lookup_step_checks_its_native_aio_reads_against_the_page_sums(fp8_table, tmp_path):
+    """The same check on the thread's native AIO path (a block device's file system): a page changed
+    after its sum was written fails the step that reads it, naming the page's byte; a step of other
+    pages is served bit for bit."""
+    torch = pytest.importorskip("torch")
+    from click.testing import CliRunner
+    from support.bf16_bits import bits, expected_bits
+    from support.file_systems import skip_unless_on_a_block_file_system
+
+    from ple_prep.cli import cli
+    from ple_prep.runtime.device import steps
+    if steps._native is None:
+        pytest.skip("needs the compiled helper")
+    skip_unless_on_a_block_file_system(tmp_path)
+    path = tmp_path / "t.bin"
+    shutil.copyfile(fp8_table, path)
+    shutil.copyfile(manifest_path(fp8_table), manifest_path(path))
+    assert CliRunner().invoke(cli, ["pagesums", str(path)]).exit_code == 0
+    with open_table(path, read_path="direct", verify_reads=True, host_cache_bytes=0) as table:
+        lookup = steps.StepLookup(table, device="cpu", resident_bytes=0, max_ids=64)
+        try:
+            assert lookup.reads_async
+            pages = table.slot_of(np.arange(table.num_rows)) // table.rows_per_page
+            changed = np.flatnonzero(pages == pages[100])[:8]
+            others = np.flatnonzero(pages != pages[100])[:8]
+            offset = table.header.data_offset + int(pages[100]) * table.page_size
+            with open(path, "r+b") as file:
+                file.seek(offset + 100)
+                file.write(b"\x5a" * 16)
+            evict(path)
+            lookup.start(torch.from_numpy(changed.astype(np.int64)))
+            with pytest.raises(OSError, match=f"t.bin: the page at byte {offset} read back other bytes.*page sum "
+                                              "differs"):
+                lookup.finish()
+            lookup.start(torch.from_numpy(others.astype(np.int64)))
+            assert np.array_equal(bits(lookup.finish()), expected_bits(table, others))
+        finally:
+            lookup.close()
+
+
 def test_verify_reads_needs_the_page_sums_and_a_disk_tier_read_path(fp8_table, tmp_path):
     from ple_prep.core.errors import BadInput
 

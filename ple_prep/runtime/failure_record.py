@@ -48,6 +48,9 @@ def step_failure_error(kind: str, value: int, offset: int, *, name: str, read_ti
                                             f"stalled; this step failed and the next one reads again")
     if kind == "read" and value == -1:
         return OSError(errno.EIO, f"{name}: short O_DIRECT read at byte {offset}: the file shrank")
+    if kind == "read" and value == -3:
+        return OSError(errno.EIO, f"{name}: the page at byte {offset} read back other bytes than were written (its "
+                                  "page sum differs): the disk returned corrupted data")
     if kind == "read":
         return OSError(value, f"{name}: O_DIRECT read at byte {offset}: {os.strerror(value)}")
     if kind == "mapped":

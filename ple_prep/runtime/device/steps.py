@@ -171,9 +171,12 @@ class StepLookup:
         # Whether O_DIRECT reads complete inside io_submit here (FUSE: then the worker reads, within the
         # timeout's reach): as the table's O_DIRECT reader found; else only a block file system's AIO is trusted.
         synchronous = getattr(table._gatherer.direct, "synchronous", not on_block_file_system(self._descriptor))
+        # With open_table's verify_reads, the thread checks each block it reads against the page sums too.
+        page_check = getattr(table._gatherer.direct, "page_check", None)
         disk = (self._descriptor, header.data_offset, header.data_offset + header.num_pages * header.page_size,
                 header.page_size, self.read_depth, self.read_timeout,
-                None if self.host_cache is None else self.host_cache.handle, synchronous)
+                None if self.host_cache is None else self.host_cache.handle, synchronous,
+                None if page_check is None else page_check.sums)
         arguments = table._gatherer._stage_arguments(self.host_ids, table.order, table.first_row, self.num_resident,
                                                      self._slots, self._host_index, buffers.host_rows,
                                                      LOOKUP_THREADS)

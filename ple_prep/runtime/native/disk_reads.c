@@ -22,6 +22,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "../../core/native/pagesums.h"
 #include "../../core/native/rows.h"
 #include "disk_reads.h"
 
@@ -200,6 +201,7 @@ int disk_reader_open(disk_reader *reader, int fd, off_t data_offset, off_t file_
     reader->timeout.tv_sec = (time_t)timeout;
     reader->timeout.tv_nsec = (long)((timeout - (double)reader->timeout.tv_sec) * 1e9);
     reader->block = page_size > MIN_BLOCK ? page_size : MIN_BLOCK;
+    reader->page_size = page_size;
     if (capacity >= (1 << RANK_BITS) || depth < 1) {
         errno = EINVAL;
         return -1;
@@ -263,6 +265,33 @@ int disk_reader_checked(const disk_reader *reader, long result, off_t offset)
         return (int)-result;
     if (result < reader->block && offset + result < reader->file_end)
         return SHORT_READ;
+    return 0;
+}
+
+void disk_reader_check_sums(disk_reader *reader, const uint32_t *sums, Py_ssize_t pages)
+{
+    reader->page_sums = sums;
+    reader->sum_pages = pages;
+}
+
+/* A read block's pages (those of the table's pages it holds) against their sums: 0, or BAD_SUM with
+ * *bad_at the first differing page's offset. */
+static int sums_match(const disk_reader *reader, const char *data, off_t offset, off_t *bad_at)
+{
+    if (!reader->page_sums)
+        return 0;
+    for (Py_ssize_t at = 0; at < reader->block; at += reader->page_size) {
+        off_t page_offset = offset + (off_t)at;
+        if (page_offset < reader->data_offset)
+            continue;
+        Py_ssize_t page = (Py_ssize_t)((page_offset - reader->data_offset) / reader->page_size);
+        if (page >= reader->sum_pages)
+            break;
+        if ((uint32_t)xxh64_stripes((const unsigned char *)data + at, (size_t)reader->page_size) != reader->page_sums[page]) {
+            *bad_at = page_offset;
+            return BAD_SUM;
+        }
+    }
     return 0;
 }
 
@@ -362,8 +391,11 @@ int disk_reader_stage(disk_reader *reader, stage_call *call, Py_ssize_t disk, of
                 error = disk_reader_worker_read(reader, offset, &got);
                 error = error ? error : disk_reader_checked(reader, got, offset);
                 reader->blocks_read++;
+                off_t failed_offset = offset;
+                if (!error)
+                    error = sums_match(reader, reader->worker->buffer, offset, &failed_offset);
                 if (error) {
-                    *failed_at = offset;
+                    *failed_at = failed_offset;
                 } else {
                     lock_cache(reader);
                     copy_block(reader, call, first, next, end, reader->worker->buffer, offset);
@@ -419,14 +451,17 @@ int disk_reader_stage(disk_reader *reader, stage_call *call, Py_ssize_t disk, of
         for (long e = 0; e < got; e++) {
             int s = (int)events[e].data;
             off_t offset = (off_t)((reader->keys[run_from[s]] >> RANK_BITS) * (uint64_t)reader->block);
+            const char *data = reader->buffer + (size_t)s * (size_t)reader->block;
+            off_t failed_offset = offset;
             int failed = disk_reader_checked(reader, (long)events[e].res, offset);
+            if (!failed)
+                failed = sums_match(reader, data, offset, &failed_offset);
             if (failed && !error) {
                 error = failed;
-                *failed_at = offset;
+                *failed_at = failed_offset;
             }
             if (!failed && !error)
-                copy_block(reader, call, first, run_from[s], run_to[s],
-                           reader->buffer + (size_t)s * (size_t)reader->block, offset);
+                copy_block(reader, call, first, run_from[s], run_to[s], data, offset);
             free_slots[free_count++] = s;
         }
         unlock_cache(reader);

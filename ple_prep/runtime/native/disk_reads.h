@@ -14,6 +14,9 @@ typedef struct {
     int fd;                  /* the table file, O_DIRECT where the file system allows it */
     off_t data_offset, file_end;
     Py_ssize_t block;        /* bytes a read: max(page_size, 4096), aligned to it */
+    Py_ssize_t page_size;
+    const uint32_t *page_sums; /* the table's page sums (format/pagesums.py) each read is checked against, or NULL */
+    Py_ssize_t sum_pages;      /* their count: the table's pages */
     int depth;               /* reads kept in flight */
     unsigned long context;   /* the thread's own Linux AIO context; 0: one pread at a time, on `worker` */
     char *buffer;            /* depth blocks, aligned to a block */
@@ -35,6 +38,8 @@ typedef struct {
 #define SHORT_READ (-1)
 /* Its result for a wait of `timeout` in which no read completed: the disk stalled. */
 #define STALLED (-2)
+/* Its result for a block with a page whose sum is not the table's: the disk returned other bytes. */
+#define BAD_SUM (-3)
 
 /* 0, or -1 with errno (the reader then holds nothing); `capacity` positions a step at most; reads
  * that make no progress for `timeout` seconds fail their step. */
@@ -45,12 +50,17 @@ void disk_reader_close(disk_reader *reader);
  * probed it, runtime/direct.py) that the file system completes O_DIRECT reads inside io_submit. */
 void disk_reader_use_worker(disk_reader *reader);
 
+/* Check each block read against `sums` (uint32, one a page of the table's `pages`; kept alive by the
+ * caller while the reader is open): a block with a page whose sum differs fails its step (BAD_SUM)
+ * and none of its rows is staged or admitted. */
+void disk_reader_check_sums(disk_reader *reader, const uint32_t *sums, Py_ssize_t pages);
+
 /* The rows of the request's disk positions (slots >= num_resident, already found by stage) staged
  * into the last `disk` rows of `out`, in position order, their index entries set: from the host
  * cache where it holds them (reader->cache), the others read from the file, each block once, and
  * admitted into the cache as their block lands; returns 0, or an errno (SHORT_READ: the file shrank;
- * STALLED: the disk stalled) with *failed_at the file offset that failed (for STALLED, one of the
- * reads waited for). */
+ * STALLED: the disk stalled; BAD_SUM: a page read back other bytes) with *failed_at the file offset
+ * that failed (for STALLED, one of the reads waited for; for BAD_SUM, the page's). */
 int disk_reader_stage(disk_reader *reader, stage_call *call, Py_ssize_t disk, off_t *failed_at);
 
 /* For the other users of a reader (disk_fill.c): the block at `offset` read by the worker into

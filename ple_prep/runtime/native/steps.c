@@ -68,6 +68,7 @@ typedef struct {
     Py_buffer flags_view;
     int32_t *flags;
     Py_buffer record_view;      /* a failure record other processes read (runtime/failure_record.py), or len 0 */
+    Py_buffer sums_view;        /* the table's page sums its reads are checked against (disk_reads.c), or len 0 */
     disk_reader reader;
     int has_reader;
     int async_reads;            /* the reader's reads go through native AIO (not one pread at a time) */
@@ -97,6 +98,7 @@ static void release_views(service *server)
 {
     PyBuffer_Release(&server->flags_view);
     PyBuffer_Release(&server->record_view);
+    PyBuffer_Release(&server->sums_view);
 }
 
 /* The next request's count, or 0 once stopping. */
@@ -282,10 +284,11 @@ static void service_destroy(PyObject *capsule)
  *     -> service
  * A step's stage is split over up to `threads` threads, parts of at least part_ids ids. `disk`:
  * None (rows not in the page cache fail their step) or (fd, data_offset, file_end, page_size,
- * depth, timeout, cache, synchronous) for disk_reads.c (a read wait of `timeout` seconds with
+ * depth, timeout, cache, synchronous, sums) for disk_reads.c (a read wait of `timeout` seconds with
  * no progress fails the step; `cache`: a host cache of hostcache_new for the table's rows, or None;
  * `synchronous`: O_DIRECT reads complete inside io_submit on this file system, so the worker's
- * preads serve them), the descriptor held open by the caller until the service is stopped.
+ * preads serve them; `sums`: uint32, the table's page sums each read is checked against, or None),
+ * the descriptor held open by the caller until the service is stopped.
  * `device_copies`: a device copies each step's span from the pinned buffer (counted in copied_bytes).
  * `record`: None, or a writable buffer of at least RECORD_BYTES (shared with other processes) that
  * gets the first failure ever (share_failure). */
@@ -307,11 +310,11 @@ PyObject *step_service(PyObject *self, PyObject *args)
     long long data_offset = 0, file_end = 0;
     Py_ssize_t page_size = 0;
     double timeout = 0;
-    PyObject *cache = Py_None;
+    PyObject *cache = Py_None, *sums = Py_None;
     if (disk != Py_None
-        && !PyArg_ParseTuple(disk, "iLLnidOp;disk must be (fd, data_offset, file_end, page_size, depth, timeout, cache, "
-                             "synchronous)", &fd, &data_offset, &file_end, &page_size, &depth, &timeout, &cache,
-                             &synchronous))
+        && !PyArg_ParseTuple(disk, "iLLnidOpO;disk must be (fd, data_offset, file_end, page_size, depth, timeout, cache, "
+                             "synchronous, sums)", &fd, &data_offset, &file_end, &page_size, &depth, &timeout, &cache,
+                             &synchronous, &sums))
         return NULL;
     host_cache *rows_cache = cache == Py_None ? NULL : host_cache_of(cache);
     if (cache != Py_None && !rows_cache)
@@ -321,7 +324,8 @@ PyObject *step_service(PyObject *self, PyObject *args)
         return PyErr_NoMemory();
     PyObject *record = PyTuple_GET_ITEM(args, 5);
     if (get_buffer(PyTuple_GET_ITEM(args, 0), &server->flags_view, 1, sizeof(int32_t), "flags") != 0
-        || (record != Py_None && get_buffer(record, &server->record_view, 1, 1, "record") != 0)) {
+        || (record != Py_None && get_buffer(record, &server->record_view, 1, 1, "record") != 0)
+        || (sums != Py_None && get_buffer(sums, &server->sums_view, 0, sizeof(uint32_t), "sums") != 0)) {
         release_views(server);
         PyMem_RawFree(server);
         return NULL;
@@ -369,6 +373,9 @@ PyObject *step_service(PyObject *self, PyObject *args)
         server->has_reader = 1;
         server->async_reads = server->reader.context != 0;
         server->reader.cache = rows_cache;
+        if (server->sums_view.len > 0)
+            disk_reader_check_sums(&server->reader, server->sums_view.buf,
+                                   server->sums_view.len / (Py_ssize_t)sizeof(uint32_t));
         if (rows_cache) {
             Py_INCREF(cache);
             server->cache = cache;
