@@ -312,11 +312,13 @@ def test_the_helpers_step_queue_refuses_a_bad_layout_count_or_call_before_any_dr
         with pytest.raises(ValueError, match=f"{count} ids, this lookup takes 1 to 7"):
             native.queue_step_start(queue, 3, 4, False, count)
         with pytest.raises(ValueError, match=f"{count} ids, this lookup takes 1 to 7"):
-            native.queue_step_fetch(queue, 3, 0, count)
+            native.queue_step_fetch(queue, 3, 0, True, count)
     with pytest.raises(TypeError, match="takes 5 arguments .4 given."):
         native.queue_step_start(queue, 3, 4, 1)
+    with pytest.raises(TypeError, match="takes 5 arguments .4 given."):
+        native.queue_step_fetch(queue, 3, 0, 1)
     with pytest.raises(ValueError):  # not a step queue
-        native.queue_step_fetch(object(), 3, 0, 1)
+        native.queue_step_fetch(object(), 3, 0, True, 1)
 
 
 def each_replay_serves_its_step(table, lookup, ids_buffer, consumer, replay, seeds) -> None:
@@ -557,6 +559,59 @@ def test_a_step_is_counted_late_when_the_device_waited_for_its_rows_and_only_the
         assert idle_late >= 4 and busy_late <= 1, (idle_late, busy_late)
     finally:
         lookup.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_dropped_step_is_not_counted_late(table, device, device_half):
+    """A dropped step's forward pass never reached the PLE layer, so its fetch marks no arrival, even
+    when the thread serves it long after (after 150 ms idle the thread polls 1 ms apart; on the CPU
+    the drop waits for cold reads)."""
+    with open_table(table.path, read_path="direct", host_cache_bytes=0) as cold:
+        cold.spec = table.spec
+        lookup = steps.StepLookup(cold, device=device, resident_bytes=0, max_ids=64 * 16)
+        try:
+            ids = torch.from_numpy(token_ids(cold, 8, 5).reshape(-1)).to(lookup.device)
+            serve(lookup, ids.cpu().numpy())  # warm-up: the eager finish's graph captured
+            late = lookup.stats()["late"]
+            for _ in range(3):
+                evict(cold.path)
+                time.sleep(0.15)
+                lookup.start(ids)
+                lookup.drop()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+            assert lookup.stats()["late"] == late
+            assert np.array_equal(bits(serve(lookup, ids.cpu().numpy())), expected_bits(cold, ids.cpu().numpy()))
+        finally:
+            lookup.close()
+
+
+def test_a_step_whose_wait_timed_out_on_the_cpu_is_waited_for_before_the_next_one(table, monkeypatch, tmp_path):
+    """On the CPU the caller waits for the thread itself: a wait that gives up (TimeoutError) leaves
+    that step's READY to come, which must not release the next step's wait with the old rows. (A copy
+    of the table, whose pages no mapping holds, is evicted: the thread reads the step from the drive,
+    after 150 ms idle, when it polls 1 ms apart.)"""
+    copy = tmp_path / table.path.name
+    shutil.copy(table.path, copy)
+    shutil.copy(manifest_path(table.path), manifest_path(copy))
+    with open_table(copy, read_path="direct", host_cache_bytes=0) as cold:
+        cold.spec = table.spec
+        lookup = steps.StepLookup(cold, device="cpu", resident_bytes=0, max_ids=64 * 16)
+        try:
+            first, second = (token_ids(cold, 64, seed).reshape(-1) for seed in (6, 7))
+            evict(copy)
+            time.sleep(0.15)
+            monkeypatch.setattr(steps, "HOST_WAIT_SECONDS", 0.0)
+            lookup.start(torch.from_numpy(first))
+            with pytest.raises(TimeoutError, match="did not serve a step"):
+                lookup.finish()
+            monkeypatch.setattr(steps, "HOST_WAIT_SECONDS", 120.0)
+            time.sleep(0.2)  # the thread serves the first step meanwhile
+            assert np.array_equal(bits(serve(lookup, second)), expected_bits(cold, second))
+            assert np.array_equal(bits(serve(lookup, first)), expected_bits(cold, first))
+            lookup.check()
+        finally:
+            lookup.close()
 
 
 @needs_cuda

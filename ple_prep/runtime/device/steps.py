@@ -127,6 +127,7 @@ class StepLookup:
         self._flags_array = self._flags.numpy()
         self._started: int | None = None
         self._started_beside = False  # the last start's copy went on the side stream
+        self._owed_wait = False  # on the CPU, a step's wait timed out: its READY is still to come
         self._held_ids: torch.Tensor | None = None
         self._device_index = self.device.index if self.device.type == "cuda" else -1
         # An eager finish's device half after the fetch, the index and decode, as CUDA graphs by size
@@ -146,8 +147,9 @@ class StepLookup:
             kernels = load_step_kernels(self._context)
             module, request_kernel, fetch_kernel = kernels or (0, 0, 0)
             handles = (self._context, (self._side,), events, (module,))  # destroyed with the service
-            # The step kernels' two counters (runtime/native/step_kernels.cu), zero between steps.
-            self._kernel_counters = torch.zeros(2, dtype=torch.int32, device=self.device)
+            # The step kernels' two counters (runtime/native/step_kernels.cu), zero between steps, and the
+            # word a dropped step's fetch writes its arrival into: a drop never reached the PLE layer.
+            self._kernel_counters = torch.zeros(3, dtype=torch.int32, device=self.device)
             self.kernel_max_ids = min(KERNEL_MAX_IDS, self.capacity) if kernels else 0
             # The caller's current stream as a raw handle: a torch Stream object costs more to build
             # than the driver calls start and finish queue on it.
@@ -200,6 +202,8 @@ class StepLookup:
         `finish_in_same_graph`: during a capture, the caller's finish is captured in the same CUDA
         graph (a FULL graph), so start's copy may run beside the work between them; outside a
         capture it always does."""
+        if self._owed_wait:  # on the CPU, a step whose wait timed out is waited for first
+            self._wait_on_host(arrival=False)
         if self._flags_array[FAILED]:  # the thread kept a failure: a word read, not a call per step
             self.check()
         if self._started is not None:
@@ -252,7 +256,7 @@ class StepLookup:
             capturing = _native.queue_step_finish(stream, self._side, self._done, self._flag_address + 4 * ARRIVED,
                                                   launch)
         else:  # the arrival marked and the fetch queued, and outside a capture the graph launched
-            capturing = _native.queue_step_fetch(self._queue, stream, launch, started)
+            capturing = _native.queue_step_fetch(self._queue, stream, launch, True, started)
         if capturing:
             return self._index_and_decode(count)
         if not launch:
@@ -284,14 +288,14 @@ class StepLookup:
             return
         started, self._started = self._started, None
         if not self._cuda:
-            self._wait_on_host()
+            self._wait_on_host(arrival=False)
             _native.step_service_error(self._service, True)
             return
         stream = self._current_stream()
         if self._started_beside:
             _native.queue_step_finish(stream, self._side, self._done, 0, 0)
         else:
-            _native.queue_step_fetch(self._queue, stream, 0, started)
+            _native.queue_step_fetch(self._queue, stream, 0, False, started)
         self._held_ids = None
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
@@ -320,9 +324,14 @@ class StepLookup:
         return step_failure_error(kind, value, offset, name=self.table.path.name, read_timeout=self.read_timeout,
                                   capacity=self.capacity, path=self.table.path)
 
-    def _wait_on_host(self) -> None:
-        """The CPU's stand-in for the device's wait: the arrival marked, READY, then both reset."""
-        self._flags_array[ARRIVED] = 1
+    def _wait_on_host(self, arrival: bool = True) -> None:
+        """The CPU's stand-in for the device's wait: the arrival marked (not for a dropped step, which
+        never reached the PLE layer), READY, then both reset. A wait that times out stays owed: the
+        next `start` waits for that step first, or its READY would release the next step's wait
+        with the old step's rows."""
+        if arrival:
+            self._flags_array[ARRIVED] = 1
+        self._owed_wait = True
         deadline = time.monotonic() + HOST_WAIT_SECONDS
         while self._flags_array[READY] == 0:
             if time.monotonic() > deadline:
@@ -330,6 +339,7 @@ class StepLookup:
             time.sleep(20e-6)
         self._flags_array[READY] = 0
         self._flags_array[ARRIVED] = 0
+        self._owed_wait = False
 
     # --- state -----------------------------------------------------------------------------------
 

@@ -447,21 +447,27 @@ int disk_reader_stage(disk_reader *reader, stage_call *call, Py_ssize_t disk, of
             disk_reader_abandon(reader);
             return error;
         }
+        /* Each landed block checked (its page sums too) before the cache's lock is taken for the copies. */
+        int outcome[MAX_DEPTH];
+        off_t block_at[MAX_DEPTH], bad_at[MAX_DEPTH];
+        for (long e = 0; e < got; e++) {
+            int s = (int)events[e].data;
+            block_at[e] = bad_at[e] = (off_t)((reader->keys[run_from[s]] >> RANK_BITS) * (uint64_t)reader->block);
+            outcome[e] = disk_reader_checked(reader, (long)events[e].res, block_at[e]);
+            if (!outcome[e])
+                outcome[e] = sums_match(reader, reader->buffer + (size_t)s * (size_t)reader->block, block_at[e],
+                                        &bad_at[e]);
+        }
         lock_cache(reader);
         for (long e = 0; e < got; e++) {
             int s = (int)events[e].data;
-            off_t offset = (off_t)((reader->keys[run_from[s]] >> RANK_BITS) * (uint64_t)reader->block);
-            const char *data = reader->buffer + (size_t)s * (size_t)reader->block;
-            off_t failed_offset = offset;
-            int failed = disk_reader_checked(reader, (long)events[e].res, offset);
-            if (!failed)
-                failed = sums_match(reader, data, offset, &failed_offset);
-            if (failed && !error) {
-                error = failed;
-                *failed_at = failed_offset;
+            if (outcome[e] && !error) {
+                error = outcome[e];
+                *failed_at = bad_at[e];
             }
-            if (!failed && !error)
-                copy_block(reader, call, first, run_from[s], run_to[s], data, offset);
+            if (!outcome[e] && !error)
+                copy_block(reader, call, first, run_from[s], run_to[s], reader->buffer + (size_t)s * (size_t)reader->block,
+                           block_at[e]);
             free_slots[free_count++] = s;
         }
         unlock_cache(reader);

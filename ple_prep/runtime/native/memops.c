@@ -106,8 +106,8 @@ typedef struct {
     unsigned long long span_device;    /* the device span (DeviceBuffers.span_of's layout), and its pinned mirror */
     char *span_host;
     Py_ssize_t capacity, row_bytes, index_at;
-    /* step_kernels.cu's kernels (NULL: not loaded), the two counters they keep in device memory, and
-     * the most ids a step may have to be served by them rather than by the side stream. */
+    /* step_kernels.cu's kernels (NULL: not loaded), the two counters they keep in device memory (and a
+     * third word, the arrival of a dropped step's fetch), and the most ids a step may have to be served by them rather than by the side stream. */
     void *request_kernel, *fetch_kernel;
     unsigned long long counters;
     Py_ssize_t kernel_max_ids;
@@ -179,13 +179,15 @@ static void span_of(const step_queue *queue, Py_ssize_t count, Py_ssize_t *low, 
     *bytes = queue->index_at + 4 * count - *low;
 }
 
-/* That span to the device, after the wait for READY and its reset, on `stream`: beside the caller's
- * work with the request's write first (a start), else with the arrival's write first (a finish). */
-static cuda_result queue_span_fetch(const step_queue *queue, void *stream, Py_ssize_t count, int beside)
+/* That span to the device, after the wait for READY and its reset, on `stream`; first the request's
+ * write with `request` (a start beside the caller's work), the arrival's with `arrival` (a finish:
+ * not a drop, whose step never reached the PLE layer). */
+static cuda_result queue_span_fetch(const step_queue *queue, void *stream, Py_ssize_t count, int request,
+                                    int arrival)
 {
     Py_ssize_t low, bytes;
     span_of(queue, count, &low, &bytes);
-    return queue_fetch(stream, beside ? queue->request_flag : 0, (uint32_t)count, beside ? 0 : queue->arrived_flag,
+    return queue_fetch(stream, request ? queue->request_flag : 0, (uint32_t)count, arrival ? queue->arrived_flag : 0,
                        queue->ready_flag, queue->span_device + (unsigned long long)low, queue->span_host + low, bytes);
 }
 
@@ -212,11 +214,13 @@ static cuda_result launch_request(const step_queue *queue, void *stream, unsigne
                               1, 1, 0, stream, parameters, NULL);
 }
 
-static cuda_result launch_fetch(const step_queue *queue, void *stream, Py_ssize_t count)
+/* step_fetch on `stream`; without `arrival` (a drop) its arrival goes to the counters' third word. */
+static cuda_result launch_fetch(const step_queue *queue, void *stream, Py_ssize_t count, int arrival)
 {
     Py_ssize_t low, bytes;
     span_of(queue, count, &low, &bytes);
-    unsigned long long ready = queue->ready_flag, arrived = queue->arrived_flag, seen = queue->counters + 4;
+    unsigned long long ready = queue->ready_flag, seen = queue->counters + 4;
+    unsigned long long arrived = arrival ? queue->arrived_flag : queue->counters + 8;
     unsigned long long source = (unsigned long long)(uintptr_t)(queue->span_host + low);
     unsigned long long target = queue->span_device + (unsigned long long)low, size = (unsigned long long)bytes;
     void *parameters[] = {&ready, &arrived, &seen, &source, &target, &size};
@@ -266,7 +270,7 @@ PyObject *queue_step_start(PyObject *self, PyObject *const *args, Py_ssize_t nar
         if (result == 0)
             result = cuda.copy_to_host(queue->ids_target, ids, (size_t)count * 8, on);
         if (result == 0 && beside)
-            result = queue_span_fetch(queue, on, count, 1);
+            result = queue_span_fetch(queue, on, count, 1, 0);
         else if (result == 0)
             result = write_value32(on, queue->request_flag, (uint32_t)count, 0);
     }
@@ -275,20 +279,23 @@ PyObject *queue_step_start(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return PyBool_FromLong(beside);
 }
 
-/* queue_step_fetch(queue, stream, graph, count) -> whether `stream` is being captured: the fetch of a
- * start that did not go beside, on `stream` (step_fetch up to kernel_max_ids ids, else the memory
- * operations' arrival, wait and the copy engine's copy), then, where `stream` is not captured and `graph` is
- * not 0, that graph exec launched on it (an eager finish's device half in the same call). */
+/* queue_step_fetch(queue, stream, graph, arrival, count) -> whether `stream` is being captured: the
+ * fetch of a start that did not go beside, on `stream` (step_fetch up to kernel_max_ids ids, else the
+ * memory operations' wait and the copy engine's copy), with the device's arrival marked where
+ * `arrival` (a finish, not a drop), then, where `stream` is not captured and `graph` is not 0, that
+ * graph exec launched on it (an eager finish's device half in the same call). */
 PyObject *queue_step_fetch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     void *stream, *graph;
     Py_ssize_t count;
-    step_queue *queue = parse_step_call(args, nargs, 4, "queue_step_fetch", &stream, &count);
+    step_queue *queue = parse_step_call(args, nargs, 5, "queue_step_fetch", &stream, &count);
     if (!queue || !parse_pointer(args[2], &graph))
         return NULL;
-    int captured = 0;
-    cuda_result result = count <= queue->kernel_max_ids ? launch_fetch(queue, stream, count)
-                                                         : queue_span_fetch(queue, stream, count, 0);
+    int arrival = PyObject_IsTrue(args[3]), captured = 0;
+    if (arrival < 0)
+        return NULL;
+    cuda_result result = count <= queue->kernel_max_ids ? launch_fetch(queue, stream, count, arrival)
+                                                         : queue_span_fetch(queue, stream, count, 0, arrival);
     if (result == 0)
         result = capturing(stream, &captured);
     if (result == 0 && graph && !captured)

@@ -440,8 +440,9 @@ PyObject *step_service_stats(PyObject *self, PyObject *args)
 }
 
 /* step_service_error(service, take) -> None or (kind, value, offset): the first failure since the
- * last taken (kinds: "id" the id, "read" errno, -1 for a short read or -2 for a stalled disk, and the offset, "count",
- * "no_reader", "mapped" EIO and the offset of a page the mapping could not read); with `take`, cleared. */
+ * last taken (kinds: "id" the id, "read" errno, -1 for a short read, -2 for a stalled disk or -3 for
+ * a page whose sum differs, and the offset, "count", "no_reader", "mapped" EIO and the offset of a
+ * page the mapping could not read); with `take`, cleared. */
 PyObject *step_service_error(PyObject *self, PyObject *args)
 {
     PyObject *capsule;
