@@ -40,7 +40,7 @@ FAULT_AROUND_BYTES = 64 << 10
 
 
 def child(table: Path, ids_path: Path, swap: bool) -> dict:
-    sets = np.load(ids_path)
+    sets = np.load(ids_path, allow_pickle=False)
     first, later = (sets[1], sets[0]) if swap else (sets[0], sets[1])
     started = time.perf_counter()
     opened = open_table(table, read_path="mapped")

@@ -199,7 +199,7 @@ def run_prompt(source: EmbeddingSource, path: Path, chunks: list[np.ndarray], wo
 
 def child(args, path: Path) -> None:
     """A run of the code in --tree on the parent's ids: a prompt with read-ahead, or read-ahead alone."""
-    ids = np.load(args.child_ids)
+    ids = np.load(args.child_ids, allow_pickle=False)
     chunks = [ids[k * CHUNK_TOKENS:(k + 1) * CHUNK_TOKENS] for k in range(CHUNKS)]
     table = open_cold(path)
     resident_bytes = int(table.num_rows * args.resident_fraction) * table.row_bytes

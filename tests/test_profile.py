@@ -82,7 +82,7 @@ def expected_requests(checkpoint, files) -> list[np.ndarray]:
             requests.append(np.array(tokenizer.encode(text, add_special_tokens=False).ids))
         else:
             requests.append(np.array(tokenizer.encode(record.get("text", record.get("prompt"))).ids))
-    requests.append(np.load(files[2]))
+    requests.append(np.load(files[2], allow_pickle=False))
     return [r for r in requests if len(r)]
 
 

@@ -123,7 +123,7 @@ def test_tensor_parallel_ranks_serve_their_own_files_and_sum_to_the_whole_input(
         output, _ = process.communicate(timeout=300)
         assert process.returncode == 0, output.decode()[-3000:]
     reference = build_layer(vllm_config(), text_config("fp8"), checkpoint_weights(checkpoints["fp8"]))
-    outputs = [np.load(tmp_path / f"rank{rank}.npz") for rank in range(2)]
+    outputs = [np.load(tmp_path / f"rank{rank}.npz", allow_pickle=False) for rank in range(2)]
     for index, step in enumerate(schedule()):
         expected = ple_input(reference, *step).view(torch.int16).numpy()
         for output in outputs:
