@@ -461,6 +461,90 @@ def test_a_lookup_step_checks_its_native_aio_reads_against_the_page_sums(fp8_tab
             lookup.close()
 
 
+def read_ahead_around_a_changed_page(table, source_rows, page: int) -> tuple:
+    """Read ahead the first row of each of 41 pages around `page` (changed on the disk), with
+    `verify_reads`: the read-ahead's error, whether the rows of the blocks before the changed one
+    were admitted (a gather of them reads nothing and is exact), and the error of a gather of the
+    changed page's row (a demand read checks it too: it was not admitted)."""
+    from ple_prep.runtime.readcheck import MIN_BLOCK
+
+    pages = np.arange(max(0, page - 20), min(table.header.num_pages, page + 21))
+    ids = pages * table.rows_per_page
+    assert np.array_equal(table.slot_of(ids), ids)  # the fixture table is in source order
+    block = max(table.page_size, MIN_BLOCK)
+    blocks = (table.header.data_offset + pages * table.page_size) // block
+    before = ids[blocks < blocks[pages == page][0]]
+    assert len(before) >= 10
+    job = table.read_ahead([ids])
+    assert job.wait(10)
+    out = np.full((len(before), table.row_bytes), 0xA5, dtype=np.uint8)
+    table.gather(before, out=out)
+    kept = table.host_cache.rows_read == 0 and np.array_equal(out, source_rows[before])
+    try:
+        table.gather(ids[pages == page])
+        demand = None
+    except OSError as exc:
+        demand = str(exc)
+    return str(job.error), isinstance(job.error, OSError), kept, demand
+
+
+def test_read_ahead_with_verify_reads_admits_no_block_whose_page_sum_differs(summed_faultfs, source_rows):
+    """The compiled read-ahead checks each block it reads against the page sums as it lands (here
+    read by its worker: FUSE completes O_DIRECT reads inside io_submit): the zeros a disk returns
+    for one page fail the read-ahead with EIO naming the file and that page, its block is not
+    admitted, and the blocks read before it are."""
+    from ple_prep.runtime import readahead
+    if readahead._native is None:
+        pytest.skip("needs the compiled helper")
+    faults = summed_faultfs
+    path = faults.path("t.bin")
+
+    def case():
+        with open_table(path, read_path="direct", verify_reads=True, host_cache_bytes=8 << 20) as table:
+            page = table.header.num_pages // 2
+            offset = table.header.data_offset + page * table.page_size
+            evict(path)
+            faults.fail("t.bin", offset + 100, offset + 116, "zeros")
+            try:
+                return offset, read_ahead_around_a_changed_page(table, source_rows, page)
+            finally:
+                faults.clear()
+
+    offset, (message, is_os_error, kept, demand) = in_child(case, timeout=60)
+    assert is_os_error and "t.bin" in message and f"byte {offset}" in message and "page sum differs" in message, \
+        message
+    assert kept
+    assert demand is not None and "page sum differs" in demand, demand
+
+
+def test_read_ahead_checks_its_native_aio_reads_against_the_page_sums(fp8_table, source_rows, tmp_path):
+    """The same on the read-ahead's native AIO path (a block device's file system)."""
+    from click.testing import CliRunner
+    from support.file_systems import skip_unless_on_a_block_file_system
+
+    from ple_prep.cli import cli
+    from ple_prep.runtime import readahead
+    if readahead._native is None:
+        pytest.skip("needs the compiled helper")
+    skip_unless_on_a_block_file_system(tmp_path)
+    path = tmp_path / "t.bin"
+    shutil.copyfile(fp8_table, path)
+    shutil.copyfile(manifest_path(fp8_table), manifest_path(path))
+    assert CliRunner().invoke(cli, ["pagesums", str(path)]).exit_code == 0
+    with open_table(path, read_path="direct", verify_reads=True, host_cache_bytes=8 << 20) as table:
+        page = table.header.num_pages // 2
+        offset = table.header.data_offset + page * table.page_size
+        with open(path, "r+b") as file:
+            file.seek(offset + 100)
+            file.write(b"\x5a" * 16)
+        evict(path)
+        message, is_os_error, kept, demand = read_ahead_around_a_changed_page(table, source_rows, page)
+    assert is_os_error and "t.bin" in message and f"byte {offset}" in message and "page sum differs" in message, \
+        message
+    assert kept
+    assert demand is not None and "page sum differs" in demand, demand
+
+
 def test_verify_reads_needs_the_page_sums_and_a_disk_tier_read_path(fp8_table, tmp_path):
     from ple_prep.core.errors import BadInput
 

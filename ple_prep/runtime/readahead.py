@@ -12,8 +12,9 @@ With the compiled helper on the direct read path it reads on a reader of its own
 (runtime/native/readahead.c), the queue kept full from the first read to the last and each block's
 rows admitted as it lands, without the GIL: reading the plan in batches through the table's reader,
 with Python work between them, left the disk idle for part of the time (BENCHMARKS.md, "Host cache
-and read-ahead"). Elsewhere (no compiled helper, the pread or mapped path, page sums checked on
-every read) it reads the plan in batches of BATCH_ROWS through the table's read path.
+and read-ahead"); with open_table's `verify_reads` it checks each block against the page sums as it
+lands, admitting none of a block that differs. Elsewhere (no compiled helper, the pread or mapped
+path) it reads the plan in batches of BATCH_ROWS through the table's read path.
 
 Rows it reads stay pinned until a lookup takes them, so nothing evicts the rows a coming chunk
 needs; it pins at most PIN_FRACTION of the cache, and waits for lookups to take pinned rows before
@@ -66,7 +67,7 @@ STALE_SECONDS = 2.0
 # read would pass the pin limit.
 _FILL_DONE, _FILL_PINS = 0, 2
 # disk_reads.h's errors besides errnos: a read that ended inside the table, a disk that stalled.
-_SHORT_READ, _STALLED = -1, -2
+_SHORT_READ, _STALLED, _BAD_SUM = -1, -2, -3
 
 
 class CachedDiskTier:
@@ -242,12 +243,11 @@ class CachedDiskTier:
 
     def _open_compiled(self):
         """Read-ahead's own reader (runtime/native/readahead.c) on a duplicate of the direct
-        reader's O_DIRECT descriptor; None without the compiled cache, off the direct path, where
-        every read's page sums are checked (the table's reader checks them), or where the kernel
-        refuses the reader its AIO context."""
+        reader's O_DIRECT descriptor, checking the page sums the direct reader checks; None without
+        the compiled cache, off the direct path, or where the kernel refuses the reader its AIO
+        context."""
         direct = getattr(self.reader, "direct", None)
-        if _native is None or self.cache.handle is None or getattr(direct, "kind", None) != "direct" \
-                or direct.page_check is not None:
+        if _native is None or self.cache.handle is None or getattr(direct, "kind", None) != "direct":
             return None
         header = self.reader._header
         descriptor = fcntl.fcntl(direct._descriptor, fcntl.F_DUPFD_CLOEXEC, 0)
@@ -255,7 +255,8 @@ class CachedDiskTier:
             return _native.readahead_new(descriptor, header.data_offset,
                                          header.data_offset + header.num_pages * header.page_size, header.page_size,
                                          header.rows_per_page, header.row_bytes, header.num_rows, direct.queue_depth,
-                                         direct.timeout, direct.synchronous, self.cache.handle)
+                                         direct.timeout, direct.synchronous, self.cache.handle,
+                                         None if direct.page_check is None else direct.page_check.sums)
         except OSError:
             os.close(descriptor)
             return None
@@ -344,6 +345,9 @@ class CachedDiskTier:
         if error == _SHORT_READ:
             raise OSError(errno.EIO, f"{self.reader.name}: short O_DIRECT read at byte {failed_at}: the file shrank "
                                      f"or the disk failed")
+        if error == _BAD_SUM:
+            raise OSError(errno.EIO, f"{self.reader.name}: the page at byte {failed_at} read back other bytes than "
+                                     "were written (its page sum differs): the disk returned corrupted data")
         if error:
             raise read_error(self.reader.name, error, f"O_DIRECT read-ahead read at byte {failed_at}")
         return reason

@@ -18,7 +18,8 @@ typedef struct {
     struct iocb iocbs[MAX_DEPTH], *pointers[MAX_DEPTH];
     struct io_event events[MAX_DEPTH];
     Py_ssize_t run_from[MAX_DEPTH], run_to[MAX_DEPTH], run_missing[MAX_DEPTH];
-    off_t run_at[MAX_DEPTH];
+    off_t run_at[MAX_DEPTH], bad_at[MAX_DEPTH]; /* bad_at: where a landed block failed, by event */
+    int outcome[MAX_DEPTH];                      /* and how (0: landed whole, its sums matched) */
     unsigned char busy[MAX_DEPTH];
     int depth, free_slots[MAX_DEPTH], free_count, queued[MAX_DEPTH], batch, in_flight;
     int64_t pending;        /* rows in flight, to be pinned when they land */
@@ -115,11 +116,14 @@ static int fill_by_worker(disk_reader *reader, const fill_request *request, fill
         int s = state->queued[b];
         long got = 0;
         if (!error) {
+            off_t bad_at = state->run_at[s];
             error = disk_reader_worker_read(reader, state->run_at[s], &got);
             error = error ? error : disk_reader_checked(reader, got, state->run_at[s]);
+            error = error ? error : disk_reader_sums_match(reader, disk_reader_worker_block(reader), state->run_at[s],
+                                                           &bad_at);
             reader->blocks_read++;
             if (error) {
-                *failed_at = state->run_at[s];
+                *failed_at = bad_at;
             } else {
                 host_cache_lock(reader->cache);
                 fill_admit(reader, request, state, s, disk_reader_worker_block(reader));
@@ -223,13 +227,21 @@ int disk_reader_fill(disk_reader *reader, const fill_request *request, Py_ssize_
             free(state);
             return error;
         }
+        for (long e = 0; e < got; e++) { /* checked before the cache's lock: summing takes a while */
+            int s = (int)state->events[e].data;
+            state->bad_at[e] = state->run_at[s];
+            state->outcome[e] = disk_reader_checked(reader, (long)state->events[e].res, state->run_at[s]);
+            if (!state->outcome[e])
+                state->outcome[e] = disk_reader_sums_match(reader, reader->buffer + (size_t)s * (size_t)reader->block,
+                                                           state->run_at[s], &state->bad_at[e]);
+        }
         host_cache_lock(reader->cache);
         for (long e = 0; e < got; e++) {
             int s = (int)state->events[e].data;
-            int failed = disk_reader_checked(reader, (long)state->events[e].res, state->run_at[s]);
+            int failed = state->outcome[e];
             if (failed && !error) {
                 error = failed;
-                *failed_at = state->run_at[s];
+                *failed_at = state->bad_at[e];
                 queueing = 0;
             }
             if (!failed)

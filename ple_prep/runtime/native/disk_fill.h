@@ -33,7 +33,8 @@ typedef struct {
  * of the others read, `depth` in flight from the first read to the last, and their rows admitted
  * pinned as each block lands (rows cached meanwhile left as they are). Without the GIL; takes the
  * cache's lock for each batch of reads queued and landed, never while it waits for the disk.
- * Returns 0 or an errno (SHORT_READ, STALLED) with *failed_at, as disk_reader_stage. */
+ * With the reader's page sums (disk_reader_check_sums) a block whose page differs is not admitted.
+ * Returns 0 or an errno (SHORT_READ, STALLED, BAD_SUM) with *failed_at, as disk_reader_stage. */
 int disk_reader_fill(disk_reader *reader, const fill_request *request, Py_ssize_t start, fill_result *result,
                      off_t *failed_at);
 

@@ -274,9 +274,7 @@ void disk_reader_check_sums(disk_reader *reader, const uint32_t *sums, Py_ssize_
     reader->sum_pages = pages;
 }
 
-/* A read block's pages (those of the table's pages it holds) against their sums: 0, or BAD_SUM with
- * *bad_at the first differing page's offset. */
-static int sums_match(const disk_reader *reader, const char *data, off_t offset, off_t *bad_at)
+int disk_reader_sums_match(const disk_reader *reader, const char *data, off_t offset, off_t *bad_at)
 {
     if (!reader->page_sums)
         return 0;
@@ -393,7 +391,7 @@ int disk_reader_stage(disk_reader *reader, stage_call *call, Py_ssize_t disk, of
                 reader->blocks_read++;
                 off_t failed_offset = offset;
                 if (!error)
-                    error = sums_match(reader, reader->worker->buffer, offset, &failed_offset);
+                    error = disk_reader_sums_match(reader, reader->worker->buffer, offset, &failed_offset);
                 if (error) {
                     *failed_at = failed_offset;
                 } else {
@@ -455,7 +453,7 @@ int disk_reader_stage(disk_reader *reader, stage_call *call, Py_ssize_t disk, of
             block_at[e] = bad_at[e] = (off_t)((reader->keys[run_from[s]] >> RANK_BITS) * (uint64_t)reader->block);
             outcome[e] = disk_reader_checked(reader, (long)events[e].res, block_at[e]);
             if (!outcome[e])
-                outcome[e] = sums_match(reader, reader->buffer + (size_t)s * (size_t)reader->block, block_at[e],
+                outcome[e] = disk_reader_sums_match(reader, reader->buffer + (size_t)s * (size_t)reader->block, block_at[e],
                                         &bad_at[e]);
         }
         lock_cache(reader);

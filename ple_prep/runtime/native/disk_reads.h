@@ -66,11 +66,14 @@ int disk_reader_stage(disk_reader *reader, stage_call *call, Py_ssize_t disk, of
 /* For the other users of a reader (disk_fill.c): the block at `offset` read by the worker into
  * its buffer (0 with *result, bytes or -errno; an errno where no worker can be made; STALLED, the
  * worker then abandoned to its read); a block's read result checked (0, an errno or SHORT_READ);
+ * a read block's pages (those of the table's pages it holds, at `data`, read from `offset`) against
+ * the sums disk_reader_check_sums gave (0, or BAD_SUM with *bad_at the first differing page's offset);
  * the block that read landed in; the AIO context and buffer left to the reads in flight, new ones taken (the buffer NULL where
  * memory is refused; the context 0 where the kernel refuses one: the worker reads then). */
 int disk_reader_worker_read(disk_reader *reader, off_t offset, long *result);
 const char *disk_reader_worker_block(const disk_reader *reader); /* the block the worker's last read read */
 int disk_reader_checked(const disk_reader *reader, long result, off_t offset);
+int disk_reader_sums_match(const disk_reader *reader, const char *data, off_t offset, off_t *bad_at);
 void disk_reader_abandon(disk_reader *reader);
 
 #endif

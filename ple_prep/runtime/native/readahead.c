@@ -5,9 +5,11 @@
  * batches leaves the disk idle.
  *
  * readahead_new(fd, data_offset, file_end, page_size, rows_per_page, row_bytes, num_slots, depth,
- *               timeout, synchronous, cache) -> reader
+ *               timeout, synchronous, cache, sums) -> reader
  *     The reader owns `fd` from then on (closed when the reader is collected); `cache` is the
- *     table's host cache (hostcache_new), held. With `synchronous` (the table's reader found O_DIRECT
+ *     table's host cache (hostcache_new), held. `sums`: None, or the table's page sums (uint32 a
+ *     page, held), each block read checked against them (a differing page fails the fill, BAD_SUM,
+ *     its block's rows not admitted). With `synchronous` (the table's reader found O_DIRECT
  *     reads complete inside io_submit here) it reads with its worker, one pread at a time: no probe
  *     of its own, whose io_submit a hung disk would hang out of the timeout's reach. OSError where
  *     its AIO context or buffer is refused.
@@ -15,8 +17,9 @@
  *         -> (done, rows_read, rows_found, pages_read, reason, error, failed_at)
  *     disk_reader_fill over slots[start:] (int64, each block's rows adjacent) for request `serial`;
  *     `reason` a FILL_ value (0 done, 1 stopped: a demand read waits, or readahead_stop was called
- *     since the count `stops` was read, 2 the pin limit), `error` 0, an errno, -1 (a short read) or
- *     -2 (the disk stalled), at file offset `failed_at`. One fill at a time.
+ *     since the count `stops` was read, 2 the pin limit), `error` 0, an errno, -1 (a short read),
+ *     -2 (the disk stalled) or -3 (a page's sum differs), at file offset `failed_at` (for -3 the
+ *     page's). One fill at a time.
  * readahead_hold(reader, delta): demand reads waiting, counted; a fill stops queueing while any is.
  * readahead_stop(reader): the fill in progress, or the next one given an older count, stops.
  * readahead_serve(reader, serial, done): the request read for now (0: none, its read-ahead ended
@@ -46,6 +49,7 @@ typedef struct {
     disk_reader reader;
     int fd;
     PyObject *cache_capsule; /* held: the cache outlives the reader */
+    Py_buffer sums;          /* held while the reader lives, or len 0 */
     Py_ssize_t page_size, rows_per_page, row_bytes, num_slots;
     double timeout;
     pthread_mutex_t lock;
@@ -90,6 +94,8 @@ static void reader_destroy(PyObject *capsule)
     disk_reader_close(&reader->reader);
     close(reader->fd);
     Py_XDECREF(reader->cache_capsule);
+    if (reader->sums.obj)
+        PyBuffer_Release(&reader->sums);
     pthread_cond_destroy(&reader->moved);
     pthread_mutex_destroy(&reader->lock);
     PyMem_RawFree(reader);
@@ -101,9 +107,9 @@ PyObject *readahead_new(PyObject *self, PyObject *args)
     long long data_offset, file_end;
     Py_ssize_t page_size, rows_per_page, row_bytes, num_slots;
     double timeout;
-    PyObject *cache_capsule;
-    if (!PyArg_ParseTuple(args, "iLLnnnnidpO", &fd, &data_offset, &file_end, &page_size, &rows_per_page, &row_bytes,
-                          &num_slots, &depth, &timeout, &synchronous, &cache_capsule))
+    PyObject *cache_capsule, *sums_object;
+    if (!PyArg_ParseTuple(args, "iLLnnnnidpOO", &fd, &data_offset, &file_end, &page_size, &rows_per_page, &row_bytes,
+                          &num_slots, &depth, &timeout, &synchronous, &cache_capsule, &sums_object))
         return NULL;
     host_cache *cache = host_cache_of(cache_capsule);
     if (!cache)
@@ -113,15 +119,26 @@ PyObject *readahead_new(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "readahead_new: the table's geometry or its cache's rows disagree");
         return NULL;
     }
+    Py_buffer sums = {0};
+    if (sums_object != Py_None && get_buffer(sums_object, &sums, 0, sizeof(uint32_t), "sums") != 0)
+        return NULL;
     read_ahead *reader = PyMem_RawCalloc(1, sizeof(read_ahead));
-    if (!reader)
+    if (!reader) {
+        if (sums.obj)
+            PyBuffer_Release(&sums);
         return PyErr_NoMemory();
+    }
     if (disk_reader_open(&reader->reader, fd, (off_t)data_offset, (off_t)file_end, page_size, 0, depth, timeout) != 0) {
         PyMem_RawFree(reader);
+        if (sums.obj)
+            PyBuffer_Release(&sums);
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     if (synchronous)
         disk_reader_use_worker(&reader->reader);
+    reader->sums = sums;
+    if (sums.len > 0)
+        disk_reader_check_sums(&reader->reader, sums.buf, sums.len / (Py_ssize_t)sizeof(uint32_t));
     reader->reader.cache = cache;
     reader->fd = fd;
     reader->page_size = page_size;
@@ -138,6 +155,8 @@ PyObject *readahead_new(PyObject *self, PyObject *args)
     PyObject *capsule = PyCapsule_New(reader, READ_AHEAD_CAPSULE, reader_destroy);
     if (!capsule) { /* the caller still owns fd */
         disk_reader_close(&reader->reader);
+        if (reader->sums.obj)
+            PyBuffer_Release(&reader->sums);
         pthread_cond_destroy(&reader->moved);
         pthread_mutex_destroy(&reader->lock);
         PyMem_RawFree(reader);
