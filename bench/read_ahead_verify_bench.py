@@ -23,7 +23,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -34,6 +33,7 @@ TREE = Path(sys.argv[sys.argv.index("--tree") + 1]) if "--tree" in sys.argv else
 sys.path.insert(0, str(TREE))
 sys.path.insert(1, str(Path(__file__).resolve().parent))
 
+from python_busy import PythonBusy  # noqa: E402
 from synthetic import expected_rows  # noqa: E402
 
 from ple_prep.ngram import NgramSpec  # noqa: E402
@@ -45,31 +45,8 @@ CHUNK_TOKENS = 4096
 CHUNKS = 16
 
 
-class BusyThread:
-    """A Python thread that computes in pure Python while it runs, as a serving engine's loop does:
-    whatever needs the GIL waits for it (up to the interpreter's switch interval at a time)."""
-
-    def __init__(self):
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._spin, daemon=True)
-
-    def _spin(self) -> None:
-        total = 0
-        while not self._stop.is_set():
-            for k in range(10_000):
-                total += k * k
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def read_ahead_cold(path: Path, chunks: list[np.ndarray], verify: bool, busy: bool) -> dict:
-    """The chunks read ahead from a cold file (with `busy`, beside a BusyThread); then every chunk's
+    """The chunks read ahead from a cold file (with `busy`, beside a PythonBusy); then every chunk's
     rows checked."""
     with open_table(path, verify_reads=verify) as table:
         if table.host_cache is None:
@@ -78,7 +55,7 @@ def read_ahead_cold(path: Path, chunks: list[np.ndarray], verify: bool, busy: bo
         if populating is not None:  # faulted in, as a server has it long before its first prompt
             populating.join()
         evict(path)
-        with BusyThread() if busy else contextlib.nullcontext():
+        with PythonBusy() if busy else contextlib.nullcontext():
             began = time.perf_counter()
             job = table.read_ahead(chunks)
             job.wait()

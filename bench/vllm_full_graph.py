@@ -44,7 +44,6 @@ import resource
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,6 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpu_bench import CHUNK_TOKENS, OtherWork, bf16_bits  # noqa: E402  (bench/, beside this file)
+from python_busy import PythonBusy  # noqa: E402
 
 from ple_prep.format.manifest import manifest_path  # noqa: E402
 from ple_prep.integrations.vllm.backend import PrefetchedRows  # noqa: E402
@@ -392,29 +392,6 @@ def frozen_heap() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
-
-
-class PythonBusy:
-    """A thread running Python bytecode without pause, as vLLM's scheduler does between steps: it holds
-    the GIL but for the interpreter's switch interval."""
-
-    def __init__(self):
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._spin, daemon=True)
-
-    def _spin(self) -> None:
-        total = 0
-        while not self._stop.is_set():
-            for k in range(1000):
-                total += k * k
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def queued_sleep_ms() -> float:

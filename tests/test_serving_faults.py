@@ -421,24 +421,32 @@ def test_a_lookup_step_reading_other_bytes_fails_with_verify_reads_and_its_rows_
     assert recovered == (True, True)
 
 
+def summed_copy(table_path, folder) -> Path:
+    """A copy of the table with its page sums (written through the CLI) in `folder`, which must be
+    on a block device's file system (native AIO reads; skips elsewhere)."""
+    from click.testing import CliRunner
+    from support.file_systems import skip_unless_on_a_block_file_system
+
+    from ple_prep.cli import cli
+    skip_unless_on_a_block_file_system(folder)
+    path = folder / "t.bin"
+    shutil.copyfile(table_path, path)
+    shutil.copyfile(manifest_path(table_path), manifest_path(path))
+    assert CliRunner().invoke(cli, ["pagesums", str(path)]).exit_code == 0
+    return path
+
+
 def test_a_lookup_step_checks_its_native_aio_reads_against_the_page_sums(fp8_table, tmp_path):
     """The same check on the thread's native AIO path (a block device's file system): a page changed
     after its sum was written fails the step that reads it, naming the page's byte; a step of other
     pages is served bit for bit."""
     torch = pytest.importorskip("torch")
-    from click.testing import CliRunner
     from support.bf16_bits import bits, expected_bits
-    from support.file_systems import skip_unless_on_a_block_file_system
 
-    from ple_prep.cli import cli
     from ple_prep.runtime.device import steps
     if steps._native is None:
         pytest.skip("needs the compiled helper")
-    skip_unless_on_a_block_file_system(tmp_path)
-    path = tmp_path / "t.bin"
-    shutil.copyfile(fp8_table, path)
-    shutil.copyfile(manifest_path(fp8_table), manifest_path(path))
-    assert CliRunner().invoke(cli, ["pagesums", str(path)]).exit_code == 0
+    path = summed_copy(fp8_table, tmp_path)
     with open_table(path, read_path="direct", verify_reads=True, host_cache_bytes=0) as table:
         lookup = steps.StepLookup(table, device="cpu", resident_bytes=0, max_ids=64)
         try:
@@ -519,18 +527,10 @@ def test_read_ahead_with_verify_reads_admits_no_block_whose_page_sum_differs(sum
 
 def test_read_ahead_checks_its_native_aio_reads_against_the_page_sums(fp8_table, source_rows, tmp_path):
     """The same on the read-ahead's native AIO path (a block device's file system)."""
-    from click.testing import CliRunner
-    from support.file_systems import skip_unless_on_a_block_file_system
-
-    from ple_prep.cli import cli
     from ple_prep.runtime import readahead
     if readahead._native is None:
         pytest.skip("needs the compiled helper")
-    skip_unless_on_a_block_file_system(tmp_path)
-    path = tmp_path / "t.bin"
-    shutil.copyfile(fp8_table, path)
-    shutil.copyfile(manifest_path(fp8_table), manifest_path(path))
-    assert CliRunner().invoke(cli, ["pagesums", str(path)]).exit_code == 0
+    path = summed_copy(fp8_table, tmp_path)
     with open_table(path, read_path="direct", verify_reads=True, host_cache_bytes=8 << 20) as table:
         page = table.header.num_pages // 2
         offset = table.header.data_offset + page * table.page_size
