@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from .readcheck import ReadTimeout
+from .readcheck import ReadTimeout, bad_sum_error
 
 RECORD_BYTES = 512
 EMPTY, BEING_WRITTEN, STEP_FAILURE, MESSAGE = 0, 1, 2, 3
@@ -49,8 +49,7 @@ def step_failure_error(kind: str, value: int, offset: int, *, name: str, read_ti
     if kind == "read" and value == -1:
         return OSError(errno.EIO, f"{name}: short O_DIRECT read at byte {offset}: the file shrank")
     if kind == "read" and value == -3:
-        return OSError(errno.EIO, f"{name}: the page at byte {offset} read back other bytes than were written (its "
-                                  "page sum differs): the disk returned corrupted data")
+        return bad_sum_error(name, offset)
     if kind == "read":
         return OSError(value, f"{name}: O_DIRECT read at byte {offset}: {os.strerror(value)}")
     if kind == "mapped":

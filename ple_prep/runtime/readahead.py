@@ -46,7 +46,7 @@ import time
 import numpy as np
 
 from .hostcache import HostCache
-from .readcheck import MIN_BLOCK, ReadTimeout, read_error
+from .readcheck import MIN_BLOCK, ReadTimeout, bad_sum_error, read_error
 from .readplan import ReadAhead
 from .requests import check_slot_range
 
@@ -66,7 +66,8 @@ STALE_SECONDS = 2.0
 # Why a fill returned (runtime/native/disk_reads.h's FILL_ values): its rows handled, or the next
 # read would pass the pin limit.
 _FILL_DONE, _FILL_PINS = 0, 2
-# disk_reads.h's errors besides errnos: a read that ended inside the table, a disk that stalled.
+# disk_reads.h's errors besides errnos: a read that ended inside the table, a disk that stalled, a page
+# whose sum differs.
 _SHORT_READ, _STALLED, _BAD_SUM = -1, -2, -3
 
 
@@ -346,8 +347,7 @@ class CachedDiskTier:
             raise OSError(errno.EIO, f"{self.reader.name}: short O_DIRECT read at byte {failed_at}: the file shrank "
                                      f"or the disk failed")
         if error == _BAD_SUM:
-            raise OSError(errno.EIO, f"{self.reader.name}: the page at byte {failed_at} read back other bytes than "
-                                     "were written (its page sum differs): the disk returned corrupted data")
+            raise bad_sum_error(self.reader.name, failed_at)
         if error:
             raise read_error(self.reader.name, error, f"O_DIRECT read-ahead read at byte {failed_at}")
         return reason

@@ -27,6 +27,13 @@ def read_error(name: str, code: int, what: str) -> OSError:
     return OSError(code, f"{name}: {what}: {os.strerror(code)}")
 
 
+def bad_sum_error(name: str, offset: int) -> OSError:
+    """A compiled reader's block whose page at file byte `offset` failed its page sum (BAD_SUM,
+    runtime/native/disk_reads.h)."""
+    return OSError(errno.EIO, f"{name}: the page at byte {offset} read back other bytes than were written (its "
+                              "page sum differs): the disk returned corrupted data")
+
+
 def check_timeout(timeout: float) -> float:
     timeout = float(timeout)
     if not timeout > 0:

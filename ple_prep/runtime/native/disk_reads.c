@@ -453,8 +453,8 @@ int disk_reader_stage(disk_reader *reader, stage_call *call, Py_ssize_t disk, of
             block_at[e] = bad_at[e] = (off_t)((reader->keys[run_from[s]] >> RANK_BITS) * (uint64_t)reader->block);
             outcome[e] = disk_reader_checked(reader, (long)events[e].res, block_at[e]);
             if (!outcome[e])
-                outcome[e] = disk_reader_sums_match(reader, reader->buffer + (size_t)s * (size_t)reader->block, block_at[e],
-                                        &bad_at[e]);
+                outcome[e] = disk_reader_sums_match(reader, reader->buffer + (size_t)s * (size_t)reader->block,
+                                                    block_at[e], &bad_at[e]);
         }
         lock_cache(reader);
         for (long e = 0; e < got; e++) {
