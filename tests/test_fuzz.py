@@ -471,7 +471,10 @@ def test_package_never_unpickles():
     for path in package.rglob("*.py"):
         for number, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#")[0]
+            # The process pools and queues of concurrent.futures and multiprocessing pickle what they carry.
             if (re.search(r"\bimport pickle|\bpickle\.|\bcPickle|\bdill\b|\bjoblib\b", code)
+                    or re.search(r"ProcessPoolExecutor|multiprocessing\.(Pool|Queue|SimpleQueue|Pipe|Manager)\b", code)
+                    or re.search(r"context\.(Pool|Queue|SimpleQueue|Pipe|Manager)\(", code)
                     or re.search(r"allow_pickle\s*=\s*True", code)
                     or re.search(r"torch\.load\((?!.*weights_only=True)", code)
                     or (re.search(r"\bnp\.load\(", code) and "allow_pickle=False" not in code)):

@@ -290,6 +290,30 @@ def test_profile_piece_of_a_jsonl_names_the_file_line(fp8_checkpoint, tmp_path, 
         profile_files(fp8_checkpoint, [path], workers=2)
 
 
+@pytest.mark.parametrize("failure", ["disk", "killed"])
+def test_a_failing_profile_worker_raises_its_cause_here(fp8_checkpoint, prompt_files, monkeypatch, failure):
+    """A worker's error comes back as plain data and is raised again as its kind (a file's error
+    with its errno and file); a worker killed by a signal is named as such, and the run ends."""
+    parent = os.getpid()
+    share = profile_module._profile_share
+
+    def failing_in_a_worker(*args):
+        if os.getpid() != parent:
+            if failure == "killed":
+                os.kill(os.getpid(), 9)
+            raise OSError(28, "No space left on device", "/scratch/x")
+        return share(*args)
+
+    monkeypatch.setattr(profile_module, "_profile_share", failing_in_a_worker)
+    monkeypatch.setattr("ple_prep.offline.profile_pool.PIECE_BYTES", 2000)
+    expected = (OSError, r"No space left on device.*/scratch/x") if failure == "disk" else \
+        (RuntimeError, "a profile worker was killed by SIGKILL")
+    with pytest.raises(expected[0], match=expected[1]) as raised:
+        profile_files(fp8_checkpoint, prompt_files, workers=2)
+    if failure == "disk":
+        assert raised.value.errno == 28 and raised.value.filename == "/scratch/x"
+
+
 @pytest.mark.needs_helper
 def test_profile_bytes_are_the_same_without_the_compiled_helper(fp8_checkpoint, prompt_files, tmp_path,
                                                                 monkeypatch):

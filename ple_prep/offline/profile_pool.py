@@ -4,10 +4,11 @@ the counts merged exactly (sums of integer counts, in any order).
 Pieces are whole files, except that a large .jsonl is cut at line boundaries (so one big log file
 still uses every core). The pieces are cut into shares of about equal bytes, one a core: the
 calling process hashes the first, a worker process each other one, each with one `Profiler`
-reusing its working memory throughout; the workers hand back their counts and the parent adds
-them up. Tokenizing happens in each process (each loads the tokenizer once). Workers are forked
-before the parent's own share begins: they start in milliseconds and inherit the imported
-modules, and the parent has started no tokenizer threads yet.
+reusing its working memory throughout; the workers hand back their counts as plain data (JSON
+and .npy files, nothing pickled either way) and the parent adds them up. Tokenizing happens in
+each process (each loads the tokenizer once). Workers are forked before the parent's own share
+begins: they start in milliseconds, inherit the imported modules and their arguments, and the
+parent has started no tokenizer threads yet.
 """
 from __future__ import annotations
 
@@ -15,14 +16,18 @@ import concurrent.futures
 import dataclasses
 import gc
 import hashlib
+import json
 import multiprocessing
+import multiprocessing.connection
 import os
+import signal
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
+from ..core.errors import BadInput
 from ..core.fileio import open_input
 from ..ngram import NgramSpec
 
@@ -131,54 +136,63 @@ def profile_pieces(profile_share: Callable[..., dict[str, Any]], write_share: Ca
                    progress: Callable[[int], None] | None) -> list[dict[str, Any]]:
     """The results of `profile_share(model_dir, spec, heldout_every, pieces[, progress])` over
     `workers` shares of the pieces, in piece order, each piece's sha256 filled in: the first share
-    in this process, each other in a worker process of its own. A worker hands its result back
-    through `write_share` into a folder that `read_share` reads (plain data: the counts never
-    travel pickled). The three functions must be module-level (the workers import them)."""
+    in this process, each other in a forked worker process of its own. Nothing is pickled either
+    way: a worker inherits its arguments, hands its result back through `write_share` into a
+    folder that `read_share` reads, and a failure as JSON (`_failure_of`). Where this platform
+    cannot fork, every share is profiled here."""
     split_files = sorted({p.path for p in pieces if not p.whole})
-    shares = _shares(pieces, workers) if workers > 1 else [list(range(len(pieces)))]
+    can_fork = "fork" in multiprocessing.get_all_start_methods()
+    shares = _shares(pieces, workers) if workers > 1 and can_fork else [list(range(len(pieces)))]
     if len(shares) == 1:
         results = [profile_share(model_dir, spec, heldout_every, pieces, progress)]
         digests = {path: file_sha256(path, "prompt file") for path in split_files}
     else:
         results = [None] * len(shares)
-        context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
-                                              else "spawn")
+        context = multiprocessing.get_context("fork")
         # Tokens done per share, written by the share's worker alone, read here for the progress.
         done = context.RawArray("q", len(shares))
         scratch_root = scratch_folder(sum(p.size for p in pieces))
+        running: dict[int, Any] = {}
         # Objects the workers inherit are left out of their garbage collector's passes, which would
         # otherwise write to (and so copy) every page of them.
         gc.freeze()
         try:
-            with tempfile.TemporaryDirectory(prefix="ple-prep-profile-", dir=scratch_root) as scratch, \
-                    concurrent.futures.ProcessPoolExecutor(len(shares) - 1, mp_context=context, initializer=_inherit,
-                                                           initargs=(done,)) as pool, \
-                    concurrent.futures.ThreadPoolExecutor(1) as hashing:
+            with tempfile.TemporaryDirectory(prefix="ple-prep-profile-", dir=scratch_root) as scratch:
                 folders = [Path(scratch) / str(n) for n in range(len(shares))]
-                futures = {pool.submit(_share_into, profile_share, write_share, folders[n], n, model_dir, spec,
-                                       heldout_every, [pieces[i] for i in share]): n
-                           for n, share in enumerate(shares) if n}
-                # The files cut into pieces are hashed whole on a thread (hashlib releases the GIL),
-                # share 0 is profiled here, while the workers profile the others.
-                digests = hashing.submit(lambda: {path: file_sha256(path, "prompt file") for path in split_files})
-                reported = 0
+                try:
+                    for n, share in enumerate(shares[1:], start=1):
+                        running[n] = context.Process(
+                            target=_share_into, daemon=True,
+                            args=(profile_share, write_share, folders[n], done, n, model_dir, spec, heldout_every,
+                                  [pieces[i] for i in share]))
+                        running[n].start()
+                    with concurrent.futures.ThreadPoolExecutor(1) as hashing:
+                        # The files cut into pieces are hashed whole on a thread (hashlib releases the
+                        # GIL), share 0 is profiled here, while the workers profile the others.
+                        digests = hashing.submit(
+                            lambda: {path: file_sha256(path, "prompt file") for path in split_files})
+                        reported = 0
 
-                def advance(tokens: int) -> None:
-                    nonlocal reported
-                    if progress is not None:
-                        progress(tokens + sum(done) - reported)
-                        reported = sum(done)
+                        def advance(tokens: int) -> None:
+                            nonlocal reported
+                            if progress is not None:
+                                progress(tokens + sum(done) - reported)
+                                reported = sum(done)
 
-                results[0] = profile_share(model_dir, spec, heldout_every, [pieces[i] for i in shares[0]], advance)
-                waiting = set(futures)
-                while waiting:
-                    finished, waiting = concurrent.futures.wait(waiting, PROGRESS_SECONDS,
-                                                                concurrent.futures.FIRST_COMPLETED)
-                    for future in finished:
-                        future.result()
-                        results[futures[future]] = read_share(folders[futures[future]])
-                    advance(0)
-                digests = digests.result()
+                        results[0] = profile_share(model_dir, spec, heldout_every,
+                                                   [pieces[i] for i in shares[0]], advance)
+                        while running:
+                            multiprocessing.connection.wait([p.sentinel for p in running.values()],
+                                                            PROGRESS_SECONDS)
+                            for n in [n for n, process in running.items() if not process.is_alive()]:
+                                results[n] = _share_result(running.pop(n), folders[n], read_share)
+                            advance(0)
+                        digests = digests.result()
+                finally:
+                    for process in running.values():  # this process failed: theirs is wasted work
+                        process.terminate()
+                    for process in running.values():
+                        process.join()
         finally:
             gc.unfreeze()
     for share, result in zip(shares, results):
@@ -188,22 +202,57 @@ def profile_pieces(profile_share: Callable[..., dict[str, Any]], write_share: Ca
     return results
 
 
-_done: Any = None
-
-
-def _inherit(done: Any) -> None:
-    """In a worker, at its start: the shared progress counts."""
-    global _done
-    _done = done
+# A worker's failure, in its folder: what `_failure_of` wrote.
+FAILURE_FILE = "failure.json"
 
 
 def _share_into(profile_share: Callable[..., dict[str, Any]], write_share: Callable[[dict[str, Any], Path], None],
-                folder: Path, number: int, *args: Any) -> None:
+                folder: Path, done: Any, number: int, *args: Any) -> None:
     """In a worker: share `number` profiled and written into `folder`, its tokens counted in the
-    shared progress as they go."""
+    shared progress `done` as they go; a failure written there instead, and the exit status 1."""
 
     def advance(tokens: int) -> None:
-        _done[number] += tokens
+        done[number] += tokens
 
     folder.mkdir()
-    write_share(profile_share(*args, advance), folder)
+    try:
+        write_share(profile_share(*args, advance), folder)
+    except BaseException as exc:  # handed to the parent, which raises it
+        (folder / FAILURE_FILE).write_text(json.dumps(_failure_of(exc)))
+        raise SystemExit(1) from None
+
+
+def _failure_of(exc: BaseException) -> dict[str, Any]:
+    """An exception as plain data, enough for `_raised` to make its like again."""
+    failure = {"type": type(exc).__name__, "message": str(exc)}
+    if isinstance(exc, OSError):
+        failure |= {"errno": exc.errno, "strerror": exc.strerror, "filename": exc.filename}
+    return failure
+
+
+def _share_result(process: Any, folder: Path, read_share: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+    """A finished worker's result, or the exception of its failure: its own kind for bad input, a
+    file's error or memory running out, else a RuntimeError naming it."""
+    process.join()
+    if process.exitcode == 0:
+        return read_share(folder)
+    try:
+        failure = json.loads((folder / FAILURE_FILE).read_text())
+    except (OSError, ValueError):
+        code = process.exitcode
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+        raise RuntimeError(f"a profile worker {how}") from None
+    raise _raised(failure)
+
+
+def _raised(failure: dict[str, Any]) -> BaseException:
+    kind, message = failure["type"], failure["message"]
+    if kind == "BadInput":
+        return BadInput(message)
+    if failure.get("errno") is not None:
+        return OSError(failure["errno"], failure["strerror"], failure["filename"])
+    if kind == "MemoryError":
+        return MemoryError(message)
+    if kind == "KeyboardInterrupt":
+        return KeyboardInterrupt()
+    return RuntimeError(f"a profile worker failed: {kind}: {message}")
