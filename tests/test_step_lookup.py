@@ -223,6 +223,29 @@ def test_a_failed_step_is_in_the_shared_record_before_the_step_is_released_and_s
         lookup.close()
 
 
+def test_a_shared_record_keeps_whichever_failure_claimed_it_first(table):
+    """Writers of one record in two processes (two views of the same memory, locks of their own) and a
+    step service's thread: the first to claim the record writes it whole, the others leave it."""
+    shared = mmap.mmap(-1, RECORD_BYTES)
+    mine, theirs = FailureRecord(shared), FailureRecord(shared)
+    mine.publish(ValueError("the first failure"))
+    theirs.publish(OSError(5, "a later failure"))
+    lookup = steps.StepLookup(table, device="cpu", resident_bytes=0, max_ids=16, failure_record=theirs)
+    try:
+        ids = token_ids(table, 1, 1).reshape(-1).copy()
+        ids[0] = table.num_rows + 3
+        lookup.start(torch.from_numpy(ids))
+        with pytest.raises(IndexError):  # the step failed; the record already held a failure
+            lookup.finish()
+    finally:
+        lookup.close()
+    for record in (mine, theirs, FailureRecord(shared)):
+        error = record.error()
+        assert type(error) is RuntimeError and str(error) == "ValueError: the first failure"
+    with pytest.raises(ValueError, match="512 bytes"):
+        steps._native.record_state(bytearray(RECORD_BYTES - 8))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_an_io_error_fails_its_step_and_the_next_step_is_served(table, device, tmp_path):
     """A truncated copy: the direct read of a row past its end fails; rows before it still serve."""

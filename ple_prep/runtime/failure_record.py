@@ -8,6 +8,11 @@ the failed step (runtime/native/steps.c), so by the time any work that used the 
 complete, the record shows it. A lookup without the service thread writes its error's text
 (`publish`).
 
+The state word orders the rest: a writer claims the record (EMPTY to BEING_WRITTEN, atomically),
+writes the fields, then stores the state; a reader loads the state first. With the compiled helper
+those are atomic (release and acquire: runtime/native/steps.c), which a weakly ordered CPU (aarch64)
+needs; without it there is no service thread to race with, and a lock orders this process's writers.
+
 A record is RECORD_BYTES, 8-byte aligned, native byte order:
      0 int32    state: EMPTY, BEING_WRITTEN, STEP_FAILURE (kind, value, offset) or MESSAGE
      4 int32    kind: the service's failure kinds (STEP_FAILURE_KINDS, steps.c's FAILED_*)
@@ -25,6 +30,11 @@ import time
 import numpy as np
 
 from .readcheck import ReadTimeout, bad_sum_error
+
+try:
+    from . import _native
+except ImportError:  # built only where a C compiler was there at install (setup.py)
+    _native = None
 
 RECORD_BYTES = 512
 EMPTY, BEING_WRITTEN, STEP_FAILURE, MESSAGE = 0, 1, 2, 3
@@ -89,16 +99,33 @@ class FailureRecord:
     def publish(self, error: BaseException) -> None:
         """Keep `error` (its type and text) unless the record holds a failure already."""
         with self._lock:
-            if self._state[0] != EMPTY:
+            if not self._claim():
                 return
-            self._state[0] = BEING_WRITTEN
             self._put(_MESSAGE, _END, f"{type(error).__name__}: {error}")
-            self._state[0] = MESSAGE
+            self._store_state(MESSAGE)
+
+    def _claim(self) -> bool:
+        """Take the record for writing if it is empty (against a step service's thread too)."""
+        if _native is not None:
+            return _native.record_claim(self.buffer)
+        if self._state[0] != EMPTY:
+            return False
+        self._state[0] = BEING_WRITTEN
+        return True
+
+    def _store_state(self, state: int) -> None:
+        if _native is not None:
+            _native.record_state(self.buffer, state)
+        else:
+            self._state[0] = state
+
+    def _load_state(self) -> int:
+        return _native.record_state(self.buffer) if _native is not None else int(self._state[0])
 
     def error(self) -> BaseException | None:
         """The recorded failure as an exception (a message's as RuntimeError), or None."""
         deadline = time.monotonic() + _WRITING_SECONDS
-        while (state := int(self._state[0])) == BEING_WRITTEN and time.monotonic() < deadline:
+        while (state := self._load_state()) == BEING_WRITTEN and time.monotonic() < deadline:
             time.sleep(1e-4)
         if state == EMPTY:
             return None
