@@ -19,10 +19,12 @@ setup(ext_modules=[
                                                  "pack.h", "rankindex.h")]),
     Extension("ple_prep.runtime._native",
               [RUNTIME + name for name in ("module.c", "view.c", "stage.c", "pool.c", "jobs.c", "cuda.c", "hostcache.c",
-                                           "steps.c", "memops.c", "disk_reads.c", "disk_fill.c", "readahead.c")]
+                                           "steps.c", "memops.c", "disk_reads.c", "disk_fill.c", "readahead.c",
+                                           "failure_record.c")]
               + SHARED,
               extra_compile_args=FLAGS, optional=True,
               depends=[CORE + "buffers.h", CORE + "guard.h", CORE + "pagesums.h", CORE + "rows.h"]
               + [RUNTIME + name for name in ("cuda.h", "hostcache.h", "jobs.h", "pool.h", "stage.h", "view.h",
-                                             "steps.h", "memops.h", "disk_reads.h", "disk_fill.h", "readahead.h")]),
+                                             "steps.h", "memops.h", "disk_reads.h", "disk_fill.h", "readahead.h",
+                                             "failure_record.h")]),
 ])

@@ -51,6 +51,7 @@
 #include "../../core/native/guard.h"
 #include "../../core/native/rows.h"
 #include "cuda.h"
+#include "failure_record.h"
 #include "hostcache.h"
 #include "jobs.h"
 #include "pool.h"
@@ -226,6 +227,7 @@ static PyMethodDef methods[] = {
     {"stage_and_launch", stage_and_launch, METH_VARARGS,
      "stage after CUDA events, then a CUDA graph's launch: ((disk, staged), launched)."},
     {"cached", cached, METH_VARARGS, "Whether a few rows spread over a request are in the page cache."},
+    FAILURE_RECORD_METHODS
     HOSTCACHE_METHODS
     READAHEAD_METHODS
     STEPS_METHODS

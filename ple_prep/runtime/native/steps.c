@@ -36,6 +36,7 @@
 
 #include "../../core/native/rows.h"
 #include "disk_reads.h"
+#include "failure_record.h"
 #include "hostcache.h"
 #include "pool.h"
 #include "stage.h"
@@ -124,12 +125,6 @@ static int32_t next_request(service *server)
     }
 }
 
-/* The record's states (runtime/failure_record.py): written while BEING_WRITTEN, then STEP_FAILURE. */
-#define RECORD_BYTES 512
-#define RECORD_EMPTY 0
-#define RECORD_BEING_WRITTEN 1
-#define RECORD_STEP_FAILURE 2
-
 /* Into the shared record, if it is still empty: kind, value, offset, then the state (released), so
  * a process reading the state reads the rest whole. Before the step's READY: a step that used the
  * failed rows is complete only after the record shows them. */
@@ -138,67 +133,13 @@ static void share_failure(service *server, int kind, long long value, long long 
     if (server->record_view.len == 0)
         return;
     char *record = server->record_view.buf;
-    int32_t empty = RECORD_EMPTY;
-    if (!__atomic_compare_exchange_n((int32_t *)record, &empty, RECORD_BEING_WRITTEN, 0, __ATOMIC_ACQ_REL,
-                                     __ATOMIC_ACQUIRE))
+    if (!record_claim_state((int32_t *)record))
         return;
     int32_t kind_word = kind;
     int64_t words[2] = {value, offset};
     memcpy(record + 4, &kind_word, sizeof kind_word);
     memcpy(record + 8, words, sizeof words);
-    __atomic_store_n((int32_t *)record, RECORD_STEP_FAILURE, __ATOMIC_RELEASE);
-}
-
-/* The record's state word, for runtime/failure_record.py: its writers and readers in Python order
- * their stores and loads of the other fields through these, as share_failure does, so a reader on a
- * weakly ordered CPU (aarch64) never reads a state ahead of the fields it covers. */
-static int32_t *record_state_word(PyObject *record, Py_buffer *view)
-{
-    if (get_buffer(record, view, 1, 1, "record") != 0)
-        return NULL;
-    if (view->len < RECORD_BYTES || (uintptr_t)view->buf % 8) {
-        PyBuffer_Release(view);
-        PyErr_SetString(PyExc_ValueError, "a record must be 512 bytes, 8-byte aligned");
-        return NULL;
-    }
-    return view->buf;
-}
-
-/* record_claim(record) -> bool: whether the record was empty and is now BEING_WRITTEN, for this caller
- * alone (a step service's thread claims it the same way). */
-PyObject *record_claim(PyObject *self, PyObject *args)
-{
-    PyObject *record;
-    Py_buffer view;
-    if (!PyArg_ParseTuple(args, "O", &record))
-        return NULL;
-    int32_t *state = record_state_word(record, &view);
-    if (!state)
-        return NULL;
-    int32_t empty = RECORD_EMPTY;
-    int claimed = __atomic_compare_exchange_n(state, &empty, RECORD_BEING_WRITTEN, 0, __ATOMIC_ACQ_REL,
-                                              __ATOMIC_ACQUIRE);
-    PyBuffer_Release(&view);
-    return PyBool_FromLong(claimed);
-}
-
-/* record_state(record[, state]) -> int: the state, loaded with acquire; given `state` (>= 0), stored
- * with release first, once the fields it covers are written. */
-PyObject *record_state(PyObject *self, PyObject *args)
-{
-    PyObject *record;
-    int new_state = -1;
-    Py_buffer view;
-    if (!PyArg_ParseTuple(args, "O|i", &record, &new_state))
-        return NULL;
-    int32_t *state = record_state_word(record, &view);
-    if (!state)
-        return NULL;
-    if (new_state >= 0)
-        __atomic_store_n(state, new_state, __ATOMIC_RELEASE);
-    int32_t now = __atomic_load_n(state, __ATOMIC_ACQUIRE);
-    PyBuffer_Release(&view);
-    return PyLong_FromLong(now);
+    record_store_state((int32_t *)record, RECORD_STEP_FAILURE);
 }
 
 /* Keep the step's failure if it is the first since the last was taken; share the first ever. */

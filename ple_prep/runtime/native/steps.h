@@ -9,8 +9,6 @@ PyObject *step_service(PyObject *self, PyObject *args);
 PyObject *step_service_stop(PyObject *self, PyObject *args);
 PyObject *step_service_stats(PyObject *self, PyObject *args);
 PyObject *step_service_error(PyObject *self, PyObject *args);
-PyObject *record_claim(PyObject *self, PyObject *args);
-PyObject *record_state(PyObject *self, PyObject *args);
 PyObject *new_step_queue(PyObject *self, PyObject *args);
 PyObject *queue_step_start(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *queue_step_fetch(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
@@ -26,8 +24,6 @@ PyObject *launch_graph(PyObject *self, PyObject *args);
     {"step_service_stop", step_service_stop, METH_VARARGS, "Stop and join a step service's thread."}, \
     {"step_service_stats", step_service_stats, METH_VARARGS, "A step service's counters since its start."}, \
     {"step_service_error", step_service_error, METH_VARARGS, "A step service's first failure since the last."}, \
-    {"record_claim", record_claim, METH_VARARGS, "A failure record taken for writing if it was empty."}, \
-    {"record_state", record_state, METH_VARARGS, "A failure record's state, loaded with acquire (stored with release)."}, \
     {"step_queue", new_step_queue, METH_VARARGS, "A step lookup's fixed addresses, for its start and fetch."}, \
     {"queue_step_start", (PyCFunction)(void (*)(void))queue_step_start, METH_FASTCALL, \
      "A step's ids copy to pinned memory and its request."}, \
