@@ -11,7 +11,8 @@ that rank's rows, so by the time the output's tokens are on the host the record 
 
 Ranks on other hosts write their own host's file: a failure there is raised by that host's workers,
 as without this file. The workers of every data-parallel replica that vLLM starts from one config
-(its default launcher) share one file, so a failure in one replica stops the others' outputs too.
+(its default launcher) share one file, so a failure in one replica stops the others' outputs too;
+under torchrun the ranks share the first rank's instance id (storage.py).
 """
 from __future__ import annotations
 

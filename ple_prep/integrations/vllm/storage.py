@@ -21,6 +21,7 @@ from vllm.compilation.breakable_cudagraph import (
     is_breakable_cudagraph_enabled,
 )
 from vllm.config import CUDAGraphMode, get_current_vllm_config
+from vllm.distributed.parallel_state import get_world_group
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.logger import init_logger
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
@@ -49,6 +50,8 @@ from .settings import Settings, read_settings
 
 logger = init_logger(__name__)
 
+# An instance id's bytes as the first torchrun rank broadcasts it (vLLM's are nanoseconds or a short uuid).
+_INSTANCE_ID_BYTES = 64
 # The class names vLLM picks its storage from, in the module that picks.
 STORAGE_NAMES = ("Qwen4ExpPLEPinnedHostEmbedding", "Qwen4ExpPLEDeviceEmbedding")
 _METHOD_NAMES = ((Qwen4ExpPLEFp8EmbeddingMethod, "fp8"), (Qwen4ExpPLENvFp4EmbeddingMethod, "nvfp4"),
@@ -106,11 +109,28 @@ def _worker_records():
     if size == 1:
         return None, holder
     try:
-        return shared_failures(get_current_vllm_config().instance_id, rank, size), holder
+        return shared_failures(_world_instance_id(), rank, size), holder
     except OSError as error:  # serving goes on; only other ranks' failures are no longer raised here
         logger.warning("ple-prep: failed PLE lookups cannot be shared with the other workers (%s): a lookup "
                        "failed on another rank is raised on that rank only", error)
         return None, holder
+
+
+def _world_instance_id() -> str:
+    """The id every worker of this world names the instance's failure records by. vLLM's own launchers
+    hand each worker the engine's config, its id included; under torchrun (`external_launcher`) each
+    process makes a config of its own, so the first rank's id is broadcast over the world's CPU group
+    (every rank builds this layer, so every rank takes part)."""
+    config = get_current_vllm_config()
+    if config.parallel_config.distributed_executor_backend != "external_launcher":
+        return config.instance_id
+    world = get_world_group()
+    word = torch.zeros(_INSTANCE_ID_BYTES, dtype=torch.uint8)
+    if world.rank_in_group == 0:
+        own = config.instance_id.encode()[:_INSTANCE_ID_BYTES]
+        word[:len(own)] = torch.frombuffer(bytearray(own), dtype=torch.uint8)
+    torch.distributed.broadcast(word, src=world.ranks[0], group=world.cpu_group)
+    return bytes(word.numpy()).rstrip(b"\0").decode("utf-8", "replace")
 
 
 def in_full_graph() -> bool:
