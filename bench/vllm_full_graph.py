@@ -22,6 +22,7 @@ replay, the two graphs alternating in blocks; p50 and p90 of each and their rati
   step at a time (the host clock around a replay and a synchronize), alternating with today's eager
   path (`EmbeddingSource`: start with the device ids, the same other work, finish) on the same ids;
   then the same with each side's table keeping open_table's default host cache (cold_host_cache);
+- host alone (`--sections host`): the warm section's host protocols (below) and nothing else;
 - batched (`--sections batched`): warm decode steps of `--batch-tokens` tokens each, against the
   resident table's graph as in warm;
 - exact: warm, cold and mixed (half the pages cached) steps with every buffer poisoned before each;
@@ -324,11 +325,7 @@ def warm_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
                                                   decode[:200])
     chunk_proxy = lookup_graph(lookup, pool_of(chunks[:4]), chunk_other)
     report["exact_poisoned_warm_chunk"] = exact_replays(table, lookup, chunk_proxy, chunks[:4])
-    with frozen_heap():
-        report["host"] = host_section(lookup, table, decode, chunks, chunk_proxy)
-        rows = PrefetchedRows(table, device="cuda", resident_bytes=resident, max_tokens=CHUNK_TOKENS, heads=16)
-        report["host"]["plugin"] = host_section(rows, table, decode, chunks, None, reshape=True)
-    rows.close()
+    report["host"] = host_of_both(lookup, table, resident, decode, chunks, chunk_proxy)
     lookup.close()
     del full
     table.close()
@@ -341,6 +338,31 @@ def warm_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
         table.gather(ids.reshape(-1))
     report["exact_poisoned_mixed"] = exact_replays(table, lookup, lookup_graph(lookup, pool_of(mixed), other), mixed)
     report["mixed_stats"] = lookup.stats()
+    lookup.close()
+    table.close()
+    return report
+
+
+def host_of_both(lookup: StepLookup, table, resident: int, decode: list[np.ndarray], chunks: list[np.ndarray],
+                 chunk_proxy: ProxyStep) -> dict:
+    """host_section for `lookup` (StepLookup), then for the plugin's PrefetchedRows on the same table."""
+    with frozen_heap():
+        report = host_section(lookup, table, decode, chunks, chunk_proxy)
+        rows = PrefetchedRows(table, device="cuda", resident_bytes=resident, max_tokens=CHUNK_TOKENS, heads=16)
+        report["plugin"] = host_section(rows, table, decode, chunks, None, reshape=True)
+    rows.close()
+    return report
+
+
+def host_only_section(path: Path, resident: int, decode: list[np.ndarray], chunks: list[np.ndarray],
+                      chunk_other: OtherWork) -> dict:
+    """The warm section's host protocols alone (`--sections host`), on the same warm table: short
+    enough to run several times in one call, alternating a setting of the driver's."""
+    subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)  # every page cached
+    table = open_table(path, read_path="mapped", host_cache_bytes=0)
+    lookup = StepLookup(table, device="cuda", resident_bytes=resident, max_ids=CHUNK_TOKENS * 16)
+    report = host_of_both(lookup, table, resident, decode, chunks,
+                          lookup_graph(lookup, pool_of(chunks[:4]), chunk_other))
     lookup.close()
     table.close()
     return report
@@ -775,7 +797,7 @@ def main() -> None:
                         help="the batched section's tokens a decode step (comma-separated)")
     parser.add_argument("--batch-steps", type=int, default=2000)
     parser.add_argument("--sections", default="cold,warm,faults",
-                        help="which of cold, warm, batched and faults to run (comma-separated)")
+                        help="which of cold, warm, host, batched and faults to run (comma-separated)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     sections = set(args.sections.split(","))
@@ -809,6 +831,10 @@ def main() -> None:
         print("warm", flush=True, file=sys.stderr)
         report["warm"] = warm_section(args.table, resident, decode, chunks, other, chunk_other, args)
         print(json.dumps(report["warm"]), flush=True, file=sys.stderr)
+    if "host" in sections:
+        print("host", flush=True, file=sys.stderr)
+        report["host"] = host_only_section(args.table, resident, decode, chunks, chunk_other)
+        print(json.dumps(report["host"]), flush=True, file=sys.stderr)
     if "batched" in sections:
         print("batched", flush=True, file=sys.stderr)
         report["batched"] = batched_section(args.table, resident, row_ids, other, args.batch_tokens,
