@@ -130,21 +130,21 @@ def test_tensor_parallel_ranks_serve_their_own_files_and_sum_to_the_whole_input(
             np.testing.assert_array_equal(output[f"arr_{index}"], expected)
 
 
-@pytest.mark.parametrize("launcher", ["mp", "external_launcher"])
+@pytest.mark.parametrize("ids", ["shared", "each"])
 def test_a_lookup_failed_on_another_rank_is_raised_where_the_output_is_handed_over(checkpoints, fp8_rank_tables,
-                                                                                   tmp_path, launcher):
+                                                                                   tmp_path, ids):
     """vLLM takes a step's output from one rank and only logs another's exception: a lookup failed on
     rank 1 (its file shrank) gives that step NaN values on both ranks, the all-reduce never waiting,
     and is raised on rank 0 too, naming rank 1 and the cause; the file the ranks shared is gone once
-    they exit. Under torchrun (`external_launcher`) each rank hands its own outputs over and has a
-    config, and an instance id, of its own: the ranks still share one file."""
+    they exit. Where each rank's config has an instance id of its own (vLLM's Ray launcher gives each
+    data-parallel replica one; under torchrun each process makes its own), the ranks still share one file."""
     for name in os.listdir(fp8_rank_tables):
         shutil.copy(fp8_rank_tables / name, tmp_path / name)
     port, instance = free_port(), f"failed-rank-test-{os.getpid()}"
     script = Path(__file__).with_name("failed_rank.py")
     ranks = [subprocess.Popen([sys.executable, str(script), str(rank), "2", str(port),
                                str(tmp_path / "ple.tp{rank}of{size}.bin"), str(checkpoints["fp8"]), instance,
-                               launcher],
+                               ids],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(2)]
     outputs = [process.communicate(timeout=300)[0] for process in ranks]

@@ -10,9 +10,10 @@ rank's service thread writes its record before it releases the step; the step's 
 that rank's rows, so by the time the output's tokens are on the host the record shows the failure.
 
 Ranks on other hosts write their own host's file: a failure there is raised by that host's workers,
-as without this file. The workers of every data-parallel replica that vLLM starts from one config
-(its default launcher) share one file, so a failure in one replica stops the others' outputs too;
-under torchrun the ranks share the first rank's instance id (storage.py).
+as without this file. The workers of every data-parallel replica of the instance
+share one file, so a failure in one replica stops the others' outputs too: the workers name it by
+the first rank's instance id (storage.py), also where each replica's config has its own (vLLM's Ray
+launcher) or each process's (torchrun).
 """
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ from .settings import Settings, read_settings
 
 logger = init_logger(__name__)
 
-# An instance id's bytes as the first torchrun rank broadcasts it (vLLM's are nanoseconds or a short uuid).
+# An instance id's bytes as the first rank broadcasts it (vLLM's: nanoseconds, or a short uuid, and a suffix).
 _INSTANCE_ID_BYTES = 64
 # The class names vLLM picks its storage from, in the module that picks.
 STORAGE_NAMES = ("Qwen4ExpPLEPinnedHostEmbedding", "Qwen4ExpPLEDeviceEmbedding")
@@ -117,17 +117,15 @@ def _worker_records():
 
 
 def _world_instance_id() -> str:
-    """The id every worker of this world names the instance's failure records by. vLLM's own launchers
-    hand each worker the engine's config, its id included; under torchrun (`external_launcher`) each
-    process makes a config of its own, so the first rank's id is broadcast over the world's CPU group
-    (every rank builds this layer, so every rank takes part)."""
-    config = get_current_vllm_config()
-    if config.parallel_config.distributed_executor_backend != "external_launcher":
-        return config.instance_id
+    """The id every worker of this world names the instance's failure records by: the first rank's,
+    broadcast over the world's CPU group (every rank builds this layer, so every rank takes part).
+    Each rank's own config does not always carry the same one: vLLM's Ray launcher gives each
+    data-parallel replica an id of its own, and under torchrun (`external_launcher`) each process
+    makes its config, and its id, itself."""
     world = get_world_group()
     word = torch.zeros(_INSTANCE_ID_BYTES, dtype=torch.uint8)
     if world.rank_in_group == 0:
-        own = config.instance_id.encode()[:_INSTANCE_ID_BYTES]
+        own = get_current_vllm_config().instance_id.encode()[:_INSTANCE_ID_BYTES]
         word[:len(own)] = torch.frombuffer(bytearray(own), dtype=torch.uint8)
     torch.distributed.broadcast(word, src=world.ranks[0], group=world.cpu_group)
     return bytes(word.numpy()).rstrip(b"\0").decode("utf-8", "replace")
