@@ -22,7 +22,7 @@ from support.step_calls import poison, serve, token_ids  # noqa: E402
 from ple_prep.format.manifest import manifest_path  # noqa: E402
 from ple_prep.ngram import row_ids  # noqa: E402
 from ple_prep.offline.writer import WriteOptions  # noqa: E402
-from ple_prep.runtime import RECORD_BYTES, FailureRecord, open_table  # noqa: E402
+from ple_prep.runtime import RECORD_BYTES, FailureRecord, failure_record, open_table  # noqa: E402
 from ple_prep.runtime.device import buffers, driver, steps  # noqa: E402
 from ple_prep.runtime.device.dequant import decoder_for  # noqa: E402
 from ple_prep.tools.benchmark import cached_fraction, evict  # noqa: E402
@@ -244,6 +244,26 @@ def test_a_shared_record_keeps_whichever_failure_claimed_it_first(table):
         assert type(error) is RuntimeError and str(error) == "ValueError: the first failure"
     with pytest.raises(ValueError, match="512 bytes"):
         steps._native.record_state(bytearray(RECORD_BYTES - 8))
+
+
+@pytest.mark.parametrize("helper", ["compiled", "missing"])
+def test_a_record_is_written_whole_once_and_read_back_with_or_without_the_helper(helper, monkeypatch):
+    """Without the compiled helper (no service thread to race with) a record's writers and readers
+    keep the same rules: the first failure stays, a reader waits out a writer's claim and then says
+    the record is stuck rather than read it half written."""
+    if helper == "missing":
+        monkeypatch.setattr(failure_record, "_native", None)
+    shared = mmap.mmap(-1, RECORD_BYTES)
+    first, second = FailureRecord(shared), FailureRecord(shared)
+    assert first.error() is None
+    first.publish(OSError(28, "no space left"))
+    second.publish(ValueError("later"))
+    assert str(second.error()) == "OSError: [Errno 28] no space left"
+    stuck = FailureRecord(mmap.mmap(-1, RECORD_BYTES))
+    assert stuck._claim() and not stuck._claim()
+    began = time.monotonic()
+    assert str(stuck.error()) == "a PLE lookup failed a step (its record is in state 1)"
+    assert time.monotonic() - began >= failure_record._WRITING_SECONDS
 
 
 @pytest.mark.parametrize("device", DEVICES)
