@@ -10,7 +10,7 @@ complete, the record shows it. A lookup without the service thread writes its er
 
 The state word orders the rest: a writer claims the record (EMPTY to BEING_WRITTEN, atomically),
 writes the fields, then stores the state; a reader loads the state first. With the compiled helper
-those are atomic (release and acquire: runtime/native/steps.c), which a weakly ordered CPU (aarch64)
+those are atomic (release and acquire: runtime/native/failure_record.c), which a weakly ordered CPU (aarch64)
 needs; without it there is no service thread to race with, and a lock orders this process's writers.
 
 A record is RECORD_BYTES, 8-byte aligned, native byte order:

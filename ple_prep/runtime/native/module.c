@@ -40,10 +40,12 @@
  * readahead_new, readahead_fill, readahead_hold, readahead_stop, readahead_serve, readahead_progress,
  * readahead_wait:
  *     read-ahead into the host cache on a reader of its own (readahead.c).
+ * record_claim, record_state:
+ *     a failure record's state word, claimed, stored and loaded atomically (failure_record.c).
  *
  * Files: view.c (the table view), stage.c (the stage and its parts), pool.c (the thread pool),
  * jobs.c (stage_when), cuda.c (the driver table), hostcache.c (runtime/hostcache.py's loops),
- * readahead.c and disk_fill.c (read-ahead's reader and its reads); the rows' addresses and the slot lookup come from core/native/.
+ * readahead.c and disk_fill.c (read-ahead's reader and its reads), failure_record.c; the rows' addresses and the slot lookup come from core/native/.
  */
 #include <pthread.h>
 
