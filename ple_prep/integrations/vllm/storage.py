@@ -126,7 +126,7 @@ def _world_instance_id() -> str:
     word = torch.zeros(_INSTANCE_ID_BYTES, dtype=torch.uint8)
     if world.rank_in_group == 0:
         own = get_current_vllm_config().instance_id.encode()[:_INSTANCE_ID_BYTES]
-        word[:len(own)] = torch.frombuffer(bytearray(own), dtype=torch.uint8)
+        word[:len(own)] = torch.tensor(list(own), dtype=torch.uint8)
     torch.distributed.broadcast(word, src=world.ranks[0], group=world.cpu_group)
     return bytes(word.numpy()).rstrip(b"\0").decode("utf-8", "replace")
 
