@@ -258,6 +258,25 @@ def test_another_workers_failed_step_is_raised_before_this_workers_output_is_han
     workers[1].remove()  # the other worker's exit finds it gone
 
 
+def test_the_first_schedule_warns_once_of_workers_that_share_no_records(served, tmp_path, caplog):
+    """Workers 0 and 1 of 3 describe themselves in this host's file, worker 2 (another host) never
+    does: the first schedule names rank 2 in one warning; where every worker shares the file, none."""
+    for world, described, warned in ((3, (0, 1), "worker ranks 2 of 3 do not share"), (2, (0, 1), None)):
+        traffic._SERVED = traffic._Served()
+        workers = [failures.SharedFailures(f"instance-{world}", rank, world, folder=tmp_path) for rank in described]
+        for worker in workers:
+            worker.own.describe(name="ple.bin", holder=f"worker rank {worker.rank} of {world}", capacity=64,
+                                read_timeout=30.0)
+        traffic.watch(PrefetchedRows(served, device="cpu", resident_bytes=0, max_tokens=4, heads=16), workers[0])
+        caplog.clear()
+        for _ in range(2):
+            traffic.on_schedule(Schedule([], {}))
+        warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+        assert len(warnings) == (1 if warned else 0) and all(warned in message for message in warnings)
+        for worker in workers:
+            worker.remove()
+
+
 def test_an_error_raised_without_the_service_thread_is_written_to_the_record(tmp_path):
     """EmbeddingSource's errors (and a start's own refusals) are written as a message, once: the first stays."""
     (worker,) = [failures.SharedFailures("instance-8", 0, 1, folder=tmp_path)]

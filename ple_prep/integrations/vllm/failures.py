@@ -83,6 +83,11 @@ class SharedFailures:
                 return failed
         return None
 
+    def unseen_ranks(self) -> list[int]:
+        """The ranks whose lookup never described itself in this file: workers that do not share it
+        (on another host, or behind another /dev/shm), once every worker has built its lookups."""
+        return [rank for rank, record in enumerate(self.records) if not record.holder]
+
     def remove(self) -> None:
         """Unlink the instance's file (the first rank to exit does; the others keep their mapping)."""
         try:

@@ -63,6 +63,7 @@ class _Served:
         # of the instance's other workers (failures.py).
         self.lookups: weakref.WeakSet = weakref.WeakSet()
         self.shared: list = []
+        self.unshared_unchecked = True  # the first schedule looks for workers that share no records
         # Requests whose read-ahead the feed thread has not stored yet (`_read_ahead`), and those
         # of them that finished meanwhile; the lock orders a finish and the store of its jobs.
         self.feeding: set[str] = set()
@@ -126,11 +127,27 @@ def raise_failed_lookups() -> None:
             raise error
 
 
+def _warn_of_unshared_ranks() -> None:
+    """Once, at the first schedule (every worker has built its lookups by then: vLLM's profile run
+    and captures are collective): name the ranks whose failures this worker cannot read."""
+    _SERVED.unshared_unchecked = False
+    for shared in _SERVED.shared:
+        unseen = shared.unseen_ranks()
+        if unseen:
+            logger.warning("ple-prep: worker ranks %s of %d do not share this host's failure records (%s): they run "
+                           "on another host or behind another /dev/shm. A PLE lookup failed there is raised on "
+                           "its own host only, and tokens of its failed step may reach clients from here "
+                           "(docs/SERVING.md, \"vLLM\")", ", ".join(map(str, unseen)), len(shared.records),
+                           shared.path)
+
+
 def on_schedule(scheduler_output: Any) -> None:
     """One step's schedule: raise a failed lookup's error; read ahead the new requests' later
     chunks; record; cancel finished ones."""
     served = _SERVED
     raise_failed_lookups()
+    if served.unshared_unchecked:
+        _warn_of_unshared_ranks()
     if served.spec is None:
         return
     for request_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
