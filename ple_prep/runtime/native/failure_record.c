@@ -3,6 +3,11 @@
 
 #include "../../core/native/buffers.h"
 
+int record_buffer_fits(const Py_buffer *view)
+{
+    return view->len >= RECORD_BYTES && (uintptr_t)view->buf % 8 == 0;
+}
+
 int record_claim_state(int32_t *state)
 {
     int32_t empty = RECORD_EMPTY;
@@ -19,7 +24,7 @@ static int32_t *record_state_word(PyObject *record, Py_buffer *view)
 {
     if (get_buffer(record, view, 1, 1, "record") != 0)
         return NULL;
-    if (view->len < RECORD_BYTES || (uintptr_t)view->buf % 8) {
+    if (!record_buffer_fits(view)) {
         PyBuffer_Release(view);
         PyErr_SetString(PyExc_ValueError, "a record must be 512 bytes, 8-byte aligned");
         return NULL;

@@ -14,6 +14,8 @@
 #define RECORD_BEING_WRITTEN 1
 #define RECORD_STEP_FAILURE 2
 
+/* Whether a buffer can hold a record: at least RECORD_BYTES, 8-byte aligned (its state word atomic). */
+int record_buffer_fits(const Py_buffer *view);
 /* 1 if the record was EMPTY and is now BEING_WRITTEN, for this caller alone; else 0. */
 int record_claim_state(int32_t *state);
 void record_store_state(int32_t *state, int32_t value);

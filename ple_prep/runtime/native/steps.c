@@ -328,7 +328,7 @@ PyObject *step_service(PyObject *self, PyObject *args)
     Py_XDECREF(stage_args);
     const char *refused = !call ? NULL
         : server->flags_view.len < FLAG_WORDS * (Py_ssize_t)sizeof(int32_t) ? "step_service: flags must be 64 int32"
-        : record != Py_None && (server->record_view.len < RECORD_BYTES || (uintptr_t)server->record_view.buf % 8)
+        : record != Py_None && !record_buffer_fits(&server->record_view)
             ? "step_service: a record must be 512 bytes, 8-byte aligned"
         : (const char *)call->request.index < call->request.out + call->out_rows * call->request.row_bytes
             ? "step_service: index must follow out in one buffer"
