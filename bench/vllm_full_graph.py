@@ -247,8 +247,8 @@ def cold_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
         report[name] = {"full_graph": percentiles(graph_s), "eager": percentiles(eager_s),
                         "p50_ratio": round(float(np.median(graph_s) / np.median(eager_s)), 4),
                         # Each id set read by both sides back to back: the disk's drift cancels in a pair.
-                        # Whichever reads a set second reads faster (the drive's own cache), so each
-                        # side's times have two modes and the p50 of each falls between them.
+                        # Which side reads a set second moves its time, either way from run to run (the
+                        # drive's own cache), so each side's times have two modes and its p50 falls between.
                         "pair_ratio_median": round(float(np.median(np.divide(graph_s, eager_s))), 4),
                         # Half the pairs read the graph first, half the eager path: in the geometric
                         # mean of their ratios the order's effect cancels, as in the same-place ratios.

@@ -258,10 +258,21 @@ def test_another_workers_failed_step_is_raised_before_this_workers_output_is_han
     workers[1].remove()  # the other worker's exit finds it gone
 
 
-def test_the_first_schedule_warns_once_of_workers_that_share_no_records(served, tmp_path, caplog):
+@pytest.mark.parametrize("raise_on_nan_logits", [None, "1"])
+def test_the_first_schedule_warns_once_of_workers_that_share_no_records(served, tmp_path, caplog, monkeypatch,
+                                                                        raise_on_nan_logits):
     """Workers 0 and 1 of 3 describe themselves in this host's file, worker 2 (another host) never
-    does: the first schedule names rank 2 in one warning; where every worker shares the file, none."""
-    for world, described, warned in ((3, (0, 1), "worker ranks 2 of 3 do not share"), (2, (0, 1), None)):
+    does: the first schedule names rank 2 in one warning, which names the variable that stops vLLM at
+    a step whose logits are NaN; with that variable set, a line of information says so instead; where
+    every worker shares the file, nothing."""
+    if raise_on_nan_logits is None:
+        monkeypatch.delenv("VLLM_RAISE_ON_LOGIT_NANS", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_RAISE_ON_LOGIT_NANS", raise_on_nan_logits)
+    caplog.set_level("INFO", logger=traffic.logger.name)
+    level, said = ("INFO", "where vLLM raises it") if raise_on_nan_logits else \
+        ("WARNING", "set VLLM_RAISE_ON_LOGIT_NANS=1, and vLLM stops at such a step")
+    for world, described, warned in ((3, (0, 1), True), (2, (0, 1), False)):
         traffic._SERVED = traffic._Served()
         workers = [failures.SharedFailures(f"instance-{world}", rank, world, folder=tmp_path) for rank in described]
         for worker in workers:
@@ -271,10 +282,75 @@ def test_the_first_schedule_warns_once_of_workers_that_share_no_records(served, 
         caplog.clear()
         for _ in range(2):
             traffic.on_schedule(Schedule([], {}))
-        warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
-        assert len(warnings) == (1 if warned else 0) and all(warned in message for message in warnings)
+        lines = [(record.levelname, record.getMessage()) for record in caplog.records]
+        if warned:
+            assert len(lines) == 1 and lines[0][0] == level, lines
+            assert "worker ranks 2 of 3 do not share" in lines[0][1] and said in lines[0][1]
+        else:
+            assert not lines
         for worker in workers:
             worker.remove()
+
+
+class NanLogitsWorker:
+    """vLLM 0.33.0's Worker whose runner raises at a step whose logits hold NaN
+    (VLLM_RAISE_ON_LOGIT_NANS): at once without asynchronous scheduling, else at get_output."""
+
+    error = f"{traffic.NAN_LOGITS}: {{'request-3': 160}}"
+
+    def execute_model(self, scheduler_output):
+        raise RuntimeError(self.error)
+
+    def sample_tokens(self, grammar_output):
+        error = self.error
+
+        class Pending:
+            def get_output(self):
+                raise RuntimeError(error)
+
+        return Pending()
+
+
+def test_nan_logits_vllm_raises_name_a_lookup_failed_on_another_host(served, tmp_path, monkeypatch):
+    """A lookup failed on another host (rank 2 of 3, whose records this host never sees) gives every
+    rank NaN values and no record here: the error vLLM raises at the step's NaN logits is raised as
+    FailedOnAnotherHost, naming rank 2 and carrying vLLM's error as its cause. Where every rank
+    shares this host's records, or the error is another, it passes unchanged; a failure this host's
+    records show is raised as itself."""
+    monkeypatch.setattr(traffic, "_SERVED", traffic._Served())
+    module = type("module", (), {"Worker": NanLogitsWorker})
+    traffic.install_output_check(module)
+    worker = NanLogitsWorker()
+    for world, unseen in ((3, True), (2, False)):
+        traffic._SERVED = traffic._Served()
+        shared = [failures.SharedFailures(f"nan-{world}", rank, world, folder=tmp_path) for rank in (0, 1)]
+        for record in shared:
+            record.own.describe(name="ple.bin", holder=f"worker rank {record.rank} of {world}", capacity=64,
+                                read_timeout=30.0)
+        traffic.watch(PrefetchedRows(served, device="cpu", resident_bytes=0, max_tokens=4, heads=16), shared[0])
+        for call in (lambda: worker.execute_model("step"), lambda: worker.sample_tokens(None).get_output()):
+            with pytest.raises(RuntimeError) as raised:
+                call()
+            if unseen:
+                assert type(raised.value) is failures.FailedOnAnotherHost
+                assert str(raised.value) == (
+                    f"vLLM found NaN in this step's logits ({NanLogitsWorker.error}). Worker ranks 2 of 3 run on "
+                    "another host, whose failed PLE lookups this host's records do not show: a lookup failed there "
+                    "gives every rank NaN values, and that host's log names the cause")
+                assert str(raised.value.__cause__) == NanLogitsWorker.error
+            else:
+                assert type(raised.value) is RuntimeError and str(raised.value) == NanLogitsWorker.error
+        for record in shared:
+            record.remove()
+    monkeypatch.setattr(NanLogitsWorker, "error", "CUDA error: an illegal memory access was encountered")
+    traffic._SERVED = traffic._Served()
+    failed = FailedLookup()  # watched weakly: held here
+    traffic.watch(failed, failures.SharedFailures("nan-other", 0, 3, folder=tmp_path))
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        worker.execute_model("step")
+    monkeypatch.setattr(NanLogitsWorker, "error", f"{traffic.NAN_LOGITS}: {{'request-3': 160}}")
+    with pytest.raises(OSError, match="Input/output error"):  # this host's own failure, as itself
+        worker.execute_model("step")
 
 
 def test_an_error_raised_without_the_service_thread_is_written_to_the_record(tmp_path):

@@ -130,21 +130,23 @@ def test_tensor_parallel_ranks_serve_their_own_files_and_sum_to_the_whole_input(
             np.testing.assert_array_equal(output[f"arr_{index}"], expected)
 
 
-@pytest.mark.parametrize("ids", ["shared", "each"])
+@pytest.mark.parametrize("ids", ["shared", "each", "hosts"])
 def test_a_lookup_failed_on_another_rank_is_raised_where_the_output_is_handed_over(checkpoints, fp8_rank_tables,
                                                                                    tmp_path, ids):
     """vLLM takes a step's output from one rank and only logs another's exception: a lookup failed on
     rank 1 (its file shrank) gives that step NaN values on both ranks, the all-reduce never waiting,
     and is raised on rank 0 too, naming rank 1 and the cause; the file the ranks shared is gone once
     they exit. Where each rank's config has an instance id of its own (vLLM's Ray launcher gives each
-    data-parallel replica one; under torchrun each process makes its own), the ranks still share one file."""
+    data-parallel replica one; under torchrun each process makes its own), the ranks still share one file.
+    Where they share none (two hosts), rank 0's records show nothing, and the error vLLM raises at the
+    step's NaN logits (VLLM_RAISE_ON_LOGIT_NANS) names rank 1 on another host as the likely cause."""
     for name in os.listdir(fp8_rank_tables):
         shutil.copy(fp8_rank_tables / name, tmp_path / name)
     port, instance = free_port(), f"failed-rank-test-{os.getpid()}"
     script = Path(__file__).with_name("failed_rank.py")
     ranks = [subprocess.Popen([sys.executable, str(script), str(rank), "2", str(port),
                                str(tmp_path / "ple.tp{rank}of{size}.bin"), str(checkpoints["fp8"]), instance,
-                               ids],
+                               ids, str(tmp_path / "records")],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(2)]
     outputs = [process.communicate(timeout=300)[0] for process in ranks]
@@ -153,9 +155,32 @@ def test_a_lookup_failed_on_another_rank_is_raised_where_the_output_is_handed_ov
     for rank in range(2):
         assert f"rank {rank} step: NaN values True" in outputs[rank], outputs[rank][-3000:]
     cause = re.search(r"rank 1 check: (OSError: .*ple\.tp1of2\.bin.*)", outputs[1]).group(1)
-    assert (f"rank 0 check: FailedOnAnotherRank: the PLE lookup of worker rank 1 of 2 (ETP rank 1 of 2) failed "
-            f"a step: {cause}") in outputs[0], outputs[0][-3000:]
+    assert f"rank 1 logits check: {cause}" in outputs[1], outputs[1][-3000:]
+    if ids == "hosts":
+        assert "rank 0 check: nothing raised" in outputs[0], outputs[0][-3000:]
+        assert re.search(r"rank 0 logits check: FailedOnAnotherHost: vLLM found NaN in this step's logits \(NaNs "
+                         r"detected in logits: \{'request-0': \d+.*\}\)\. Worker ranks 1 of 2 run on another "
+                         r"host, whose failed PLE lookups this host's records do not show", outputs[0]), outputs[0]
+        assert set((tmp_path / "records").rglob("*")) == {tmp_path / "records" / f"rank{k}" for k in range(2)}
+    else:
+        failed = (f"FailedOnAnotherRank: the PLE lookup of worker rank 1 of 2 (ETP rank 1 of 2) failed a step: "
+                  f"{cause}")
+        assert f"rank 0 check: {failed}" in outputs[0] and f"rank 0 logits check: {failed}" in outputs[0], \
+            outputs[0][-3000:]
     assert not list(records_folder().glob(f"ple-prep-failures-*-{instance}*"))
+
+
+@pytest.mark.parametrize("value", [None, "0", "1", "2"])
+def test_the_plugin_reads_vllms_raise_on_nan_logits_as_vllm_does(monkeypatch, value):
+    import vllm.envs
+
+    from ple_prep.integrations.vllm import traffic
+
+    if value is None:
+        monkeypatch.delenv("VLLM_RAISE_ON_LOGIT_NANS", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_RAISE_ON_LOGIT_NANS", value)
+    assert traffic.raises_on_nan_logits() is vllm.envs.VLLM_RAISE_ON_LOGIT_NANS
 
 
 def test_plugin_never_allocates_the_table_and_drops_the_checkpoint_rows(checkpoints, tables):

@@ -10,10 +10,12 @@ rank's service thread writes its record before it releases the step; the step's 
 that rank's rows, so by the time the output's tokens are on the host the record shows the failure.
 
 Ranks on other hosts write their own host's file: a failure there is raised by that host's workers,
-as without this file. The workers of every data-parallel replica of the instance
-share one file, so a failure in one replica stops the others' outputs too: the workers name it by
-the first rank's instance id (storage.py), also where each replica's config has its own (vLLM's Ray
-launcher) or each process's (torchrun).
+as without this file, and here only where vLLM raises at a step whose logits hold NaN
+(VLLM_RAISE_ON_LOGIT_NANS), which traffic.py then names as such a failure.
+The workers of every data-parallel replica of the instance share one file, so a failure in one
+replica stops the others' outputs too: the workers name it by the first rank's instance id
+(storage.py), also where each replica's config has its own (vLLM's Ray launcher) or each process's
+(torchrun).
 """
 from __future__ import annotations
 
@@ -30,6 +32,11 @@ from ...runtime import RECORD_BYTES, FailureRecord
 
 class FailedOnAnotherRank(RuntimeError):
     """Another worker's PLE lookup failed a step whose output this worker would hand over."""
+
+
+class FailedOnAnotherHost(FailedOnAnotherRank):
+    """vLLM found NaN in a step's logits while workers on another host serve lookups whose failures
+    no record of this host shows: the likely cause, named in that host's log (traffic.py)."""
 
 
 def records_folder() -> Path:

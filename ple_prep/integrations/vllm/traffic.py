@@ -15,7 +15,9 @@ through; docs/SERVING.md, "Host cache and read-ahead"):
   (vllm/v1/worker/gpu_worker.py) so that a step's output is handed to the engine only after the
   failed lookups are raised (an asynchronous output when its tokens are on the host, so the GPU
   is past the step and its lookup was served): tokens sampled from a failed step's NaN values
-  never reach a client.
+  never reach a client. Where vLLM raises at a step whose logits hold NaN (VLLM_RAISE_ON_LOGIT_NANS),
+  the error names a lookup failed on another host as their likely cause, which this host's
+  records cannot show.
 
 For a new request whose prompt needs more than its first chunk, the rest of the prompt is hashed
 (the table's hash spec, which the plugin checked against the layer's constants) on a thread of
@@ -42,8 +44,13 @@ import numpy as np
 
 from ...ngram import NgramSpec, row_ids
 from ...runtime import TrafficRecorder
+from .failures import FailedOnAnotherHost
 
 logger = logging.getLogger(__name__)
+
+# How vLLM 0.33.0's error for a step whose logits hold NaN begins (raise_if_nan_logits,
+# vllm/v1/worker/utils.py; tests/vllm_plugin checks it against vLLM's own).
+NAN_LOGITS = "NaNs detected in logits"
 
 # The request ids of the steps vLLM 0.33.0 runs to warm its kernels up before serving (docs/SERVING.md,
 # "Host cache and read-ahead"): no one's prompt, neither read ahead nor recorded.
@@ -129,16 +136,51 @@ def raise_failed_lookups() -> None:
 
 def _warn_of_unshared_ranks() -> None:
     """Once, at the first schedule (every worker has built its lookups by then: vLLM's profile run
-    and captures are collective): name the ranks whose failures this worker cannot read."""
+    and captures are collective): name the ranks whose failures this worker cannot read, and the
+    variable that stops vLLM at a step their failure made NaN."""
     _SERVED.unshared_unchecked = False
     for shared in _SERVED.shared:
         unseen = shared.unseen_ranks()
+        if not unseen:
+            continue
+        ranks = f"worker ranks {', '.join(map(str, unseen))} of {len(shared.records)}"
+        if raises_on_nan_logits():
+            logger.info("ple-prep: %s do not share this host's failure records (%s): a PLE lookup failed there "
+                        "makes the step's logits NaN here, where vLLM raises it (VLLM_RAISE_ON_LOGIT_NANS)",
+                        ranks, shared.path)
+        else:
+            logger.warning("ple-prep: %s do not share this host's failure records (%s): they run on another host "
+                           "or behind another /dev/shm. A PLE lookup failed there is raised on its own host only, "
+                           "and tokens of its failed step may reach clients from here: set "
+                           "VLLM_RAISE_ON_LOGIT_NANS=1, and vLLM stops at such a step, whose logits are NaN "
+                           "(docs/SERVING.md, \"vLLM\")", ranks, shared.path)
+
+
+def raises_on_nan_logits() -> bool:
+    """Whether vLLM raises at a step whose logits hold NaN: VLLM_RAISE_ON_LOGIT_NANS, read as
+    vllm/envs.py reads it (an integer, 0 when unset)."""
+    try:
+        return bool(int(os.environ.get("VLLM_RAISE_ON_LOGIT_NANS", "0")))
+    except ValueError:
+        return False
+
+
+def _name_nan_logits(error: RuntimeError) -> None:
+    """For vLLM's error at a step whose logits hold NaN (VLLM_RAISE_ON_LOGIT_NANS): raise a failed
+    lookup's error if this host's records have one, else, where ranks on another host serve lookups
+    whose failures no record here shows, an error naming them as the likely cause; otherwise return
+    (the caller raises vLLM's error)."""
+    if not str(error).startswith(NAN_LOGITS):
+        return
+    raise_failed_lookups()
+    for shared in _SERVED.shared:
+        unseen = shared.unseen_ranks()
         if unseen:
-            logger.warning("ple-prep: worker ranks %s of %d do not share this host's failure records (%s): they run "
-                           "on another host or behind another /dev/shm. A PLE lookup failed there is raised on "
-                           "its own host only, and tokens of its failed step may reach clients from here "
-                           "(docs/SERVING.md, \"vLLM\")", ", ".join(map(str, unseen)), len(shared.records),
-                           shared.path)
+            raise FailedOnAnotherHost(
+                f"vLLM found NaN in this step's logits ({error}). Worker ranks {', '.join(map(str, unseen))} of "
+                f"{len(shared.records)} run on another host, whose failed PLE lookups this host's records do not "
+                "show: a lookup failed there gives every rank NaN values, and that host's log names the "
+                "cause") from error
 
 
 def on_schedule(scheduler_output: Any) -> None:
@@ -255,13 +297,21 @@ def _feeding_steps(execute):
 
 def _checking_outputs(method):
     def checked(self, *args, **kwargs):
-        output = method(self, *args, **kwargs)
+        try:
+            output = method(self, *args, **kwargs)
+        except RuntimeError as error:
+            _name_nan_logits(error)
+            raise
         if output is None or not (_SERVED.lookups or _SERVED.shared):
             return output
         get_output = getattr(output, "get_output", None)
         if callable(get_output):  # an asynchronous output: its tokens are on the host once it returns
             def get_output_checked():
-                result = get_output()
+                try:
+                    result = get_output()
+                except RuntimeError as error:
+                    _name_nan_logits(error)
+                    raise
                 raise_failed_lookups()
                 return result
 
