@@ -58,6 +58,30 @@ def test_a_rank_serves_its_rows_and_zeros_for_the_others(fp8_table, fp8_rank_tab
     np.testing.assert_array_equal(total, want)
 
 
+@pytest.mark.parametrize("outside", [-1, FIXTURE_ROWS + 5])
+def test_an_id_outside_the_whole_table_fails_the_step_on_the_rank_at_that_end(fp8_rank_tables, outside):
+    """Rank 0 of 2 owns every id below its block's end, rank 1 every id from its block's start: an id
+    below 0 fails rank 0's step and one past the table rank 1's, naming the id, and the other rank
+    serves its rows of the step (zeros for the id it does not own)."""
+    ids = np.random.default_rng(3).integers(0, FIXTURE_ROWS, (2, 16))
+    ids[1, 5] = outside
+    failing = 0 if outside < 0 else 1
+    for rank in range(2):
+        with open_table(fp8_rank_tables / f"ple.tp{rank}of2.bin") as table:
+            rows = PrefetchedRows(table, device="cpu", resident_bytes=0, max_tokens=4, heads=16)
+            rows.start(torch.from_numpy(ids))
+            if rank == failing:
+                with pytest.raises(IndexError, match=f"row id {outside} is outside"):
+                    rows.finish()
+            else:
+                got = bits(rows.finish()).reshape(2, 16, 160)
+                first, stop = table.row_range
+                owned = (ids >= first) & (ids < stop)
+                np.testing.assert_array_equal(got[owned], expected_bits(table, ids[owned]).reshape(-1, 160))
+                assert not got[~owned].any()
+            rows.close()
+
+
 def test_an_error_of_the_started_lookup_surfaces_at_finish_and_at_every_later_call(fp8_table):
     with open_table(fp8_table) as table:
         rows = PrefetchedRows(table, device="cpu", resident_bytes=0, max_tokens=4, heads=16)

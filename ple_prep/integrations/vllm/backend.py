@@ -5,7 +5,9 @@ No vLLM import here: this is what `storage.py` binds to vLLM's storage seam, and
 layer it is to serve, picks the resident budget, and splits a lookup in two: `start` when vLLM
 starts its prefetch (before the decoder layer ahead of the PLE layer) and `finish` at the PLE layer.
 Rows outside this rank's block come back as zeros, so the ranks' outputs sum to the full input as
-the rows of vLLM's own ETP-sharded table do.
+the rows of vLLM's own ETP-sharded table do. An id outside the whole table (which the hash never
+gives) fails its step on the first or last rank, as it does without tensor parallelism, where
+vLLM's own table would read zeros for it.
 """
 from __future__ import annotations
 
@@ -136,8 +138,13 @@ class PrefetchedRows:
                                     read_timeout=getattr(self.source, "read_timeout", 0.0))
         self.device = self.source.device
         first, stop = table.row_range
-        # A rank's file holds its block only; other ids read a stand-in row that is then zeroed.
-        self._whole = (first, stop) == (0, table.manifest["total_rows"])
+        total = table.manifest["total_rows"]
+        # A rank's file holds its block only; other ids read a stand-in row that is then zeroed. The
+        # first and last ranks' blocks are open at the table's ends: an id outside the table reaches
+        # their lookup, which fails the step naming it.
+        self._whole = (first, stop) == (0, total)
+        self._low = first if first > 0 else None
+        self._high = stop if stop < total else None
         self._started: int | None = None
         self._failure = _KeptFailure(failure_record)
         self._owned: torch.Tensor | None = None
@@ -191,10 +198,14 @@ class PrefetchedRows:
             raise ValueError(f"{count // self.heads} tokens exceed the {self.source.capacity // self.heads} "
                              "this PLE storage was sized for")
         if not self._whole:
-            first, stop = self.table.row_range
-            owned = (ids >= first) & (ids < stop)
+            if self._low is None:
+                owned = ids < self._high
+            elif self._high is None:
+                owned = ids >= self._low
+            else:
+                owned = (ids >= self._low) & (ids < self._high)
             self._owned = owned.view(-1, self.heads, 1)
-            ids = ids.where(owned, first)
+            ids = ids.where(owned, self.table.row_range[0])
         # The source reads the ids in row-major order, any shape.
         with self._failure:  # its check takes a failed step's error (as `check`)
             if self.graph_safe:
