@@ -40,15 +40,16 @@ def test_start_finish_equals_the_tables_values_across_tiers(fp8_table, device):
             np.testing.assert_array_equal(bits(values), expected_bits(table, request))
 
 
-def test_a_rank_serves_its_rows_and_zeros_for_the_others(fp8_table, fp8_rank_tables):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_rank_serves_its_rows_and_zeros_for_the_others(fp8_table, fp8_rank_tables, device):
     ids = np.random.default_rng(2).integers(0, FIXTURE_ROWS, (30, 16))
     with open_table(fp8_table) as whole:
         want = expected_bits(whole, ids).reshape(30, 16, 160)
     total = np.zeros((30, 16, 160), dtype=np.int64)
     for rank in range(2):
         with open_table(fp8_rank_tables / f"ple.tp{rank}of2.bin") as table:
-            rows = PrefetchedRows(table, device="cpu", resident_bytes=0, max_tokens=32, heads=16)
-            rows.start(torch.from_numpy(ids))
+            rows = PrefetchedRows(table, device=device, resident_bytes=0, max_tokens=32, heads=16)
+            rows.start(torch.from_numpy(ids).to(device))
             got = bits(rows.finish()).reshape(30, 16, 160)
             first, stop = table.row_range
             owned = (ids >= first) & (ids < stop)
@@ -58,21 +59,24 @@ def test_a_rank_serves_its_rows_and_zeros_for_the_others(fp8_table, fp8_rank_tab
     np.testing.assert_array_equal(total, want)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("outside", [-1, FIXTURE_ROWS + 5])
-def test_an_id_outside_the_whole_table_fails_the_step_on_the_rank_at_that_end(fp8_rank_tables, outside):
+def test_an_id_outside_the_whole_table_fails_the_step_on_the_rank_at_that_end(fp8_rank_tables, outside, device):
     """Rank 0 of 2 owns every id below its block's end, rank 1 every id from its block's start: an id
-    below 0 fails rank 0's step and one past the table rank 1's, naming the id, and the other rank
-    serves its rows of the step (zeros for the id it does not own)."""
+    below 0 fails rank 0's step and one past the table rank 1's, naming the id (on a GPU at the check
+    after the step), and the other rank serves its rows of the step (zeros for the id it does not own)."""
     ids = np.random.default_rng(3).integers(0, FIXTURE_ROWS, (2, 16))
     ids[1, 5] = outside
     failing = 0 if outside < 0 else 1
     for rank in range(2):
         with open_table(fp8_rank_tables / f"ple.tp{rank}of2.bin") as table:
-            rows = PrefetchedRows(table, device="cpu", resident_bytes=0, max_tokens=4, heads=16)
-            rows.start(torch.from_numpy(ids))
+            rows = PrefetchedRows(table, device=device, resident_bytes=0, max_tokens=4, heads=16)
+            rows.start(torch.from_numpy(ids).to(device))
             if rank == failing:
                 with pytest.raises(IndexError, match=f"row id {outside} is outside"):
                     rows.finish()
+                    torch.cuda.synchronize()
+                    rows.check()
             else:
                 got = bits(rows.finish()).reshape(2, 16, 160)
                 first, stop = table.row_range
