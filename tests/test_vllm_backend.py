@@ -185,3 +185,51 @@ def test_default_budget_is_the_tables_5_percent_hint(fp8_table):
         assert default_resident_bytes(table) == 0  # a table converted without a profile has no hints
         table.manifest["residency"] = [{"budget": "1%", "rows": 128}, {"budget": "5%", "rows": 768}]
         assert default_resident_bytes(table) == 768 * 160
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_ranks_lookup_in_one_cuda_graph_serves_each_step_and_fails_one_with_an_id_outside_the_table(
+        fp8_table, fp8_rank_tables, rank):
+    """vLLM's FULL graph holds start and finish: replayed with new ids into a poisoned output, a rank
+    serves its rows and zeros for the others' bit for bit; a step with an id outside the table at
+    this rank's end gives NaN where the rank owns rows, zeros elsewhere, and its error at the check."""
+    outside = -1 if rank == 0 else FIXTURE_ROWS + 5
+    rng = np.random.default_rng(4 + rank)
+    with open_table(fp8_rank_tables / f"ple.tp{rank}of2.bin") as table, open_table(fp8_table) as whole:
+        rows = PrefetchedRows(table, device="cuda", resident_bytes=500 * table.row_bytes, max_tokens=8, heads=16)
+        if not rows.graph_safe:
+            pytest.skip("FULL graphs need the compiled helper")
+        ids_buffer = torch.zeros((4, 16), dtype=torch.int64, device="cuda")
+        consumer = torch.empty((4, 2560), dtype=torch.bfloat16, device="cuda")
+        ids_buffer.copy_(torch.from_numpy(rng.integers(0, FIXTURE_ROWS, (4, 16))))
+        rows.start(ids_buffer)  # warm-up outside the capture
+        rows.finish()
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.cuda.graph(graph):
+            rows.start(ids_buffer, finish_in_same_graph=True)
+            consumer.copy_(rows.finish())
+        torch.cuda.current_stream().wait_stream(stream)
+        first, stop = table.row_range
+        for step in range(6):
+            ids = rng.integers(0, FIXTURE_ROWS, (4, 16))
+            if step == 5:
+                ids[2, 7] = outside
+            ids_buffer.copy_(torch.from_numpy(ids))
+            consumer.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            owned = (ids >= first) & (ids < stop)
+            if step < 5:
+                rows.check()
+                got = bits(consumer).reshape(4, 16, 160)
+                np.testing.assert_array_equal(got[owned], expected_bits(whole, ids[owned]).reshape(-1, 160))
+                assert not got[~owned].any()
+            else:
+                owned[2, 7] = True
+                nan = torch.isnan(consumer).cpu().numpy().reshape(4, 16, 160)
+                assert nan[owned].all() and not bits(consumer).reshape(4, 16, 160)[~owned].any()
+                with pytest.raises(IndexError, match=f"row id {outside} is outside"):
+                    rows.check()
+        rows.close()
