@@ -287,8 +287,7 @@ def cold_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
 
 def warm_section(path: Path, resident: int, decode: list[np.ndarray], chunks: list[np.ndarray],
                  other: OtherWork, chunk_other: OtherWork, args) -> dict:
-    subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)  # every page cached
-    table = open_table(path, read_path="mapped", host_cache_bytes=0)
+    table = warm_mapped_table(path)
     lookup = StepLookup(table, device="cuda", resident_bytes=resident, max_ids=CHUNK_TOKENS * 16)
     began = time.perf_counter()
     full = EmbeddingSource(table, device="cuda", resident_bytes=table.num_rows * table.row_bytes, max_ids=16)
@@ -343,6 +342,12 @@ def warm_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
     return report
 
 
+def warm_mapped_table(path: Path):
+    """The table read once through (every page cached), opened on the mapped path without a host cache."""
+    subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)
+    return open_table(path, read_path="mapped", host_cache_bytes=0)
+
+
 def host_of_both(lookup: StepLookup, table, resident: int, decode: list[np.ndarray], chunks: list[np.ndarray],
                  chunk_proxy: ProxyStep) -> dict:
     """host_section for `lookup` (StepLookup), then for the plugin's PrefetchedRows on the same table."""
@@ -358,8 +363,7 @@ def host_only_section(path: Path, resident: int, decode: list[np.ndarray], chunk
                       chunk_other: OtherWork) -> dict:
     """The warm section's host protocols alone (`--sections host`), on the same warm table: short
     enough to run several times in one call, alternating a setting of the driver's."""
-    subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)  # every page cached
-    table = open_table(path, read_path="mapped", host_cache_bytes=0)
+    table = warm_mapped_table(path)
     lookup = StepLookup(table, device="cuda", resident_bytes=resident, max_ids=CHUNK_TOKENS * 16)
     report = host_of_both(lookup, table, resident, decode, chunks,
                           lookup_graph(lookup, pool_of(chunks[:4]), chunk_other))
@@ -375,8 +379,7 @@ def batched_section(path: Path, resident: int, row_ids: np.ndarray, other: Other
     consecutive in the text, each step at a place of its own, the places spread over the whole text.
     Up to 4 tokens a step goes through the step kernels, more through the side stream and the copy
     engine."""
-    subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)  # every page cached
-    table = open_table(path, read_path="mapped", host_cache_bytes=0)
+    table = warm_mapped_table(path)
     lookup = StepLookup(table, device="cuda", resident_bytes=resident, max_ids=max(token_counts) * 16)
     full = EmbeddingSource(table, device="cuda", resident_bytes=table.num_rows * table.row_bytes, max_ids=16)
     report = {"other_work_ms": round(other.ms, 3)}

@@ -143,8 +143,9 @@ class PrefetchedRows:
         # first and last ranks' blocks are open at the table's ends: an id outside the table reaches
         # their lookup, which fails the step naming it.
         self._whole = (first, stop) == (0, total)
-        self._low = first if first > 0 else None
-        self._high = stop if stop < total else None
+        int64 = torch.iinfo(torch.int64)
+        self._owned_from = first if first > 0 else int64.min
+        self._owned_to = stop if stop < total else int64.max
         self._started: int | None = None
         self._failure = _KeptFailure(failure_record)
         self._owned: torch.Tensor | None = None
@@ -198,12 +199,7 @@ class PrefetchedRows:
             raise ValueError(f"{count // self.heads} tokens exceed the {self.source.capacity // self.heads} "
                              "this PLE storage was sized for")
         if not self._whole:
-            if self._low is None:
-                owned = ids < self._high
-            elif self._high is None:
-                owned = ids >= self._low
-            else:
-                owned = (ids >= self._low) & (ids < self._high)
+            owned = (ids >= self._owned_from) & (ids < self._owned_to)
             self._owned = owned.view(-1, self.heads, 1)
             ids = ids.where(owned, self.table.row_range[0])
         # The source reads the ids in row-major order, any shape.

@@ -38,7 +38,7 @@ import logging
 import os
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -139,11 +139,7 @@ def _warn_of_unshared_ranks() -> None:
     and captures are collective): name the ranks whose failures this worker cannot read, and the
     variable that stops vLLM at a step their failure made NaN."""
     _SERVED.unshared_unchecked = False
-    for shared in _SERVED.shared:
-        unseen = shared.unseen_ranks()
-        if not unseen:
-            continue
-        ranks = f"worker ranks {', '.join(map(str, unseen))} of {len(shared.records)}"
+    for shared, ranks in _ranks_on_other_hosts():
         if raises_on_nan_logits():
             logger.info("ple-prep: %s do not share this host's failure records (%s): a PLE lookup failed there "
                         "makes the step's logits NaN here, where vLLM raises it (VLLM_RAISE_ON_LOGIT_NANS)",
@@ -154,6 +150,15 @@ def _warn_of_unshared_ranks() -> None:
                            "and tokens of its failed step may reach clients from here: set "
                            "VLLM_RAISE_ON_LOGIT_NANS=1, and vLLM stops at such a step, whose logits are NaN "
                            "(docs/SERVING.md, \"vLLM\")", ranks, shared.path)
+
+
+def _ranks_on_other_hosts():
+    """(records, "worker ranks 2, 3 of 4") for each instance's records that some ranks never
+    described themselves in: ranks on another host, or behind another /dev/shm."""
+    for shared in _SERVED.shared:
+        unseen = shared.unseen_ranks()
+        if unseen:
+            yield shared, f"worker ranks {', '.join(map(str, unseen))} of {len(shared.records)}"
 
 
 def raises_on_nan_logits() -> bool:
@@ -173,14 +178,20 @@ def _name_nan_logits(error: RuntimeError) -> None:
     if not str(error).startswith(NAN_LOGITS):
         return
     raise_failed_lookups()
-    for shared in _SERVED.shared:
-        unseen = shared.unseen_ranks()
-        if unseen:
-            raise FailedOnAnotherHost(
-                f"vLLM found NaN in this step's logits ({error}). Worker ranks {', '.join(map(str, unseen))} of "
-                f"{len(shared.records)} run on another host, whose failed PLE lookups this host's records do not "
-                "show: a lookup failed there gives every rank NaN values, and that host's log names the "
-                "cause") from error
+    for _, ranks in _ranks_on_other_hosts():
+        raise FailedOnAnotherHost(
+            f"vLLM found NaN in this step's logits ({error}). {ranks.capitalize()} run on another host, whose "
+            "failed PLE lookups this host's records do not show: a lookup failed there gives every rank NaN "
+            "values, and that host's log names the cause") from error
+
+
+def _naming_nan_logits(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`call(*args, **kwargs)`, vLLM's error at NaN logits raised as `_name_nan_logits` names it."""
+    try:
+        return call(*args, **kwargs)
+    except RuntimeError as error:
+        _name_nan_logits(error)
+        raise
 
 
 def on_schedule(scheduler_output: Any) -> None:
@@ -297,21 +308,13 @@ def _feeding_steps(execute):
 
 def _checking_outputs(method):
     def checked(self, *args, **kwargs):
-        try:
-            output = method(self, *args, **kwargs)
-        except RuntimeError as error:
-            _name_nan_logits(error)
-            raise
+        output = _naming_nan_logits(method, self, *args, **kwargs)
         if output is None or not (_SERVED.lookups or _SERVED.shared):
             return output
         get_output = getattr(output, "get_output", None)
         if callable(get_output):  # an asynchronous output: its tokens are on the host once it returns
             def get_output_checked():
-                try:
-                    result = get_output()
-                except RuntimeError as error:
-                    _name_nan_logits(error)
-                    raise
+                result = _naming_nan_logits(get_output)
                 raise_failed_lookups()
                 return result
 
