@@ -4,10 +4,19 @@
 
 Each round runs fio's 4 KiB random reads at queue depth 64 with direct I/O on the table (the disk's
 ceiling), then a cold gather of the same 18,000 distinct real-text rows with each read path, the
-order of the two paths swapped every round (the file evicted before each gather). Rows are checked
-against the synthetic table's known bytes. After a direct gather the share of the file in the page
-cache is measured with mincore (it should stay 0). Medians over the rounds and each gather's
-rows/s against the fio run of its own round are printed as one JSON object; BENCHMARKS.md records it.
+order of the paths swapped every round (the file evicted from the page cache before each gather).
+The direct path's tables stay open for the whole run, as a server has them, their host caches
+emptied before each gather; the mapped path's is opened for each, as its mapping would keep the
+pages it read. Rows are checked against the synthetic table's known bytes. After a direct gather
+the share of the file in the page cache is measured with mincore (it should stay 0). Medians over
+the rounds and each gather's rows/s against the fio run of its own round are printed as one JSON
+object; BENCHMARKS.md records it.
+
+Both sides read blocks the disk's own cache holds: a virtual disk's host may keep blocks read or
+written lately and serve them many times faster than the others (the 2-core VM's does), so a
+side that read its blocks before would be measuring that cache. fio reads new offsets within the
+file's first GiB, read in order first; each gather's pages are read once with O_DIRECT (not into
+the page cache) just before it.
 
 With --verify, each direct variant also runs with `verify_reads=True` (the table's page sums are
 written first if missing), alternating with it in the same round, and `verify_cost` gives each
@@ -16,6 +25,7 @@ round's verified time over the unverified one. --no-mapped leaves the mapped pat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -26,7 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gather_bench import DISTINCT_ROWS, distinct_request  # noqa: E402
+from gather_bench import DISTINCT_ROWS, FIO_REGION, distinct_request, read_in_order  # noqa: E402
 from synthetic import expected_rows  # noqa: E402
 
 from ple_prep.format.pagesums import page_sums, pagesums_path  # noqa: E402
@@ -38,9 +48,21 @@ from ple_prep.tools.benchmark import cached_fraction, evict, fio_random_read, ma
 from ple_prep.tools.realtext import real_text_row_ids  # noqa: E402
 
 
-def cold_gather(path: Path, ids: np.ndarray, expected: np.ndarray, **options) -> dict:
+def opened(path: Path, table, options: dict):
+    """The run's open `table` with its host cache emptied, or, where there is none (the mapped
+    path), one opened for this gather."""
+    if table is None:
+        return open_table(path, **options)
+    if table.host_cache is not None:
+        table.host_cache.cache.clear()
+    return contextlib.nullcontext(table)
+
+
+def cold_gather(path: Path, ids: np.ndarray, expected: np.ndarray, primer, table, **options) -> dict:
+    evict(path)  # first, or the primer would read cached pages through its mapping, which keeps them
+    primer.gather(ids)
     evict(path)
-    with open_table(path, **options) as table:
+    with opened(path, table, options) as table:
         faults = major_faults()
         started = time.perf_counter()
         rows = table.gather(ids)
@@ -52,11 +74,13 @@ def cold_gather(path: Path, ids: np.ndarray, expected: np.ndarray, **options) ->
             "cached_after": round(cached_fraction(path), 6)}
 
 
-def cold_decode(path: Path, requests: list[np.ndarray], **options) -> list[float]:
+def cold_decode(path: Path, requests: list[np.ndarray], primer, table, **options) -> list[float]:
     """Seconds of each decode-sized request, one after another, from a file evicted once."""
     evict(path)
+    primer.gather(np.concatenate(requests))
+    evict(path)
     seconds = []
-    with open_table(path, **options) as table:
+    with opened(path, table, options) as table:
         for ids in requests:
             started = time.perf_counter()
             table.gather(ids)
@@ -102,19 +126,27 @@ def main() -> None:
                                                       "verify_reads": True}
     if args.verify and not pagesums_path(path).exists():
         write_page_sums(path)
+    read_in_order(path, FIO_REGION)
+    primer = open_table(path, read_path="direct", host_cache_bytes=0)
+    # Each host cache's memory is faulted in after open on a thread of its own, which would share
+    # this host's two cores with a gather.
+    tables = {name: open_table(path, **options) for name, options in variants.items() if name != "mapped"}
+    if args.decode_requests:
+        tables["direct"] = open_table(path, read_path="direct")
+    time.sleep(5)
     runs: dict[str, list[dict]] = {name: [] for name in variants}
     fio: list[int] = []
     command = None
     for round_index in range(args.rounds):
         evict(path)
-        result = fio_random_read(path, args.fio_seconds)
+        result = fio_random_read(path, args.fio_seconds, region_bytes=FIO_REGION)
         if result is None:
             raise SystemExit("fio is not installed")
         fio.append(result["iops"])
         command = result["command"]
         names = list(variants)
         for name in names if round_index % 2 == 0 else names[::-1]:
-            runs[name].append(cold_gather(path, ids, expected, **variants[name]))
+            runs[name].append(cold_gather(path, ids, expected, primer, tables.get(name), **variants[name]))
     decode: dict[str, list[float]] = {}
     if args.decode_requests:
         # Tokens after the ones the 18,000-row request used, so their rows are not cached.
@@ -124,7 +156,10 @@ def main() -> None:
                         for i in range(args.decode_requests)]
             names = ["mapped", "direct"]
             for name in names if round_index % 2 == 0 else names[::-1]:
-                decode.setdefault(name, []).extend(cold_decode(path, requests, read_path=name))
+                decode.setdefault(name, []).extend(cold_decode(path, requests, primer, tables.get(name),
+                                                               read_path=name))
+    for table in [primer, *tables.values()]:
+        table.close()
     evict(path)
     report = {"table": str(path), "file_bytes": path.stat().st_size, "rows": rows,
               "distinct_rows": DISTINCT_ROWS, "default_read_path": DEFAULT_READ_PATH,

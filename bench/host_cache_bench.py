@@ -8,7 +8,9 @@ Everything runs with open_table's defaults (the direct read path, the default ho
 1. Cold: each round runs fio's 4 KiB random reads at queue depth 64 with O_DIRECT on the table,
    and a cold gather of 18,000 distinct real-text rows (the host cache emptied and the file evicted
    from the page cache first; one table opened for the whole run, as a server has it), the order
-   of the two swapped every round.
+   of the two swapped every round. Both read blocks the disk's own cache holds, as in
+   cold_direct_bench.py: fio new offsets within the file's first GiB, read in order first; the
+   gather's pages read once with O_DIRECT just before it.
 2. Warm: the same 18,000 rows gathered again (from the host cache) against np.take over an
    anonymous in-RAM table of the same shape (every page written; 4 KiB pages as
    host_lookup_bench.py, and numpy's own allocation, which takes transparent huge pages), calls
@@ -31,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gather_bench import DISTINCT_ROWS, distinct_request  # noqa: E402
+from gather_bench import DISTINCT_ROWS, FIO_REGION, distinct_request, read_in_order  # noqa: E402
 from synthetic import expected_rows  # noqa: E402
 
 from ple_prep.ngram import NgramSpec  # noqa: E402
@@ -83,18 +85,22 @@ def main() -> None:
     # One table for the whole run, as a server has it (its host cache's memory faulted in once, at
     # open, in the background); the cache is emptied and the file evicted before each cold gather.
     table = open_table(path)
+    primer = open_table(path, read_path="direct", host_cache_bytes=0)
+    read_in_order(path, FIO_REGION)
     time.sleep(5)
     for round_index in range(args.rounds):
         def run_fio() -> None:
             nonlocal command
             evict(path)
-            result = fio_random_read(path, args.fio_seconds)
+            result = fio_random_read(path, args.fio_seconds, region_bytes=FIO_REGION)
             if result is None:
                 raise SystemExit("fio is not installed")
             fio.append(result["iops"])
             command = result["command"]
 
         def run_cold() -> None:
+            evict(path)  # first, or the primer would read cached pages through its mapping, which keeps them
+            primer.gather(ids)
             evict(path)
             table.host_cache.cache.clear()
             started = time.perf_counter()
@@ -105,6 +111,7 @@ def main() -> None:
 
         for step in (run_fio, run_cold) if round_index % 2 == 0 else (run_cold, run_fio):
             step()
+    primer.close()
     tier = table.host_cache
     report = {"table": str(path), "rows": num_rows, "read_path": table.read_path,
               "host_cache_bytes": tier.cache.budget_bytes, "host_cache_entries": tier.cache.entries,

@@ -53,6 +53,8 @@ def test_bench_runs_fio_beside_the_gathers(runner, fp8_table):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["fio"]["iops"] > 0 and report["fio"]["queue_depth"] == 64
+    # New offsets each run: fio repeats one sequence by default, which a disk's own cache would serve.
+    assert "--randrepeat=0" in report["fio"]["command"].split()
     assert report["cold_vs_fio"] > 0
 
 

@@ -79,13 +79,19 @@ def cached_fraction(path: str | Path) -> float | None:
 
 
 def fio_random_read(path: str | Path, seconds: float = 8, queue_depth: int = 64,
-                    block_size: int = 4096) -> dict[str, Any] | None:
-    """fio's direct random-read rate on `path` (read-only); None when fio is not installed."""
+                    block_size: int = 4096, region_bytes: int | None = None) -> dict[str, Any] | None:
+    """fio's direct random-read rate on `path` (read-only); None when fio is not installed.
+
+    New random offsets each run: fio's default reads the same sequence every run (whatever its
+    seed), which a disk with a cache of its own (a virtual disk's host) serves from that cache from
+    the second run on. `region_bytes` keeps the reads within the file's first bytes.
+    """
     fio = shutil.which("fio")
     if fio is None or seconds <= 0:
         return None
     command = [fio, "--name=ple-prep-bench", f"--filename={path}", "--readonly", "--rw=randread",
                f"--bs={block_size}", f"--iodepth={queue_depth}", "--ioengine=libaio", "--direct=1",
+               "--randrepeat=0", *([f"--size={region_bytes}"] if region_bytes else []),
                f"--runtime={seconds:g}", "--time_based", "--output-format=json"]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
