@@ -45,10 +45,11 @@ def poisoned(count: int, row_bytes: int) -> np.ndarray:
 
 
 class Header:
-    """The two header fields a HostCache reads."""
+    """The header fields a HostCache reads."""
 
-    def __init__(self, row_bytes: int):
+    def __init__(self, row_bytes: int, num_rows: int = 1 << 40):
         self.row_bytes = row_bytes
+        self.num_rows = num_rows
 
 
 def test_budget_bounds_rows_words_and_hands():
@@ -87,14 +88,19 @@ def test_lookup_returns_admitted_rows_and_misses_the_others(cache_loops):
     assert cache.hits and cache.misses
 
 
-def test_a_negative_slot_is_never_a_hit_of_an_empty_or_another_entry(cache_loops, ordered):
+def test_a_slot_outside_the_table_is_refused_before_any_row_is_copied(cache_loops, ordered):
     """slot + 1 is what an entry holding that slot stores, and 0 an empty entry's word: -1 matched both."""
-    cache = HostCache(Header(8), 1 * 16 * hostcache.WAYS + 1)
+    cache = HostCache(Header(8, num_rows=200), 1 * 16 * hostcache.WAYS + 1)
     cache.admit(np.arange(100, 108), np.ones((8, 8), dtype=np.uint8))
+    for slot in (-1, 200):
+        out = poisoned(2, 8)
+        with pytest.raises(IndexError, match=f"slot {slot} is outside the table's 200 slots"):
+            cache.lookup(np.array([100, slot]), out)
+        assert (out == POISON).all() and cache.hits == 0
     cache.clear()
-    out = poisoned(2, 8)
-    assert cache.lookup(np.array([-1, 100]), out).tolist() == [0, 1]
-    assert (out == POISON).all() and cache.hits == 0
+    with pytest.raises(IndexError, match="slot -1 is outside"):
+        cache.lookup(np.array([-1, 100]), poisoned(2, 8))
+    assert cache.lookup(np.array([199, 100]), poisoned(2, 8)).tolist() == [0, 1]
     with open_table(ordered.path, read_path="mapped", host_cache_bytes=4 << 20) as table:
         with pytest.raises(IndexError, match="slot -1 is outside"):
             table.host_cache.gather_slots(np.array([-1]))

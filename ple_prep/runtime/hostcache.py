@@ -35,6 +35,8 @@ import threading
 
 import numpy as np
 
+from .requests import check_slot_range
+
 try:
     from . import _native
 except ImportError:  # built only where a C compiler was there at install (setup.py)
@@ -141,6 +143,7 @@ class HostCache:
         if budget_bytes < 0:
             raise ValueError("the host cache's budget must be >= 0 bytes")
         self.row_bytes = header.row_bytes
+        self.num_slots = header.num_rows
         self.ways = ways
         self.entry_bytes = self.row_bytes + 8
         self.sets = min(int(budget_bytes) // (self.entry_bytes * ways + 1), (1 << 32) - 1)
@@ -207,14 +210,16 @@ class HostCache:
 
     def lookup(self, slots: np.ndarray, out: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:
         """Copy the row of each cached slot to `out[positions[i]]` (`out[i]` without positions);
-        return the indexes of the slots not cached (int64)."""
+        return the indexes of the slots not cached (int64). IndexError for a slot outside the
+        table, before anything is copied: a negative one would match an empty entry's word."""
         slots = np.ascontiguousarray(slots, dtype=np.int64)
-        if not self.enabled:
-            return np.arange(len(slots), dtype=np.int64)
         if self.handle is not None:
             misses = np.empty(len(slots), dtype=np.int64)
-            missed, _ = _native.hostcache_lookup(self.handle, slots, out, positions, misses)
+            missed, _ = _native.hostcache_lookup(self.handle, slots, out, positions, misses, self.num_slots)
             return misses[:missed]
+        check_slot_range(slots, self.num_slots)
+        if not self.enabled:
+            return np.arange(len(slots), dtype=np.int64)
         with self.lock:
             misses, unpinned = self._lookup(slots, out, positions)
             self._pinned -= unpinned

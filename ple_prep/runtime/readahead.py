@@ -48,7 +48,6 @@ import numpy as np
 from .hostcache import HostCache
 from .readcheck import MIN_BLOCK, ReadTimeout, bad_sum_error, read_error
 from .readplan import ReadAhead
-from .requests import check_slot_range
 
 try:
     from . import _native
@@ -128,7 +127,6 @@ class CachedDiskTier:
         """uint8 `(len(slots), row_bytes)`: the rows at these file slots, in request order; IndexError
         for a slot outside the table."""
         slots = np.ascontiguousarray(slots, dtype=np.int64).reshape(-1)
-        check_slot_range(slots, self.reader._header.num_rows)
         count, row_bytes = len(slots), self.cache.row_bytes
         if out is None:
             out = np.empty((count, row_bytes), dtype=np.uint8)
