@@ -36,7 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gather_bench import DISTINCT_ROWS, FIO_REGION, distinct_request, read_in_order  # noqa: E402
+from gather_bench import DISTINCT_ROWS, FIO_REGION, distinct_request, prime, read_in_order  # noqa: E402
 from synthetic import expected_rows  # noqa: E402
 
 from ple_prep.format.pagesums import page_sums, pagesums_path  # noqa: E402
@@ -59,9 +59,7 @@ def opened(path: Path, table, options: dict):
 
 
 def cold_gather(path: Path, ids: np.ndarray, expected: np.ndarray, primer, table, **options) -> dict:
-    evict(path)  # first, or the primer would read cached pages through its mapping, which keeps them
-    primer.gather(ids)
-    evict(path)
+    prime(path, primer, ids)
     with opened(path, table, options) as table:
         faults = major_faults()
         started = time.perf_counter()
@@ -76,9 +74,7 @@ def cold_gather(path: Path, ids: np.ndarray, expected: np.ndarray, primer, table
 
 def cold_decode(path: Path, requests: list[np.ndarray], primer, table, **options) -> list[float]:
     """Seconds of each decode-sized request, one after another, from a file evicted once."""
-    evict(path)
-    primer.gather(np.concatenate(requests))
-    evict(path)
+    prime(path, primer, np.concatenate(requests))
     seconds = []
     with opened(path, table, options) as table:
         for ids in requests:

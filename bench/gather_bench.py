@@ -62,6 +62,16 @@ def read_in_order(path: Path, length: int) -> None:
         buffer.close()
 
 
+def prime(path: Path, primer, ids: np.ndarray) -> None:
+    """Give the disk's own cache the pages of `ids` (read by `primer`, a direct-path table without a
+    host cache), then evict the file: the pages are cold to the page cache, warm to the disk. The
+    file is evicted first too, or the primer would read cached pages through its mapping, which
+    keeps them."""
+    evict(path)
+    primer.gather(ids)
+    evict(path)
+
+
 def cold(path: Path, run, **options) -> dict:
     evict(path)
     left = cached_fraction(path)

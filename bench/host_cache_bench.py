@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gather_bench import DISTINCT_ROWS, FIO_REGION, distinct_request, read_in_order  # noqa: E402
+from gather_bench import DISTINCT_ROWS, FIO_REGION, distinct_request, prime, read_in_order  # noqa: E402
 from synthetic import expected_rows  # noqa: E402
 
 from ple_prep.ngram import NgramSpec  # noqa: E402
@@ -99,9 +99,7 @@ def main() -> None:
             command = result["command"]
 
         def run_cold() -> None:
-            evict(path)  # first, or the primer would read cached pages through its mapping, which keeps them
-            primer.gather(ids)
-            evict(path)
+            prime(path, primer, ids)
             table.host_cache.cache.clear()
             started = time.perf_counter()
             rows = table.gather(ids)

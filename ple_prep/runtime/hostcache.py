@@ -163,7 +163,7 @@ class HostCache:
         self._rows = self._data.reshape(count, self.row_bytes)
         # The compiled cache (its own lock and counts), which the step service shares; None: numpy's.
         self.handle = None if _native is None or not self.entries else \
-            _native.hostcache_new(self._words, self._data, self._hands, self.ways, self.row_bytes)
+            _native.hostcache_new(self._words, self._data, self._hands, self.ways, self.row_bytes, self.num_slots)
         self.lock = threading.Lock()
         self._pinned = 0
         self._hits = self._misses = self._dropped = self._read_ahead_hits = 0
@@ -215,7 +215,7 @@ class HostCache:
         slots = np.ascontiguousarray(slots, dtype=np.int64)
         if self.handle is not None:
             misses = np.empty(len(slots), dtype=np.int64)
-            missed, _ = _native.hostcache_lookup(self.handle, slots, out, positions, misses, self.num_slots)
+            missed, _ = _native.hostcache_lookup(self.handle, slots, out, positions, misses)
             return misses[:missed]
         check_slot_range(slots, self.num_slots)
         if not self.enabled:

@@ -37,7 +37,7 @@ struct host_cache {
     Py_buffer words_view, data_view, hands_view; /* held: the arrays live as long as the capsule */
     uint64_t *word;
     uint8_t *rows, *hand;
-    int64_t sets, ways, row_bytes;
+    int64_t sets, ways, row_bytes, num_slots; /* num_slots: the table's; a lookup refuses others */
     pthread_mutex_t lock;
     int64_t hits, misses, read_ahead_hits, pinned, dropped; /* under lock */
 };
@@ -201,13 +201,13 @@ host_cache *host_cache_of(PyObject *capsule)
     return PyCapsule_GetPointer(capsule, CACHE_CAPSULE);
 }
 
-/* hostcache_new(words, data, hands, ways, row_bytes) -> cache: the arrays' sizes checked against
- * one another and held (never resized) until the cache is collected. */
+/* hostcache_new(words, data, hands, ways, row_bytes, num_slots) -> cache: the arrays' sizes checked
+ * against one another and held (never resized) until the cache is collected. */
 PyObject *hostcache_new(PyObject *self, PyObject *args)
 {
     PyObject *words, *data, *hands;
-    Py_ssize_t ways, row_bytes;
-    if (!PyArg_ParseTuple(args, "OOOnn", &words, &data, &hands, &ways, &row_bytes))
+    Py_ssize_t ways, row_bytes, num_slots;
+    if (!PyArg_ParseTuple(args, "OOOnnn", &words, &data, &hands, &ways, &row_bytes, &num_slots))
         return NULL;
     host_cache *cache = PyMem_RawCalloc(1, sizeof(host_cache));
     if (!cache)
@@ -222,8 +222,9 @@ PyObject *hostcache_new(PyObject *self, PyObject *args)
     int64_t entries = cache->words_view.len / 8;
     cache->ways = ways;
     cache->row_bytes = row_bytes;
+    cache->num_slots = num_slots;
     cache->sets = cache->hands_view.len;
-    if (ways < 1 || ways > 255 || row_bytes < 1 || cache->sets < 1 || cache->sets >= ((int64_t)1 << 32)
+    if (ways < 1 || ways > 255 || row_bytes < 1 || num_slots < 0 || cache->sets < 1 || cache->sets >= ((int64_t)1 << 32)
         || cache->sets * ways != entries || cache->data_view.len != entries * row_bytes) {
         release_views(cache);
         PyMem_RawFree(cache);
@@ -286,16 +287,15 @@ static int64_t lookup_locked(host_cache *cache, const int64_t *slot, int64_t cou
     return missed_count;
 }
 
-/* lookup(cache, slots, out, positions, misses, num_slots) -> (missed, unpinned)
+/* lookup(cache, slots, out, positions, misses) -> (missed, unpinned)
  * Each slot found is copied to out[positions[i]] (out[i] without positions) and its entry marked
  * referenced and unpinned; the indexes i of the others go to misses[0:missed]. IndexError for a
- * slot outside [0, num_slots), before anything is copied (a loop here costs less than the caller's
+ * slot outside the table's, before anything is copied (a loop here costs less than the caller's
  * numpy reductions on a decode step's 16 slots). */
 PyObject *hostcache_lookup(PyObject *self, PyObject *args)
 {
     PyObject *capsule, *slots_obj, *out_obj, *positions_obj, *misses_obj;
-    long long num_slots;
-    if (!PyArg_ParseTuple(args, "OOOOOL", &capsule, &slots_obj, &out_obj, &positions_obj, &misses_obj, &num_slots))
+    if (!PyArg_ParseTuple(args, "OOOOO", &capsule, &slots_obj, &out_obj, &positions_obj, &misses_obj))
         return NULL;
     host_cache *cache = host_cache_of(capsule);
     if (!cache)
@@ -323,8 +323,9 @@ PyObject *hostcache_lookup(PyObject *self, PyObject *args)
             PyErr_SetString(PyExc_IndexError, "lookup: a position lies outside out");
             goto done;
         }
-        if (slot[i] < 0 || slot[i] >= num_slots) {
-            PyErr_Format(PyExc_IndexError, "slot %lld is outside the table's %lld slots", (long long)slot[i], num_slots);
+        if (slot[i] < 0 || slot[i] >= cache->num_slots) {
+            PyErr_Format(PyExc_IndexError, "slot %lld is outside the table's %lld slots", (long long)slot[i],
+                         (long long)cache->num_slots);
             goto done;
         }
     }
