@@ -96,3 +96,29 @@ def test_bench_notes_nothing_for_a_table_of_the_models_size():
     helper = [] if compiled_helper_missing() is None else [compiled_helper_missing()]
     assert table_notes({"total_rows": MODEL_TABLE_ROWS}, 52 << 30) == helper
     assert len(table_notes({"total_rows": MODEL_TABLE_ROWS // 8}, 6 << 30)) == len(helper) + 1
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
+def test_fio_reads_new_offsets_within_the_region_it_is_given(tmp_path):
+    import subprocess
+
+    from ple_prep.tools.benchmark import fio_random_read
+
+    region = 1 << 20
+    path = tmp_path / "disk.bin"
+    path.write_bytes(bytes(16 << 20))
+    report = fio_random_read(path, seconds=1, region_bytes=region)
+    assert report["iops"] > 0
+    command = report["command"].split()
+    assert f"--size={region}" in command and "--randrepeat=0" in command
+    # The command as built, with fio's log of every read: each offset lies within the region.
+    logs = []
+    for run in range(2):
+        log = tmp_path / f"reads{run}.log"
+        subprocess.run([*command, f"--write_iolog={log}"], check=True, capture_output=True)
+        # version 3 lines: time, file, action, offset, length
+        logs.append([int(fields[3]) for fields in (line.split() for line in log.read_text().splitlines())
+                     if len(fields) == 5 and fields[2] == "read"])
+    assert all(logs) and all(0 <= offset < region for offsets in logs for offset in offsets)
+    # Two runs read different offsets (fio's default would repeat the first run's).
+    assert logs[0][:100] != logs[1][:100]
