@@ -19,6 +19,7 @@ from ple_prep.format.manifest import manifest_path  # noqa: E402
 from ple_prep.ngram import row_ids  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
 from ple_prep.runtime.device import EmbeddingSource, staging  # noqa: E402
+from ple_prep.runtime.device import buffers as buffers_module  # noqa: E402
 from ple_prep.runtime.device import source as source_module  # noqa: E402
 from ple_prep.tools.benchmark import cached_fraction, evict  # noqa: E402
 
@@ -61,7 +62,7 @@ def kernels(request, monkeypatch):
     if request.param == "fused" and not (torch.cuda.is_available() and importlib.util.find_spec("triton")):
         pytest.skip("the one-kernel path needs CUDA and Triton")
     if request.param == "torch":
-        monkeypatch.setattr(source_module, "fp8_gather_for", lambda *args: None)
+        monkeypatch.setattr(buffers_module, "fp8_gather_for", lambda *args: None)
     return request.param
 
 

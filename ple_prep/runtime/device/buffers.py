@@ -1,5 +1,6 @@
-"""EmbeddingSource's buffers: one device buffer holding the resident tier, the staging rows and the
-tier index, and the pinned host mirror of its span, which one copy carries to the device."""
+"""The lookups' buffers (EmbeddingSource's and StepLookup's): one device buffer holding the resident
+tier, the staging rows and the tier index, and the pinned host mirror of its span, which one copy
+carries to the device; and the device half of a finish, which picks and decodes their rows."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,6 +9,8 @@ import torch
 from ..dequant import decode
 from ..table import Table
 from ..tiers import read_leading_slots
+from .dequant import decoder_for
+from .triton_gather import fp8_gather_for
 
 # Byte patterns tried for the poison row, the first whose every value decodes to NaN is kept:
 # FP8's 0x7F code, and the 16-bit NaN of BF16 rows and of the f16/fp8 block scales of the others.
@@ -84,6 +87,36 @@ class DeviceBuffers:
         else:  # the caller's current stream, or a capture's
             self.span[low:high].copy_(self.host_span[low:high], non_blocking=True)
         self.copied.record(stream)
+
+
+class PickAndDecode:
+    """The device half of a finish: each position's row picked from `buffers.tiers` by
+    `buffers.index` and decoded into `buffers.output`; calling it only launches kernels, so it can
+    be captured in a CUDA graph. FP8 on a GPU with Triton does both in one kernel, compiled here so
+    that no capture compiles it."""
+
+    def __init__(self, table: Table, buffers: DeviceBuffers, device: torch.device):
+        self._buffers = buffers
+        self._decoder = decoder_for(table.encoding, table.values_per_row, table.scale, device)
+        self._fused = fp8_gather_for(self._decoder, table.row_bytes, device)
+        if self._fused is not None:
+            self._fused(buffers.tiers, buffers.index[:1], buffers.output[:1])
+
+    @property
+    def kernel(self) -> str:
+        """"fused" (one Triton kernel) or "torch" (an index, then the encoding's torch decoder)."""
+        return "torch" if self._fused is None else "fused"
+
+    def __call__(self, count: int) -> torch.Tensor:
+        """bf16 (count, values_per_row): a view of `output`."""
+        buffers = self._buffers
+        values = buffers.output[:count]
+        if self._fused is not None:
+            self._fused(buffers.tiers, buffers.index[:count], values)
+            return values
+        rows = torch.index_select(buffers.tiers, 0, buffers.index[:count], out=buffers.rows[:count])
+        self._decoder(rows, out=values)
+        return values
 
 
 def poison_row(table: Table) -> np.ndarray:

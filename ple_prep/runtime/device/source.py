@@ -39,13 +39,11 @@ import torch
 
 from ..gather import StageJob
 from ..table import Table
-from .buffers import DeviceBuffers
-from .dequant import decoder_for
+from .buffers import DeviceBuffers, PickAndDecode
 from .device_ids import DeviceIds
 from .graphs import INLINE_IDS, GraphCache
 from .staging import HostStaging
 from .stats import SourceStats
-from .triton_gather import fp8_gather_for
 
 
 @dataclasses.dataclass
@@ -77,12 +75,7 @@ class EmbeddingSource:
         self.buffers = DeviceBuffers(table, self.device, self.num_resident, self.capacity)
         self._cuda = self.buffers.cuda
         self._device_ids = DeviceIds(self.buffers, self.device, table.compiled) if self._cuda else None
-        self._decoder = decoder_for(table.encoding, table.values_per_row, table.scale, self.device)
-        # FP8 on a GPU with Triton: the row index and the decode in one kernel, compiled here so
-        # that no graph capture compiles it.
-        self._fused = fp8_gather_for(self._decoder, table.row_bytes, self.device)
-        if self._fused is not None:
-            self._fused(self.buffers.tiers, self.buffers.index[:1], self.buffers.output[:1])
+        self._index_and_decode = PickAndDecode(table, self.buffers, self.device)
         self._graphs = GraphCache(self.buffers, self.device, self._index_and_decode)
         self._stats = SourceStats()
         self._staging = HostStaging(table, self.buffers, self.num_resident, self._stats, self._current_stream)
@@ -106,7 +99,7 @@ class EmbeddingSource:
     def kernel(self) -> str:
         """How `finish` picks and decodes rows: "fused" (one Triton kernel: FP8 on a GPU with
         Triton) or "torch" (an index, then the encoding's torch decoder)."""
-        return "torch" if self._fused is None else "fused"
+        return self._index_and_decode.kernel
 
     def stats(self) -> SourceStats:
         """A snapshot of what this source has served since it was made (device/stats.py)."""
@@ -356,17 +349,6 @@ class EmbeddingSource:
             return None
         self._staging.one_call_done(started, disk, began)
         return self._graphs.output_view(count)
-
-    def _index_and_decode(self, count: int) -> torch.Tensor:
-        """The device half: each position's row picked from its tier and decoded into `output`."""
-        buffers = self.buffers
-        values = buffers.output[:count]
-        if self._fused is not None:
-            self._fused(buffers.tiers, buffers.index[:count], values)
-            return values
-        rows = torch.index_select(buffers.tiers, 0, buffers.index[:count], out=buffers.rows[:count])
-        self._decoder(rows, out=values)
-        return values
 
     def __call__(self, row_ids) -> torch.Tensor:
         """`start` inline then `finish`: bf16 values on the device, each row of ids concatenated;

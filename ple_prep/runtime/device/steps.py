@@ -55,12 +55,10 @@ from ...core.fileio import on_block_file_system, reopen_direct
 from ..failure_record import FailureRecord, step_failure_error
 from ..readcheck import DEFAULT_READ_TIMEOUT, capped_depth, check_timeout
 from ..table import Table
-from .buffers import DeviceBuffers, poison_row
-from .dequant import decoder_for
+from .buffers import DeviceBuffers, PickAndDecode, poison_row
 from .driver import load_step_kernels, raw_stream_of
 from .graphs import GraphCache
 from .staging import LOOKUP_PART_IDS, LOOKUP_THREADS
-from .triton_gather import fp8_gather_for
 
 try:
     from .. import _native
@@ -107,11 +105,7 @@ class StepLookup:
         self.buffers = buffers = DeviceBuffers(table, self.device, self.num_resident, self.capacity + 1)
         self.output = buffers.output
         self._cuda = buffers.cuda
-        self._decoder = decoder_for(table.encoding, table.values_per_row, table.scale, self.device)
-        # FP8 on a GPU with Triton: the index and decode in one kernel, compiled before any capture.
-        self._fused = fp8_gather_for(self._decoder, table.row_bytes, self.device)
-        if self._fused is not None:
-            self._fused(buffers.tiers, buffers.index[:1], buffers.output[:1])
+        self._index_and_decode = PickAndDecode(table, buffers, self.device)
         self._poison = self.num_resident
         poison = torch.from_numpy(poison_row(table))
         buffers.tiers[self._poison].copy_(poison)
@@ -267,17 +261,6 @@ class StepLookup:
             else:  # a torch without graph exec handles
                 self._graphs.graphs[key].replay()
         return self._graphs.output_view(count)
-
-    def _index_and_decode(self, count: int) -> torch.Tensor:
-        """Each position's row picked from its tier and decoded into `output`."""
-        buffers = self.buffers
-        values = buffers.output[:count]
-        if self._fused is not None:
-            self._fused(buffers.tiers, buffers.index[:count], values)
-            return values
-        rows = torch.index_select(buffers.tiers, 0, buffers.index[:count], out=buffers.rows[:count])
-        self._decoder(rows, out=values)
-        return values
 
     def drop(self) -> None:
         """Abandon the last start if it was not finished (its forward pass failed before the PLE

@@ -1,14 +1,13 @@
 """FP8 rows picked from the tiers and decoded to bf16 in one GPU kernel (Triton).
 
-The torch path of device/graphs.py copies each position's row with `index_select`, widens every
-code to int32 and looks it up with a second `index_select`: three passes over a chunk's bytes, most
-of what `finish` adds to the stream (BENCHMARKS.md, "Decode step and prefill chunk on an H200").
-This kernel
-reads each position's codes once and writes bf16 through the 256-entry table the torch decoder
-builds (device/dequant.py), so its values are the same bits.
+The torch path (device/buffers.py, PickAndDecode) copies each position's row with `index_select`,
+widens every code to int32 and looks it up with a second `index_select`: three passes over a chunk's
+bytes, most of what `finish` adds to the stream (BENCHMARKS.md, "Decode step and prefill chunk on an
+H200"). This kernel reads each position's codes once and writes bf16 through the 256-entry table
+the torch decoder builds (device/dequant.py), so its values are the same bits.
 
 Used on CUDA devices where Triton is installed (torch's CUDA wheels bring it); elsewhere the torch
-path runs. Imported only from device/source.py.
+path runs. Imported only from device/buffers.py.
 """
 from __future__ import annotations
 
