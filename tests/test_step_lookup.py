@@ -18,14 +18,13 @@ torch = pytest.importorskip("torch")
 from support.bf16_bits import bits, expected_bits  # noqa: E402
 from support.file_systems import skip_unless_on_a_block_file_system  # noqa: E402
 from support.step_calls import poison, serve, token_ids  # noqa: E402
+from support.table_copies import cold_copy, copy_table, hot_text_first  # noqa: E402
 
-from ple_prep.format.manifest import manifest_path  # noqa: E402
-from ple_prep.ngram import row_ids  # noqa: E402
 from ple_prep.offline.writer import WriteOptions  # noqa: E402
 from ple_prep.runtime import RECORD_BYTES, FailureRecord, failure_record, open_table  # noqa: E402
 from ple_prep.runtime.device import buffers, driver, steps  # noqa: E402
 from ple_prep.runtime.device.dequant import decoder_for  # noqa: E402
-from ple_prep.tools.benchmark import cached_fraction, evict  # noqa: E402
+from ple_prep.tools.benchmark import evict  # noqa: E402
 
 pytestmark = pytest.mark.skipif(steps._native is None, reason="needs the compiled helper")
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -55,8 +54,7 @@ def wait_for_queued_work(failure: str, seconds: float = 60) -> None:
 @pytest.fixture(scope="module", params=["fp8_checkpoint", "bf16_checkpoint", "nvfp4_checkpoint"])
 def table(request, tmp_path_factory, converted_table):
     checkpoint = request.getfixturevalue(request.param)
-    made = converted_table(checkpoint, tmp_path_factory.mktemp("steps") / "t.bin", placed=lambda _, spec: np.unique(
-        row_ids(np.random.default_rng(9).integers(0, 5000, 400), spec))[::-1])
+    made = converted_table(checkpoint, tmp_path_factory.mktemp("steps") / "t.bin", placed=hot_text_first)
     with open_table(made.path) as opened:
         opened.spec = made.spec
         yield opened
@@ -70,12 +68,7 @@ def page_cache(request, table, tmp_path):
             opened.spec = table.spec
             yield opened
         return
-    copy = tmp_path / table.path.name
-    shutil.copy(table.path, copy)
-    shutil.copy(manifest_path(table.path), manifest_path(copy))
-    evict(copy)
-    if (cached_fraction(copy) or 0) > 0.5:
-        pytest.skip("the page cache does not let this file's pages go (tmpfs?)")
+    copy = cold_copy(table.path, tmp_path)
     with open_table(copy, read_path="direct") as opened:
         opened.spec = table.spec
         yield opened
@@ -116,12 +109,7 @@ def test_mixed_steps_some_rows_cached_some_read_are_exact(table, device, tmp_pat
     through the mapping), steps with half of them cached (the probe of a few rows picks either
     path: the mapping, which reads what is missing, or the service thread's O_DIRECT reads), buffers
     poisoned."""
-    copy = tmp_path / table.path.name
-    shutil.copy(table.path, copy)
-    shutil.copy(manifest_path(table.path), manifest_path(copy))
-    evict(copy)
-    if (cached_fraction(copy) or 0) > 0.5:
-        pytest.skip("the page cache does not let this file's pages go (tmpfs?)")
+    copy = cold_copy(table.path, tmp_path)
     with open_table(copy, read_path="mapped") as opened:
         requests = [token_ids(table, tokens, seed) for seed, tokens in enumerate((40, 1, 200, 7, 120))]
         for ids in requests[::2]:
@@ -269,9 +257,7 @@ def test_a_record_is_written_whole_once_and_read_back_with_or_without_the_helper
 @pytest.mark.parametrize("device", DEVICES)
 def test_an_io_error_fails_its_step_and_the_next_step_is_served(table, device, tmp_path):
     """A truncated copy: the direct read of a row past its end fails; rows before it still serve."""
-    copy = tmp_path / table.path.name
-    shutil.copy(table.path, copy)
-    shutil.copy(manifest_path(table.path), manifest_path(copy))
+    copy = copy_table(table.path, tmp_path)
     with open_table(copy, read_path="direct") as opened:
         lookup = steps.StepLookup(opened, device=device, resident_bytes=0, max_ids=64 * 16)
         try:
@@ -508,9 +494,7 @@ def test_eager_cold_steps_beside_busy_streams_never_wait_on_other_device_work(ta
     """Back-to-back eager steps whose rows the thread reads from the drive while 32 other streams (more
     than the device's hardware queues) hold queued work: only the thread's host store releases a step's
     wait, so no step can sit behind a copy queued after it on a shared queue (docs/RUNTIME.md)."""
-    copy = tmp_path / table.path.name
-    shutil.copy(table.path, copy)
-    shutil.copy(manifest_path(table.path), manifest_path(copy))
+    copy = copy_table(table.path, tmp_path)
     busy = [torch.cuda.Stream() for _ in range(32)]
     with open_table(copy, read_path="direct", host_cache_bytes=0) as cold:
         lookup = steps.StepLookup(cold, device="cuda", resident_bytes=0, max_ids=64 * 16)
@@ -634,9 +618,7 @@ def test_a_step_whose_wait_timed_out_on_the_cpu_is_waited_for_before_the_next_on
     that step's READY to come, which must not release the next step's wait with the old rows. (A copy
     of the table, whose pages no mapping holds, is evicted: the thread reads the step from the drive,
     after 150 ms idle, when it polls 1 ms apart.)"""
-    copy = tmp_path / table.path.name
-    shutil.copy(table.path, copy)
-    shutil.copy(manifest_path(table.path), manifest_path(copy))
+    copy = copy_table(table.path, tmp_path)
     with open_table(copy, read_path="direct", host_cache_bytes=0) as cold:
         cold.spec = table.spec
         lookup = steps.StepLookup(cold, device="cpu", resident_bytes=0, max_ids=64 * 16)

@@ -4,7 +4,6 @@ row while other threads evict and replace the entries it copies (runtime/native/
 hostcache.c), with poisoned buffers and a cache far smaller than one step."""
 from __future__ import annotations
 
-import shutil
 import threading
 
 import numpy as np
@@ -12,15 +11,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from support import table_copies  # noqa: E402
 from support.bf16_bits import bits, expected_bits  # noqa: E402
 from support.step_calls import poison, serve, token_ids  # noqa: E402
 
 from ple_prep.core.errors import BadInput  # noqa: E402
-from ple_prep.format.manifest import manifest_path  # noqa: E402
-from ple_prep.ngram import row_ids  # noqa: E402
 from ple_prep.runtime import hostcache, open_table  # noqa: E402
 from ple_prep.runtime.device import steps  # noqa: E402
-from ple_prep.tools.benchmark import cached_fraction, evict  # noqa: E402
 
 pytestmark = pytest.mark.skipif(steps._native is None, reason="needs the compiled helper")
 TIERS = ("rows_resident", "rows_page_cache", "rows_host_cache", "rows_disk")
@@ -30,8 +27,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, converted_table, fp8_checkpoint):
     """The source table, mapped (its values are the expected ones), and its spec."""
-    made = converted_table(fp8_checkpoint, tmp_path_factory.mktemp("steps-cache") / "t.bin", placed=lambda _, spec:
-                           np.unique(row_ids(np.random.default_rng(9).integers(0, 5000, 400), spec))[::-1])
+    made = converted_table(fp8_checkpoint, tmp_path_factory.mktemp("steps-cache") / "t.bin",
+                           placed=table_copies.hot_text_first)
     with open_table(made.path, read_path="mapped") as opened:
         opened.spec = made.spec
         yield opened
@@ -40,13 +37,7 @@ def reference(tmp_path_factory, converted_table, fp8_checkpoint):
 @pytest.fixture
 def cold_copy(reference, tmp_path):
     """A copy of the table out of the page cache (another file: the reference's pages do not count)."""
-    copy = tmp_path / reference.path.name
-    shutil.copy(reference.path, copy)
-    shutil.copy(manifest_path(reference.path), manifest_path(copy))
-    evict(copy)
-    if (cached_fraction(copy) or 0) > 0.5:
-        pytest.skip("the page cache does not let this file's pages go (tmpfs?)")
-    return copy
+    return table_copies.cold_copy(reference.path, tmp_path)
 
 
 def open_direct(path, host_cache_bytes: int):

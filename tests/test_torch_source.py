@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 
@@ -14,14 +13,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from support.bf16_bits import bits, expected_bits  # noqa: E402
+from support.table_copies import cold_copy, hot_text_first  # noqa: E402
 
-from ple_prep.format.manifest import manifest_path  # noqa: E402
 from ple_prep.ngram import row_ids  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
 from ple_prep.runtime.device import EmbeddingSource, staging  # noqa: E402
 from ple_prep.runtime.device import buffers as buffers_module  # noqa: E402
 from ple_prep.runtime.device import source as source_module  # noqa: E402
-from ple_prep.tools.benchmark import cached_fraction, evict  # noqa: E402
+from ple_prep.tools.benchmark import cached_fraction  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -29,9 +28,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.fixture(scope="module", params=["fp8_checkpoint", "bf16_checkpoint", "nvfp4_checkpoint"])
 def table(request, tmp_path_factory, converted_table):
     checkpoint = request.getfixturevalue(request.param)
-    # Hot rows of one text placed first, so the resident tier is not simply the first rows.
-    made = converted_table(checkpoint, tmp_path_factory.mktemp("source") / "t.bin", placed=lambda _, spec: np.unique(
-        row_ids(np.random.default_rng(9).integers(0, 5000, 400), spec))[::-1])
+    made = converted_table(checkpoint, tmp_path_factory.mktemp("source") / "t.bin", placed=hot_text_first)
     with open_table(made.path) as opened:
         opened.spec = made.spec
         yield opened
@@ -45,12 +42,7 @@ def page_cache(request, table, tmp_path):
         table.path.read_bytes()
         yield table
         return
-    copy = tmp_path / table.path.name
-    shutil.copy(table.path, copy)
-    shutil.copy(manifest_path(table.path), manifest_path(copy))
-    evict(copy)
-    if (cached_fraction(copy) or 0) > 0.5:
-        pytest.skip("the page cache does not let this file's pages go (tmpfs?)")
+    copy = cold_copy(table.path, tmp_path)
     with open_table(copy) as opened:
         opened.spec = table.spec
         yield opened

@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("vllm.models.qwen4_exp")
 
 import torch
+from support.table_copies import cold_copy, copy_table
 from vllm.config import CUDAGraphMode, set_current_vllm_config
 from vllm_layer import (
     build_layer,
@@ -29,7 +30,6 @@ from vllm_layer import (
 from worker import free_port
 
 from ple_prep.core.errors import BadInput
-from ple_prep.format.manifest import manifest_path
 from ple_prep.integrations.vllm import storage
 from ple_prep.integrations.vllm.backend import TableMismatch
 from ple_prep.integrations.vllm.failures import records_folder
@@ -424,14 +424,7 @@ def test_the_stats_line_and_prometheus_count_each_tier(tables, checkpoints, tmp_
 def test_the_plugins_lookup_serves_rows_read_before_from_the_host_cache(checkpoints, fp8_table, tmp_path):
     """The step service reads through the table's host cache (on by default): a second pass over
     the same schedule, its file out of the page cache, reads nothing and equals vLLM's table."""
-    from ple_prep.tools.benchmark import cached_fraction, evict
-
-    copy = tmp_path / "cold.bin"
-    shutil.copy(fp8_table, copy)
-    shutil.copy(manifest_path(Path(fp8_table)), manifest_path(copy))
-    evict(copy)
-    if (cached_fraction(copy) or 0) > 0.5:
-        pytest.skip("the page cache does not let this file's pages go (tmpfs?)")
+    copy = cold_copy(fp8_table, tmp_path)
     reference = build_layer(vllm_config(), text_config("fp8"), checkpoint_weights(checkpoints["fp8"]))
     served = build_layer(vllm_config(str(copy), resident_bytes="256KiB", read_path="direct", stats_seconds=0),
                          text_config("fp8"), checkpoint_weights(checkpoints["fp8"]))
@@ -481,9 +474,7 @@ def test_enforce_eager_serves_under_a_full_cudagraph_mode(tables):
 
 def test_a_refused_table_is_closed(fp8_table, tmp_path):
     """A table that fails the layer's checks leaves no descriptor or mapping of its file behind."""
-    table = tmp_path / "ple.bin"
-    shutil.copy(fp8_table, table)
-    shutil.copy(manifest_path(fp8_table), manifest_path(table))
+    table = copy_table(fp8_table, tmp_path)
 
     def holds_table() -> bool:
         descriptors = Path("/proc/self/fd")
