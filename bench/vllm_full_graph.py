@@ -159,7 +159,7 @@ def resident_graph(full: EmbeddingSource, slot_pool: torch.Tensor, other: OtherW
         index.copy_(slots)
 
     def finish():
-        full._fused(full.buffers.tiers, index, out)
+        full._index_and_decode.fused(full.buffers.tiers, index, out)
         return out
 
     return ProxyStep(slot_pool, other, start, finish, (size, full.table.values_per_row))

@@ -93,26 +93,26 @@ class PickAndDecode:
     """The device half of a finish: each position's row picked from `buffers.tiers` by
     `buffers.index` and decoded into `buffers.output`; calling it only launches kernels, so it can
     be captured in a CUDA graph. FP8 on a GPU with Triton does both in one kernel, compiled here so
-    that no capture compiles it."""
+    that no capture compiles it: `fused(tiers, index, out)`, None elsewhere."""
 
     def __init__(self, table: Table, buffers: DeviceBuffers, device: torch.device):
         self._buffers = buffers
         self._decoder = decoder_for(table.encoding, table.values_per_row, table.scale, device)
-        self._fused = fp8_gather_for(self._decoder, table.row_bytes, device)
-        if self._fused is not None:
-            self._fused(buffers.tiers, buffers.index[:1], buffers.output[:1])
+        self.fused = fp8_gather_for(self._decoder, table.row_bytes, device)
+        if self.fused is not None:
+            self.fused(buffers.tiers, buffers.index[:1], buffers.output[:1])
 
     @property
     def kernel(self) -> str:
         """"fused" (one Triton kernel) or "torch" (an index, then the encoding's torch decoder)."""
-        return "torch" if self._fused is None else "fused"
+        return "torch" if self.fused is None else "fused"
 
     def __call__(self, count: int) -> torch.Tensor:
         """bf16 (count, values_per_row): a view of `output`."""
         buffers = self._buffers
         values = buffers.output[:count]
-        if self._fused is not None:
-            self._fused(buffers.tiers, buffers.index[:count], values)
+        if self.fused is not None:
+            self.fused(buffers.tiers, buffers.index[:count], values)
             return values
         rows = torch.index_select(buffers.tiers, 0, buffers.index[:count], out=buffers.rows[:count])
         self._decoder(rows, out=values)
