@@ -8,9 +8,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGE = (ROOT / "BENCHMARKS.md").read_text()
 QUOTING = ["README.md", "docs/SERVING.md", "docs/RUNTIME.md"]
 NUMBER = r"\d[\d,]*(?:\.\d+)?"
-# A measured figure: a time, a rate or a ratio, with its unit; "16 x 172 bytes" (a product) is not one.
+# A measured figure: a time, a rate, a ratio or a share, with its unit; "16 x 172 bytes" (a product)
+# is not one.
 FIGURE = re.compile(rf"(?<![\w.,-])({NUMBER})(?:\s*(?:-|to)\s*({NUMBER}))?"
-                    rf"(?:\s*(ms|us|µs|s|MiB/s|GB/s|rows/s|tokens/s|IOPS)\b|(x)\b)")
+                    rf"(?:\s*(ms|us|µs|s|MiB/s|GB/s|rows/s|tokens/s|IOPS)\b|(x)\b|(%))")
 
 
 def _numbers(text: str) -> set[str]:
@@ -55,10 +56,10 @@ def test_docs_quote_only_figures_the_benchmarks_page_carries():
     assert not missing, "quote BENCHMARKS.md's figures (or add the measurement there):\n" + "\n".join(missing)
 
 
-def test_figure_pattern_sees_times_rates_and_ratios():
+def test_figure_pattern_sees_times_rates_ratios_and_shares():
     seen = [match.group(0) for match in FIGURE.finditer(
-        "0.035-0.069 ms, 9.5 us, 1.04x, 687 MiB/s, 2,432,703 tokens/s, 16 x 172 bytes, 8,192 tokens")]
-    assert seen == ["0.035-0.069 ms", "9.5 us", "1.04x", "687 MiB/s", "2,432,703 tokens/s"]
+        "0.035-0.069 ms, 9.5 us, 1.04x, 687 MiB/s, 2,432,703 tokens/s, 0.78-0.84%, 16 x 172 bytes, 8,192 tokens")]
+    assert seen == ["0.035-0.069 ms", "9.5 us", "1.04x", "687 MiB/s", "2,432,703 tokens/s", "0.78-0.84%"]
 
 
 def test_docs_cite_headings_the_benchmarks_page_has():
