@@ -18,6 +18,10 @@ Both layouts get the same resident budget, a fraction of the table's 51.2 GB, as
 - checkpoint: its rows back to back in source order (row r at byte 160*r, so one row in 25.6
   straddles two pages and needs both), with the budget spent on its hottest pages by the profile
   half's row reads (both parts of the profile, as the prepared layout gets).
+`by_ngram` splits the map-charged reads by the n-gram whose rows a page holds: a page of a row of
+an n-gram the profile saw counts as "seen", the rest as "unseen" (any layout reads about a page a
+row for those); with `seen_groups_not_resident` (seen n-grams with a row not resident), the ratio
+if every seen n-gram were one page read, as placing all of them whole would give.
 The "map charged" column also takes what a server holds for the row-order map (its lookup index:
 2 bits a table row and 4 bytes a placed row, `format.order.lookup_index_bytes`) out of its
 resident budget; `--index-bits ROW PLACED` charges an index of another size instead (not built:
@@ -254,6 +258,39 @@ def first_of_each_page(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return pages, fresh & (pages >= 0)
 
 
+class SeenNgrams:
+    """The n-grams the profile saw, by order, to tell a token's seen n-grams from the others."""
+
+    def __init__(self, profile):
+        keys, orders = _hot_groups(profile, PARTS)
+        self.sorted_keys = {int(order): np.sort(keys[orders == order]) for order in np.unique(orders)}
+
+    def seen(self, mixed: np.ndarray) -> np.ndarray:
+        """bool (tokens, orders): whether each n-gram (its mixed hash) was seen."""
+        seen = np.zeros(mixed.shape, dtype=bool)
+        for column in range(mixed.shape[1]):
+            keys = self.sorted_keys.get(column + 2)
+            if keys is not None and len(keys):
+                where = np.minimum(np.searchsorted(keys, mixed[:, column]), len(keys) - 1)
+                seen[:, column] = keys[where] == mixed[:, column]
+        return seen
+
+
+def reads_by_ngram(pages: np.ndarray, seen: np.ndarray, resident_pages: int) -> tuple[int, int, int]:
+    """Of the tokens' reads (`pages` per row, `seen` per n-gram), those of a page holding a row of a
+    seen n-gram, the others, and the seen n-grams with a row not resident."""
+    heads = pages.shape[1] // seen.shape[1]
+    row_seen = np.repeat(seen, heads, axis=1)
+    # Sorted by page with a seen row first: the first of each page says whether any row was seen.
+    keys = np.sort(pages.astype(np.int64) * 2 + ~row_seen, axis=1)
+    first = np.ones(keys.shape, dtype=bool)
+    first[:, 1:] = keys[:, 1:] // 2 != keys[:, :-1] // 2
+    read = first & (keys // 2 >= resident_pages)
+    of_seen = int(np.count_nonzero(read & (keys % 2 == 0)))
+    not_resident = (pages >= resident_pages).reshape(len(pages), seen.shape[1], heads).any(axis=2)
+    return of_seen, int(np.count_nonzero(read)) - of_seen, int(np.count_nonzero(not_resident & seen))
+
+
 def dense_slots(order) -> np.ndarray:
     """int32 slot of every row: placed rows where the map puts them, the rest in source order."""
     slots = np.empty(order.num_rows, dtype=np.int32)
@@ -338,10 +375,12 @@ def main() -> None:
         budgets[fraction] = {"resident_pages": resident_pages, "charged_pages": charged_pages,
                              "checkpoint_resident": checkpoint_resident,
                              "prepared": 0, "prepared_charged": 0, "checkpoint": 0,
+                             "seen": 0, "unseen": 0, "seen_groups_not_resident": 0,
                              "prepared_row_hits": 0, "checkpoint_row_hits": 0}
 
     clock = time.perf_counter()
-    tokens = 0
+    tokens = ngrams = unseen_ngrams = 0
+    seen_ngrams = SeenNgrams(profile)
     duplicated = DuplicatedLayout(profile, spec, num_rows) if args.duplicates else None
     keyed = None if args.group_keyed is None else GroupKeyedLayout(profile, spec, num_rows, args.group_keyed)
     copies = None if args.split_copies is None else SplitCopiesLayout(profile, spec, slot_of_row, args.split_copies,
@@ -367,6 +406,13 @@ def main() -> None:
                     np.count_nonzero(copies_fresh & (copies_sorted >= resident)))
         prepared_page = slot_of_row[row_ids] // ROWS_PER_PAGE
         prepared_sorted, prepared_fresh = first_of_each_page(prepared_page.reshape(row_ids.shape))
+        seen = seen_ngrams.seen(mixed)
+        ngrams += seen.size
+        unseen_ngrams += int(np.count_nonzero(~seen))
+        for budget in budgets.values():
+            split = reads_by_ngram(prepared_page, seen, budget["charged_pages"])
+            for key, count in zip(("seen", "unseen", "seen_groups_not_resident"), split):
+                budget[key] += count
         byte = row_ids * ROW_BYTES
         first_page = (byte // PAGE_SIZE).astype(np.int32)
         last_page = ((byte + ROW_BYTES - 1) // PAGE_SIZE).astype(np.int32)
@@ -393,6 +439,7 @@ def main() -> None:
                    "lookup_index_fraction_of_table": round(index_bytes / table_bytes, 5),
                    "groups_seen": plan.groups_seen, "groups_placed": plan.groups_placed,
                    "groups_split": plan.groups_split},
+        "unseen_ngram_fraction": round(unseen_ngrams / max(ngrams, 1), 4),
         "budgets": [], "timings": timings, "seconds": round(time.perf_counter() - started, 1),
     }
     if duplicated is not None:
@@ -418,6 +465,13 @@ def main() -> None:
             "page_reads_per_1000_tokens": per_k,
             "ratio_prepared_to_checkpoint": round(budget["prepared"] / budget["checkpoint"], 3),
             "ratio_map_charged": round(budget["prepared_charged"] / budget["checkpoint"], 3),
+            "by_ngram": {"seen_per_1000_tokens": round(1000 * budget["seen"] / tokens, 1),
+                         "unseen_per_1000_tokens": round(1000 * budget["unseen"] / tokens, 1),
+                         "seen_groups_not_resident_per_1000_tokens":
+                             round(1000 * budget["seen_groups_not_resident"] / tokens, 1),
+                         "ratio_unseen": round(budget["unseen"] / budget["checkpoint"], 3),
+                         "ratio_one_page_a_seen_group": round(
+                             (budget["unseen"] + budget["seen_groups_not_resident"]) / budget["checkpoint"], 3)},
             **({"ratio_duplicated_map_charged": round(budget["duplicated"] / budget["checkpoint"], 3)}
                if "duplicated" in budget else {}),
             **({"ratio_group_keyed_map_charged": round(budget["group_keyed"] / budget["checkpoint"], 3)}

@@ -64,3 +64,18 @@ def test_making_room_needs_split_copies():
 
 def test_an_index_of_negative_bits_is_refused():
     assert "error: --index-bits" in _refused("--index-bits", "1", "-2")
+
+
+def test_a_tokens_reads_split_by_whether_a_page_holds_a_row_of_a_seen_ngram():
+    bench = _bench()
+    # Two n-grams a token, two heads each; pages below 2 are resident.
+    pages = np.array([[5, 5, 7, 1],    # the seen n-gram's page, the other's
+                      [3, 9, 3, 0],    # page 3 holds rows of both: it counts as seen
+                      [0, 1, 4, 4]])   # the seen n-gram all resident
+    seen = np.array([[True, False], [False, True], [True, False]])
+
+    of_seen, of_unseen, seen_not_resident = bench.reads_by_ngram(pages, seen, 2)
+
+    _, fresh = bench.first_of_each_page(np.where(pages >= 2, pages, -1))
+    assert of_seen + of_unseen == np.count_nonzero(fresh) == 5
+    assert (of_seen, of_unseen, seen_not_resident) == (2, 3, 2)
