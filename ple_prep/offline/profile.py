@@ -613,7 +613,7 @@ class _BoundedReader:
         try:
             read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
                            else np.lib.format.read_array_header_2_0)
-            shape, fortran, dtype = read_header(record)
+            shape, _, dtype = read_header(record)  # 1-D: the order of its axes says nothing
         except (ValueError, SyntaxError, TypeError) as exc:
             raise BadInput(f"{self.path}: corrupt profile (array {name}: {exc})") from None
         if dtype not in (np.dtype("<u8"), np.dtype("<i8")) or len(shape) != 1:
