@@ -92,6 +92,14 @@ def evaluation_row_ids(spec: NgramSpec, tokens: np.ndarray, starts: np.ndarray):
         first = last
 
 
+def find_keys(sorted_keys: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(where, found): each of `keys`' index in `sorted_keys`, and whether it is there."""
+    if not len(sorted_keys):
+        return np.zeros(len(keys), dtype=np.int64), np.zeros(len(keys), dtype=bool)
+    where = np.minimum(np.searchsorted(sorted_keys, keys), len(sorted_keys) - 1)
+    return where, sorted_keys[where] == keys
+
+
 class GroupPages:
     """Seen groups (hottest first) on pages of their own, 3 a page: each group's page, and the
     groups by their key for a token's lookup."""
@@ -115,8 +123,7 @@ class GroupPages:
             if column + 2 not in self.by_order:
                 continue
             sorted_keys, group = self.by_order[column + 2]
-            where = np.minimum(np.searchsorted(sorted_keys, mixed[:, column]), len(sorted_keys) - 1)
-            seen = sorted_keys[where] == mixed[:, column]
+            where, seen = find_keys(sorted_keys, mixed[:, column])
             pages[seen, column * heads:(column + 1) * heads] = self.group_page[group[where[seen]]][:, None]
         return pages
 
@@ -270,9 +277,8 @@ class SeenNgrams:
         seen = np.zeros(mixed.shape, dtype=bool)
         for column in range(mixed.shape[1]):
             keys = self.sorted_keys.get(column + 2)
-            if keys is not None and len(keys):
-                where = np.minimum(np.searchsorted(keys, mixed[:, column]), len(keys) - 1)
-                seen[:, column] = keys[where] == mixed[:, column]
+            if keys is not None:
+                seen[:, column] = find_keys(keys, mixed[:, column])[1]
         return seen
 
 

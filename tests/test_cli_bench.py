@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 
 import pytest
 
@@ -100,8 +101,6 @@ def test_bench_notes_nothing_for_a_table_of_the_models_size():
 
 @pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
 def test_fio_reads_new_offsets_within_the_region_it_is_given(tmp_path):
-    import subprocess
-
     from ple_prep.tools.benchmark import fio_random_read
 
     region = 1 << 20
