@@ -121,3 +121,16 @@ def test_fio_reads_new_offsets_within_the_region_it_is_given(tmp_path):
     assert all(logs) and all(0 <= offset < region for offsets in logs for offset in offsets)
     # Two runs read different offsets (fio's default would repeat the first run's).
     assert logs[0][:100] != logs[1][:100]
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
+def test_fio_runs_for_a_fraction_of_a_second_as_asked(tmp_path):
+    from ple_prep.tools.benchmark import fio_random_read
+
+    path = tmp_path / "disk.bin"
+    path.write_bytes(bytes(4 << 20))
+    report = fio_random_read(path, seconds=0.3, queue_depth=4)
+    assert report["iops"] > 0 and "--runtime=300ms" in report["command"].split()
+    done = subprocess.run(report["command"].split(), check=True, capture_output=True, text=True)
+    # fio's own account of the time it ran, in milliseconds (it read whole seconds before).
+    assert 250 <= json.loads(done.stdout[done.stdout.index("{"):])["jobs"][0]["job_runtime"] < 1000

@@ -84,7 +84,8 @@ def fio_random_read(path: str | Path, seconds: float = 8, queue_depth: int = 64,
 
     New random offsets each run: fio's default reads the same sequence every run (whatever its
     seed), which a disk with a cache of its own (a virtual disk's host) serves from that cache from
-    the second run on. `region_bytes` keeps the reads within the file's first bytes.
+    the second run on. `region_bytes` keeps the reads within the file's first bytes. The run's
+    time goes to fio in milliseconds: fio rounds seconds to whole ones, and refuses 0.
     """
     fio = shutil.which("fio")
     if fio is None or seconds <= 0:
@@ -92,7 +93,7 @@ def fio_random_read(path: str | Path, seconds: float = 8, queue_depth: int = 64,
     command = [fio, "--name=ple-prep-bench", f"--filename={path}", "--readonly", "--rw=randread",
                f"--bs={block_size}", f"--iodepth={queue_depth}", "--ioengine=libaio", "--direct=1",
                "--randrepeat=0", *([f"--size={region_bytes}"] if region_bytes else []),
-               f"--runtime={seconds:g}", "--time_based", "--output-format=json"]
+               f"--runtime={max(1, round(seconds * 1000))}ms", "--time_based", "--output-format=json"]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise BadInput(f"fio failed on {path}: {done.stderr.strip().splitlines()[-1:]}")
