@@ -198,38 +198,40 @@ def test_a_ranks_lookup_in_one_cuda_graph_serves_each_step_and_fails_one_with_an
     rng = np.random.default_rng(4 + rank)
     with open_table(fp8_rank_tables / f"ple.tp{rank}of2.bin") as table, open_table(fp8_table) as whole:
         rows = PrefetchedRows(table, device="cuda", resident_bytes=500 * table.row_bytes, max_tokens=8, heads=16)
-        if not rows.graph_safe:
-            pytest.skip("FULL graphs need the compiled helper")
-        ids_buffer = torch.zeros((4, 16), dtype=torch.int64, device="cuda")
-        consumer = torch.empty((4, 2560), dtype=torch.bfloat16, device="cuda")
-        ids_buffer.copy_(torch.from_numpy(rng.integers(0, FIXTURE_ROWS, (4, 16))))
-        rows.start(ids_buffer)  # warm-up outside the capture
-        rows.finish()
-        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.cuda.graph(graph):
-            rows.start(ids_buffer, finish_in_same_graph=True)
-            consumer.copy_(rows.finish())
-        torch.cuda.current_stream().wait_stream(stream)
-        first, stop = table.row_range
-        for step in range(6):
-            ids = rng.integers(0, FIXTURE_ROWS, (4, 16))
-            if step == 5:
-                ids[2, 7] = outside
-            ids_buffer.copy_(torch.from_numpy(ids))
-            consumer.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            owned = (ids >= first) & (ids < stop)
-            if step < 5:
-                rows.check()
-                got = bits(consumer).reshape(4, 16, 160)
-                np.testing.assert_array_equal(got[owned], expected_bits(whole, ids[owned]).reshape(-1, 160))
-                assert not got[~owned].any()
-            else:
-                owned[2, 7] = True
-                nan = torch.isnan(consumer).cpu().numpy().reshape(4, 16, 160)
-                assert nan[owned].all() and not bits(consumer).reshape(4, 16, 160)[~owned].any()
-                with pytest.raises(IndexError, match=f"row id {outside} is outside"):
+        try:
+            if not rows.graph_safe:
+                pytest.skip("FULL graphs need the compiled helper")
+            ids_buffer = torch.zeros((4, 16), dtype=torch.int64, device="cuda")
+            consumer = torch.empty((4, 2560), dtype=torch.bfloat16, device="cuda")
+            ids_buffer.copy_(torch.from_numpy(rng.integers(0, FIXTURE_ROWS, (4, 16))))
+            rows.start(ids_buffer)  # warm-up outside the capture
+            rows.finish()
+            graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), torch.cuda.graph(graph):
+                rows.start(ids_buffer, finish_in_same_graph=True)
+                consumer.copy_(rows.finish())
+            torch.cuda.current_stream().wait_stream(stream)
+            first, stop = table.row_range
+            for step in range(6):
+                ids = rng.integers(0, FIXTURE_ROWS, (4, 16))
+                if step == 5:
+                    ids[2, 7] = outside
+                ids_buffer.copy_(torch.from_numpy(ids))
+                consumer.fill_(float("nan"))
+                graph.replay()
+                torch.cuda.synchronize()
+                owned = (ids >= first) & (ids < stop)
+                if step < 5:
                     rows.check()
-        rows.close()
+                    got = bits(consumer).reshape(4, 16, 160)
+                    np.testing.assert_array_equal(got[owned], expected_bits(whole, ids[owned]).reshape(-1, 160))
+                    assert not got[~owned].any()
+                else:
+                    owned[2, 7] = True
+                    nan = torch.isnan(consumer).cpu().numpy().reshape(4, 16, 160)
+                    assert nan[owned].all() and not bits(consumer).reshape(4, 16, 160)[~owned].any()
+                    with pytest.raises(IndexError, match=f"row id {outside} is outside"):
+                        rows.check()
+        finally:
+            rows.close()
