@@ -387,6 +387,43 @@ def test_one_cuda_graph_replayed_with_new_ids_serves_each_steps_rows(table, same
 
 
 @needs_cuda
+def test_eager_steps_between_replays_of_a_full_graph_serve_each_its_rows(table, device_half):
+    """A lookup captured in a FULL graph still serves eager steps (as vLLM's eager prefill chunks
+    between FULL-graph decode steps): eager steps queued between replays of the graph, none waited
+    for, each serve their rows."""
+    lookup = steps.StepLookup(table, device="cuda", resident_bytes=2000 * table.row_bytes, max_ids=64 * 16)
+    ids_buffer = torch.zeros(8 * 16, dtype=torch.int64, device="cuda")
+    consumer = torch.empty(8 * 16, table.values_per_row, dtype=torch.bfloat16, device="cuda")
+    try:
+        serve(lookup, token_ids(table, 8, 0))  # warm-up outside the capture
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.cuda.graph(graph):
+            lookup.start(ids_buffer, finish_in_same_graph=True)
+            consumer.copy_(lookup.finish())
+        torch.cuda.current_stream().wait_stream(stream)
+        poison(lookup)
+        replayed, eager, kept = [], [], []
+        for seed in range(1, 9):
+            ids = token_ids(table, 8, seed).reshape(-1)
+            ids_buffer.copy_(torch.from_numpy(ids))
+            graph.replay()
+            replayed.append((ids, consumer.clone()))
+            ids = token_ids(table, 8, 100 + seed).reshape(-1)
+            lookup.start(torch.from_numpy(ids).cuda())  # beside the replay still queued before it
+            eager.append(ids)
+            kept.append(lookup.finish().clone())
+        torch.cuda.synchronize()
+        lookup.check()
+        for ids, values in replayed:
+            assert np.array_equal(bits(values), expected_bits(table, ids))
+        for ids, values in zip(eager, kept):
+            assert np.array_equal(bits(values), expected_bits(table, ids))
+    finally:
+        lookup.close()
+
+
+@needs_cuda
 def test_start_and_finish_in_two_graphs_as_piecewise_graphs_hold_them_serve_each_step(table, device_half):
     """A piecewise graph ends between start and finish: start's copy stays on the capturing stream
     (a capture may not end with a side stream unjoined) and each pair of replays serves its step."""
