@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 from support.bf16_bits import bits, expected_bits  # noqa: E402
 from support.file_systems import skip_unless_on_a_block_file_system  # noqa: E402
-from support.step_calls import poison, serve, token_ids  # noqa: E402
+from support.step_calls import captured_step, poison, serve, token_ids  # noqa: E402
 from support.table_copies import cold_copy, copy_table, hot_text_first  # noqa: E402
 
 from ple_prep.offline.writer import WriteOptions  # noqa: E402
@@ -373,13 +373,7 @@ def test_one_cuda_graph_replayed_with_new_ids_serves_each_steps_rows(table, same
         first = token_ids(table, 8, 0).reshape(-1)
         ids_buffer.copy_(torch.from_numpy(first))
         serve(lookup, first)  # warm-up outside the capture
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.cuda.graph(graph):
-            lookup.start(ids_buffer, finish_in_same_graph=same_graph)
-            consumer.copy_(lookup.finish())
-        torch.cuda.current_stream().wait_stream(stream)
+        graph = captured_step(lookup, ids_buffer, consumer, finish_in_same_graph=same_graph)
         torch.cuda.synchronize()
         each_replay_serves_its_step(table, lookup, ids_buffer, consumer, graph.replay, range(1, 30))
     finally:
@@ -396,12 +390,7 @@ def test_eager_steps_between_replays_of_a_full_graph_serve_each_its_rows(table, 
     consumer = torch.empty(8 * 16, table.values_per_row, dtype=torch.bfloat16, device="cuda")
     try:
         serve(lookup, token_ids(table, 8, 0))  # warm-up outside the capture
-        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.cuda.graph(graph):
-            lookup.start(ids_buffer, finish_in_same_graph=True)
-            consumer.copy_(lookup.finish())
-        torch.cuda.current_stream().wait_stream(stream)
+        graph = captured_step(lookup, ids_buffer, consumer)
         poison(lookup)
         replayed, eager, kept = [], [], []
         for seed in range(1, 9):

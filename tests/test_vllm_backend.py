@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from support.bf16_bits import bits, expected_bits  # noqa: E402
+from support.step_calls import captured_step  # noqa: E402
 
 from ple_prep.integrations.vllm.backend import (  # noqa: E402
     PrefetchedRows,
@@ -206,12 +207,7 @@ def test_a_ranks_lookup_in_one_cuda_graph_serves_each_step_and_fails_one_with_an
             ids_buffer.copy_(torch.from_numpy(rng.integers(0, FIXTURE_ROWS, (4, 16))))
             rows.start(ids_buffer)  # warm-up outside the capture
             rows.finish()
-            graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream), torch.cuda.graph(graph):
-                rows.start(ids_buffer, finish_in_same_graph=True)
-                consumer.copy_(rows.finish())
-            torch.cuda.current_stream().wait_stream(stream)
+            graph = captured_step(rows, ids_buffer, consumer)
             first, stop = table.row_range
             for step in range(6):
                 ids = rng.integers(0, FIXTURE_ROWS, (4, 16))

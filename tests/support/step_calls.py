@@ -1,5 +1,5 @@
 """A StepLookup's steps as the tests drive them: real-text-like ids, every rewritten buffer poisoned,
-one step started and finished."""
+one step started and finished, or captured in one CUDA graph."""
 from __future__ import annotations
 
 import numpy as np
@@ -29,3 +29,15 @@ def serve(lookup, ids: np.ndarray) -> torch.Tensor:
     if lookup.device.type == "cuda":
         torch.cuda.synchronize()
     return values
+
+
+def captured_step(lookup, ids: torch.Tensor, consumer: torch.Tensor, finish_in_same_graph: bool = True):
+    """`lookup`'s start of `ids` and its finish, the values copied into `consumer`, captured in one CUDA
+    graph on a side stream (as torch captures): the graph, which serves whatever `ids` holds at each replay."""
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        lookup.start(ids, finish_in_same_graph=finish_in_same_graph)
+        consumer.copy_(lookup.finish())
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph
