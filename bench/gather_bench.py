@@ -44,6 +44,8 @@ def distinct_request(row_ids: np.ndarray, count: int, start_token: int) -> np.nd
     raise ValueError("not enough real text")
 
 
+# Real-text tokens a cold run's request is drawn from (its 18,000 distinct rows come from about 1,800).
+REQUEST_TOKENS = 4000
 # fio's reads where the disk's own cache holds them: the file's first GiB, read in order first.
 FIO_REGION = 1 << 30
 
@@ -130,11 +132,14 @@ def main() -> None:
     with open_table(path) as table:
         spec = NgramSpec.from_json(table.manifest["ngram"])
         report["rows"] = table.num_rows
-    row_ids = real_text_row_ids(spec, 200_000)
-    ids = distinct_request(row_ids, DISTINCT_ROWS, 0)
+    windows = [int(w) for w in args.windows.split(",")]
     # Every cold run reads rows of its own: a virtual disk keeps blocks read lately, and fio reads
-    # new offsets each run too (tools.benchmark.fio_random_read).
-    later_requests = (distinct_request(row_ids, DISTINCT_ROWS, start) for start in range(4000, 200_000, 4000))
+    # new offsets each run too (tools.benchmark.fio_random_read). 4,000 tokens a request, as many
+    # as the cold runs (fancy index, each window, direct), after the warm runs' request.
+    cold_runs = args.repeats * (len(windows) + 2)
+    row_ids = real_text_row_ids(spec, REQUEST_TOKENS * (cold_runs + 1))
+    ids = distinct_request(row_ids, DISTINCT_ROWS, 0)
+    later_requests = (distinct_request(row_ids, DISTINCT_ROWS, REQUEST_TOKENS * run) for run in range(1, cold_runs + 1))
     evict(path)
     # fio before and after the cold gathers: a shared disk's rate drifts, so both are kept and the
     # ratio uses their mean.
@@ -153,7 +158,7 @@ def main() -> None:
     report["cold_fancy_index"] = best([cold(path, fancy_index(next(later_requests)))
                                        for _ in range(args.repeats)])
     report["cold_gather"] = {}
-    for window in [int(w) for w in args.windows.split(",")]:
+    for window in windows:
         report["cold_gather"][window] = best([
             cold(path, gather(next(later_requests)), window_pages=window, read_path="mapped")
             for _ in range(args.repeats)])
