@@ -353,23 +353,41 @@ def host_of_both(lookup: StepLookup, table, resident: int, decode: list[np.ndarr
     """host_section for `lookup` (StepLookup), then for the plugin's PrefetchedRows on the same table."""
     with frozen_heap():
         report = host_section(lookup, table, decode, chunks, chunk_proxy)
-        rows = PrefetchedRows(table, device="cuda", resident_bytes=resident, max_tokens=CHUNK_TOKENS, heads=16)
-        report["plugin"] = host_section(rows, table, decode, chunks, None, reshape=True)
+        report["plugin"] = plugin_host_section(table, resident, decode, chunks)
+    return report
+
+
+def plugin_host_section(table, resident: int, decode: list[np.ndarray], chunks: list[np.ndarray]) -> dict:
+    """host_section for the plugin's PrefetchedRows, closed after."""
+    rows = PrefetchedRows(table, device="cuda", resident_bytes=resident, max_tokens=CHUNK_TOKENS, heads=16)
+    report = host_section(rows, table, decode, chunks, None, reshape=True)
     rows.close()
     return report
 
 
 def host_only_section(path: Path, resident: int, decode: list[np.ndarray], chunks: list[np.ndarray],
-                      chunk_other: OtherWork) -> dict:
+                      chunk_other: OtherWork, plugin_first: bool) -> dict:
     """The warm section's host protocols alone (`--sections host`), on the same warm table: short
-    enough to run several times in one call, alternating a setting of the driver's."""
+    enough to run several times in one call, alternating a setting of the driver's. `plugin_first`:
+    the plugin's protocols run first, before the StepLookup and its graph exist, where they
+    otherwise run after StepLookup's (as in the warm section), so that an effect of the order shows."""
     table = warm_mapped_table(path)
+    if not plugin_first:
+        lookup = StepLookup(table, device="cuda", resident_bytes=resident, max_ids=CHUNK_TOKENS * 16)
+        report = host_of_both(lookup, table, resident, decode, chunks,
+                              lookup_graph(lookup, pool_of(chunks[:4]), chunk_other))
+        lookup.close()
+        table.close()
+        return report
+    with frozen_heap():
+        plugin = plugin_host_section(table, resident, decode, chunks)
     lookup = StepLookup(table, device="cuda", resident_bytes=resident, max_ids=CHUNK_TOKENS * 16)
-    report = host_of_both(lookup, table, resident, decode, chunks,
-                          lookup_graph(lookup, pool_of(chunks[:4]), chunk_other))
+    chunk_proxy = lookup_graph(lookup, pool_of(chunks[:4]), chunk_other)
+    with frozen_heap():
+        report = host_section(lookup, table, decode, chunks, chunk_proxy)
     lookup.close()
     table.close()
-    return report
+    return {**report, "plugin": plugin, "plugin_first": True}
 
 
 def batched_section(path: Path, resident: int, row_ids: np.ndarray, other: OtherWork, token_counts: list[int],
@@ -801,6 +819,8 @@ def main() -> None:
     parser.add_argument("--batch-steps", type=int, default=2000)
     parser.add_argument("--sections", default="cold,warm,faults",
                         help="which of cold, warm, host, batched and faults to run (comma-separated)")
+    parser.add_argument("--plugin-first", action="store_true",
+                        help="the host section: the plugin's protocols before StepLookup's, not after")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     sections = set(args.sections.split(","))
@@ -836,7 +856,7 @@ def main() -> None:
         print(json.dumps(report["warm"]), flush=True, file=sys.stderr)
     if "host" in sections:
         print("host", flush=True, file=sys.stderr)
-        report["host"] = host_only_section(args.table, resident, decode, chunks, chunk_other)
+        report["host"] = host_only_section(args.table, resident, decode, chunks, chunk_other, args.plugin_first)
         print(json.dumps(report["host"]), flush=True, file=sys.stderr)
     if "batched" in sections:
         print("batched", flush=True, file=sys.stderr)
