@@ -6,15 +6,14 @@ placed row; format v1 stored two more arrays derived from it, 12 bytes): a slot 
 is num_placed + row - (placed rows below it).
 
 A lookup must cost the same whatever the map's size (the real table places tens of millions of
-rows), so lookups read a rank index built once from `slot_rows` (core/native/rows.h, rank_index):
-`rank_lines`, for each 448 rows one 64-byte line, the count of placed rows before them and their 448
-bits (placed or not), so one cache line per id (1.14 bits a row: 46 MB for the real table); and
-`packed_slots`, the slot of each placed row in row order, packed into just the bits a slot of the
-map needs (`slot_width`: 25 for 17-33M placed rows). Both lie in huge pages, so the random reads
-take no TLB misses. The compiled helper (core/native/slots.c) walks them in one loop; numpy does the
-same in a dozen passes. Building them takes two passes over `slot_rows` (no sort of it;
-core/native/rankindex.c, or numpy's passes over pieces of it); a table builds them when it opens
-(runtime/table.py), so no request pays for it.
+rows), so lookups read a rank index built once from `slot_rows`: for each 64 rows a 16-byte pair,
+their bits (placed or not) and the count of placed rows before them, so one cache line per id
+(2 bits a row: 80 MB for the real table), and `sorted_slots`, the slot of each placed row in row
+order (4 bytes a placed row). Both lie in huge pages, so the random reads take no TLB misses. The
+compiled helper (core/native/slots.c) walks them in one loop; numpy does the same in a dozen passes.
+Building them takes two passes over `slot_rows` (no sort of it; core/native/rankindex.c, or numpy's
+passes over pieces of it); a table builds them when it opens (runtime/table.py), so no request pays
+for it.
 """
 from __future__ import annotations
 
@@ -32,46 +31,26 @@ try:
 except ImportError:  # built only where a C compiler was there at install (setup.py)
     _native = None
 
-# Placed rows handled per step while building the index (bounds its temporaries to tens of MB; a
-# multiple of 64, so that each step's packed slots start on a word).
+# Placed rows handled per step while building the index (bounds its temporaries to tens of MB).
 RANK_BUILD_ROWS = 1 << 20
 HUGE_PAGE_BYTES = 1 << 21
-# A rank line: the placed rows before it, then the bits of LINE_ROWS rows (core/native/rows.h).
-LINE_WORDS = 8
-LINE_ROWS = 64 * (LINE_WORDS - 1)
 
 
 class RankIndex(NamedTuple):
-    """What a lookup reads (core/native/rows.h, rank_index), both in huge pages
-    (`_huge_page_array`): `rank_lines`, (lines, 8) uint64, each LINE_ROWS rows' count of placed rows
-    before them and their bits; and `packed_slots`, uint64 words holding the slot of each placed row
-    in ascending row order, `slot_width` bits each, little-endian bit order, and a spare word."""
+    """What a lookup reads, both in huge pages (`_huge_page_array`): `rank_words`, (words, 2)
+    uint64, each 64 rows' bits and the placed rows before them; and `sorted_slots`, uint32, the
+    slot of each placed row in ascending row order."""
 
-    rank_lines: np.ndarray
-    packed_slots: np.ndarray
-    num_placed: int
-    slot_width: int
+    rank_words: np.ndarray
+    sorted_slots: np.ndarray
 
 
-NO_RANK_INDEX = RankIndex(np.zeros((0, LINE_WORDS), dtype=np.uint64), np.zeros(0, dtype=np.uint64), 0, 1)
-
-
-def slot_width(num_placed: int) -> int:
-    """Bits of a placed row's slot (every slot below num_placed), at least 1."""
-    return max(1, (num_placed - 1).bit_length())
-
-
-def packed_words(count: int, width: int) -> int:
-    """uint64 words that hold `count` values of `width` bits and the spare word an 8-byte load of
-    the last one may reach into."""
-    return -(-count * width // 64) + 1 if count else 0
+NO_RANK_INDEX = RankIndex(np.zeros((0, 2), dtype=np.uint64), np.zeros(0, dtype=np.uint32))
 
 
 def lookup_index_bytes(num_rows: int, num_placed: int) -> int:
     """Memory a table's lookups hold for its order map (`RankIndex`): what a server spends on it."""
-    if not num_placed:
-        return 0
-    return 8 * LINE_WORDS * -(-num_rows // LINE_ROWS) + 8 * packed_words(num_placed, slot_width(num_placed))
+    return 16 * -(-num_rows // 64) + 4 * num_placed if num_placed else 0
 
 
 class RowOrder:
@@ -79,7 +58,7 @@ class RowOrder:
         self.num_rows = num_rows
         self.slot_rows = slot_rows
         self._name = name
-        self._rank_lines: np.ndarray | None = None
+        self._rank_words: np.ndarray | None = None
         self._rank_index: RankIndex | None = None
         # Lookups run on several threads at once (runtime/device/): one of them builds the index.
         self._rank_lock = threading.RLock()
@@ -99,7 +78,7 @@ class RowOrder:
         if len(placed) and (placed.min() < 0 or placed.max() >= num_rows):
             raise BadInput(f"placed row outside the table of {num_rows} rows")
         order = cls(num_rows, placed.astype(ORDER_DTYPE, copy=False))
-        order.rank_lines  # noqa: B018 (the property checks that no row is placed twice)
+        order.rank_words  # noqa: B018 (the property checks that no row is placed twice)
         return order
 
     def map_bytes(self) -> np.ndarray:
@@ -111,7 +90,7 @@ class RowOrder:
     def from_buffer(cls, buffer, num_placed: int, num_rows: int, name: str = "file",
                     version: int = 2) -> "RowOrder":
         """The map stored in a file of format `version`, over `buffer` (not copied). A v2 map is
-        checked when its index is built (`rank_lines`); a v1 map's three arrays are checked here."""
+        checked when its index is built (`rank_words`); a v1 map's three arrays are checked here."""
         slot_rows = np.frombuffer(buffer, dtype=ORDER_DTYPE, count=num_placed)
         if version == 1 and num_placed:
             sorted_rows, sorted_slots = (np.frombuffer(buffer, dtype=ORDER_DTYPE, count=num_placed,
@@ -144,10 +123,10 @@ class RowOrder:
         """File slot of each row id (int64, the shape of `ids`): ids are local rows plus
         `first_row` (a rank file's first row); an id outside them raises IndexError."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        index = self.rank_index
+        rank_words, sorted_slots = self.rank_index
         if _native is not None:
             slots = np.empty(ids.shape, dtype=np.int64)
-            _native.slot_of(ids, first_row, self.num_rows, *index, slots)
+            _native.slot_of(ids, first_row, self.num_rows, rank_words, sorted_slots, slots)
             return slots
         rows = ids - first_row
         # One pass checks both ends: seen as unsigned, a negative local id is above any row count.
@@ -156,9 +135,9 @@ class RowOrder:
             raise IndexError(f"row id {bad} is outside this table's rows [{first_row}, {first_row + self.num_rows})")
         if not self.num_placed:
             return rows
-        placed, below_row = _rank(index.rank_lines, rows)
+        placed, below_row = _rank(rank_words, rows)
         slots = self.num_placed + rows - below_row
-        placed_slots = _unpacked(index.packed_slots, np.minimum(below_row, self.num_placed - 1), index.slot_width)
+        placed_slots = sorted_slots[np.minimum(below_row, self.num_placed - 1)]
         return np.where(placed, placed_slots, slots)
 
     @property
@@ -174,21 +153,18 @@ class RowOrder:
         return self._rank_index
 
     @property
-    def rank_lines(self) -> np.ndarray:
-        """The index's counts and bits alone (what offline tools need: no slots); raises BadInput
-        where the map places a row twice or one outside the table."""
-        if self._rank_lines is None:
+    def rank_words(self) -> np.ndarray:
+        """The index's bits and counts alone (what offline tools need: no `sorted_slots`); raises
+        BadInput where the map places a row twice or one outside the table."""
+        if self._rank_words is None:
             with self._rank_lock:
-                if self._rank_lines is None:
-                    self._rank_lines = self._build_rank_lines()
-        return self._rank_lines
+                if self._rank_words is None:
+                    self._rank_words = self._build_rank_words()
+        return self._rank_words
 
     def build_rank_index(self) -> RankIndex:
-        """`rank_index`, computed from `slot_rows`: each placed row's slot goes to its rank."""
-        width = slot_width(self.num_placed)
-        packed = _huge_page_array((packed_words(self.num_placed, width),), np.uint64)
-        self._by_rank(1, packed, width)
-        return RankIndex(self.rank_lines, packed, self.num_placed, width)
+        """`rank_index`, computed from `slot_rows`: each placed row's rank goes to its slot."""
+        return RankIndex(self.rank_words, self.chunks_by_rank(1, _huge_page_array((self.num_placed,), np.uint32)))
 
     def chunks_by_rank(self, chunk_slots: int, out: np.ndarray | None = None) -> np.ndarray:
         """For each placed row, rows ascending, the chunk of `chunk_slots` slots holding it (slot //
@@ -197,54 +173,43 @@ class RowOrder:
             chunks = -(-self.num_placed // chunk_slots)
             out = np.empty(self.num_placed, dtype=np.uint8 if chunks <= 1 << 8 else np.uint16 if chunks <= 1 << 16
                            else np.uint32)
-        self._by_rank(chunk_slots, out, 8 * out.itemsize)
-        return out
-
-    def _by_rank(self, divisor: int, out: np.ndarray, width: int) -> None:
-        """Each placed row's slot // divisor, rows ascending, as `width`-bit values packed into `out`
-        (a plain array where `width` is its items' size)."""
-        rank_lines = self.rank_lines
+        rank_words = self.rank_words
         if _native is not None:
-            _native.slots_by_rank(np.ascontiguousarray(self.slot_rows), rank_lines, out.view(np.uint8), divisor, width)
-            return
-        plain = out if width == 8 * out.itemsize else np.empty(self.num_placed, dtype=np.uint32)
+            _native.slots_by_rank(np.ascontiguousarray(self.slot_rows), rank_words, out, chunk_slots, out.itemsize)
+            return out
         for start in range(0, self.num_placed, RANK_BUILD_ROWS):
             rows = self.slot_rows[start:start + RANK_BUILD_ROWS].astype(np.int64)
-            _, rank = _rank(rank_lines, rows)
-            plain[rank] = np.arange(start, start + len(rows), dtype=np.int64) // divisor
-        if plain is not out:
-            _pack(plain, width, out)
+            _, rank = _rank(rank_words, rows)
+            out[rank] = np.arange(start, start + len(rows), dtype=np.int64) // chunk_slots
+        return out
 
-    def _build_rank_lines(self) -> np.ndarray:
-        rank_lines = _huge_page_array((-(-self.num_rows // LINE_ROWS), LINE_WORDS), np.uint64)
+    def _build_rank_words(self) -> np.ndarray:
         if _native is not None:
-            counted = _native.rank_bits(np.ascontiguousarray(self.slot_rows), self.num_rows, rank_lines)
+            rank_words = _huge_page_array((-(-self.num_rows // 64), 2), np.uint64)
+            counted = _native.rank_bits(np.ascontiguousarray(self.slot_rows), self.num_rows, rank_words)
             if counted < 0:
                 raise BadInput(f"{self._name}: the row-order map places row {-1 - counted} of a "
                                f"{self.num_rows}-row table (corrupt file)")
             if counted != self.num_placed:
                 raise BadInput(f"{self._name}: the row-order map places a row twice (corrupt file)")
-            return rank_lines
-        rank_lines[:] = 0
-        # Word k of a line holds rows LINE_ROWS * line + 64 * (k - 1) on: a row's word in the
-        # flattened lines, and its bit there.
-        flat = rank_lines.reshape(-1)
+            return rank_words
+        bits = np.zeros(-(-self.num_rows // 64), dtype=np.uint64)
         for start in range(0, self.num_placed, RANK_BUILD_ROWS):
             rows = np.sort(self.slot_rows[start:start + RANK_BUILD_ROWS]).astype(np.int64)
             if rows[-1] >= self.num_rows:
                 raise BadInput(f"{self._name}: the row-order map places row {rows[-1]} of a "
                                f"{self.num_rows}-row table (corrupt file)")
-            line, within = np.divmod(rows, LINE_ROWS)
-            words = LINE_WORDS * line + 1 + (within >> 6)
+            words = rows >> 6
             # Rows ascend, so the bits of one word are adjacent: OR each run of them together.
             starts = np.flatnonzero(np.diff(words, prepend=-1))
-            flat[words[starts]] |= np.bitwise_or.reduceat(np.uint64(1) << (within & 63).astype(np.uint64), starts)
-        per_line = _popcount(rank_lines[:, 1:].reshape(-1)).reshape(-1, LINE_WORDS - 1).sum(axis=1, dtype=np.uint64)
-        if len(per_line) and int(per_line.sum()) != self.num_placed:
+            bits[words[starts]] |= np.bitwise_or.reduceat(np.uint64(1) << (rows & 63).astype(np.uint64), starts)
+        rank_words = _huge_page_array((len(bits), 2), np.uint64)
+        rank_words[:, 0] = bits
+        rank_words[0, 1] = 0
+        np.cumsum(_popcount(bits[:-1]), dtype=np.uint64, out=rank_words[1:, 1])
+        if len(bits) and int(rank_words[-1, 1]) + int(_popcount(bits[-1:])[0]) != self.num_placed:
             raise BadInput(f"{self._name}: the row-order map places a row twice (corrupt file)")
-        rank_lines[0, 0] = 0
-        np.cumsum(per_line[:-1], dtype=np.uint64, out=rank_lines[1:, 0])
-        return rank_lines
+        return rank_words
 
     # --- What the writer and verify read ---------------------------------------------------------
 
@@ -252,10 +217,10 @@ class RowOrder:
         """bool per local row in [start, stop): placed or not."""
         if not self.num_placed:
             return np.zeros(stop - start, dtype=bool)
-        first, last = start // LINE_ROWS, -(-stop // LINE_ROWS)
-        bits = np.ascontiguousarray(self.rank_lines[first:last, 1:])
+        first, last = start >> 6, -(-stop // 64)
+        bits = np.ascontiguousarray(self.rank_words[first:last, 0])
         unpacked = np.unpackbits(bits.view(np.uint8), bitorder="little").view(bool)
-        return unpacked[start - LINE_ROWS * first:stop - LINE_ROWS * first]
+        return unpacked[start - 64 * first:stop - 64 * first]
 
     def rows_at(self, start: int, stop: int) -> np.ndarray:
         """Local row ids held by slots [start, stop), int64."""
@@ -266,13 +231,13 @@ class RowOrder:
             return head
         if not self.num_placed:
             return np.concatenate([head, np.arange(first, first + count, dtype=np.int64)])
-        # The k-th unplaced row: find the line holding it by the unplaced count before each line,
+        # The k-th unplaced row: find the word holding it by the unplaced count before each word,
         # then take unplaced rows from there on.
-        counts = self.rank_lines[:, 0].astype(np.int64)
-        unplaced_before = LINE_ROWS * np.arange(len(counts), dtype=np.int64) - counts
-        line = int(np.searchsorted(unplaced_before, first, side="right")) - 1
-        tail, row = [], LINE_ROWS * line
-        skip, needed = first - int(unplaced_before[line]), count
+        counts = self.rank_words[:, 1].astype(np.int64)
+        unplaced_before = 64 * np.arange(len(counts), dtype=np.int64) - counts
+        word = int(np.searchsorted(unplaced_before, first, side="right")) - 1
+        tail, row = [], 64 * word
+        skip, needed = first - int(unplaced_before[word]), count
         while needed:
             span = min(self.num_rows - row, 2 * (needed + skip) + 4096)
             if span <= 0:
@@ -294,59 +259,27 @@ class RowOrder:
 
     @property
     def sorted_slots(self) -> np.ndarray:
-        """The slot of each placed row, rows ascending (uint32), unpacked from the index."""
-        index = self.rank_index
-        return _unpacked(index.packed_slots, np.arange(self.num_placed), index.slot_width).astype(np.uint32)
+        """The slot of each placed row, rows ascending (uint32)."""
+        return self.rank_index.sorted_slots
 
     def drop_slots(self) -> None:
-        """Free the index's packed slots once an offline tool has looked up what it needed; the
-        rank lines stay (the writer reads them)."""
+        """Free the index's `sorted_slots` (4 bytes a placed row) once an offline tool has looked up
+        what it needed; the rank bits stay (the writer reads them)."""
         with self._rank_lock:
             self._rank_index = None
 
 
-def _rank(rank_lines: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(placed, placed rows below) for each local row (bool, int64), from the rank lines."""
-    line, within = np.divmod(rows, LINE_ROWS)
-    word = within >> 6
+def _rank(rank_words: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(placed, placed rows below) for each local row (bool, int64), from the rank words."""
+    words = rows >> 6
     # Each row's bit moved to the top of its word: it says whether the row is placed, and the
-    # bits at and below it count the placed rows up to it; the line's words before it add theirs.
-    to_row = rank_lines[line, 1 + word]
-    to_row <<= (63 - (within & 63)).view(np.uint64)
+    # bits at and below it count the placed rows up to it.
+    to_row = rank_words[words, 0]
+    to_row <<= (63 - (rows & 63)).view(np.uint64)
     placed = to_row >> np.uint64(63)
-    below_row = rank_lines[line, 0] + _popcount(to_row)
+    below_row = rank_words[words, 1] + _popcount(to_row)
     below_row -= placed
-    for k in range(LINE_WORDS - 2):
-        before = word > k
-        below_row[before] += _popcount(rank_lines[line[before], 1 + k])
     return placed.view(np.int64) != 0, below_row.view(np.int64)
-
-
-def _unpacked(packed: np.ndarray, indices: np.ndarray, width: int) -> np.ndarray:
-    """The `width`-bit values at `indices` of `packed` (RankIndex's packed_slots), int64."""
-    bit = indices.astype(np.uint64) * np.uint64(width)
-    word, shift = bit >> np.uint64(6), bit & np.uint64(63)
-    values = packed[word] >> shift
-    # A value that runs into the next word: its high bits from there (a shift by 64 is not 0 in numpy).
-    spill = shift + np.uint64(width) > 64
-    values[spill] |= packed[word[spill] + np.uint64(1)] << (np.uint64(64) - shift[spill])
-    return (values & np.uint64((1 << width) - 1)).view(np.int64)
-
-
-def _pack(values: np.ndarray, width: int, out: np.ndarray) -> None:
-    """`values` (below 2**width) as `width`-bit values packed into the uint64 words of `out`
-    (RankIndex's packed_slots), in steps of RANK_BUILD_ROWS values, each starting on a word."""
-    out[:] = 0
-    for start in range(0, len(values), RANK_BUILD_ROWS):
-        part = values[start:start + RANK_BUILD_ROWS].astype(np.uint64)
-        bit = np.arange(len(part), dtype=np.uint64) * np.uint64(width)
-        word, shift = (bit >> np.uint64(6)) + np.uint64(start * width // 64), bit & np.uint64(63)
-        # Values ascend through the words: OR each word's run of them together.
-        starts = np.flatnonzero(np.diff(word, prepend=np.uint64(len(out))))
-        out[word[starts]] |= np.bitwise_or.reduceat(part << shift, starts)
-        # At most one value runs into each next word.
-        spill = shift + np.uint64(width) > 64
-        out[word[spill] + np.uint64(1)] |= part[spill] >> (np.uint64(64) - shift[spill])
 
 
 def _huge_page_array(shape: tuple[int, ...], dtype) -> np.ndarray:

@@ -6,9 +6,9 @@
  *     out[i] = the row at file slot slots[i]: one memcpy per row, straight into `out`. A page the
  *     kernel cannot read (an I/O error, a file that shrank) raises OSError instead of a SIGBUS
  *     (guard.h).
- * slot_of(ids, first_row, num_rows, rank_lines, packed_slots, num_placed, slot_width, out)
+ * slot_of(ids, first_row, num_rows, rank_words, sorted_slots, out)
  *     out[i] = the file slot of row id ids[i] (local row ids[i] - first_row, refused outside
- *     [0, num_rows)), from format/order.py's rank index (rows.h; the identity where num_placed is 0).
+ *     [0, num_rows)), from format/order.py's rank index (the identity where sorted_slots is empty).
  *
  * page_sums(pages, page_size, out)
  *     out[k] = the low 32 bits of XXH64 of page k of `pages` (pagesums.h), for the page-sums file
@@ -108,30 +108,31 @@ done:
 
 static PyObject *slot_of(PyObject *self, PyObject *args)
 {
-    PyObject *ids_object, *rank_lines_object, *packed_slots_object, *out_object;
-    long long first_row, num_rows, num_placed;
-    int width;
-    if (!PyArg_ParseTuple(args, "OLLOOLiO", &ids_object, &first_row, &num_rows, &rank_lines_object,
-                          &packed_slots_object, &num_placed, &width, &out_object))
+    PyObject *ids_object, *rank_words_object, *sorted_slots_object, *out_object;
+    long long first_row, num_rows;
+    if (!PyArg_ParseTuple(args, "OLLOOO", &ids_object, &first_row, &num_rows, &rank_words_object,
+                          &sorted_slots_object, &out_object))
         return NULL;
     held_buffers held = {.held = 0};
     PyObject *result = NULL;
-    Py_buffer *ids, *rank_lines, *packed_slots, *out;
-    rank_index index;
+    Py_buffer *ids, *rank_words, *sorted_slots, *out;
     if (!(ids = hold(&held, ids_object, 0, sizeof(int64_t), "ids"))
-        || !(rank_lines = hold(&held, rank_lines_object, 0, sizeof(uint64_t), "rank_lines"))
-        || !(packed_slots = hold(&held, packed_slots_object, 0, sizeof(uint64_t), "packed_slots"))
-        || !(out = hold(&held, out_object, 1, sizeof(int64_t), "out"))
-        || rank_index_from(&index, rank_lines, packed_slots, num_placed, width, num_rows, "slot_of") != 0)
+        || !(rank_words = hold(&held, rank_words_object, 0, sizeof(uint64_t), "rank_words"))
+        || !(sorted_slots = hold(&held, sorted_slots_object, 0, sizeof(uint32_t), "sorted_slots"))
+        || !(out = hold(&held, out_object, 1, sizeof(int64_t), "out")))
         goto done;
-    if (out->len != ids->len) {
+    Py_ssize_t num_words = rank_words->len / (Py_ssize_t)(2 * sizeof(uint64_t));
+    int64_t num_placed = sorted_slots->len / (Py_ssize_t)sizeof(uint32_t);
+    if (out->len != ids->len || rank_words->len % (Py_ssize_t)(2 * sizeof(uint64_t)) || num_rows < 0
+        || (num_placed && num_words * 64 < num_rows)) {
         PyErr_SetString(PyExc_ValueError, "slot_of: mismatched array sizes");
         goto done;
     }
     const int64_t *id = (const int64_t *)ids->buf;
     Py_ssize_t bad;
     Py_BEGIN_ALLOW_THREADS
-    find_slots(id, ids->len / (Py_ssize_t)sizeof(int64_t), first_row, num_rows, &index, (int64_t *)out->buf, &bad);
+    find_slots(id, ids->len / (Py_ssize_t)sizeof(int64_t), first_row, num_rows, (const uint64_t *)rank_words->buf,
+               (const uint32_t *)sorted_slots->buf, num_placed, (int64_t *)out->buf, &bad);
     Py_END_ALLOW_THREADS
     if (bad >= 0) {
         refuse_row_id(id[bad], first_row, num_rows);

@@ -5,7 +5,6 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
-#include <string.h>
 
 /* Ids looked at ahead of the one being resolved: enough misses in flight to cover memory latency. */
 #define PREFETCH_AHEAD 16
@@ -28,38 +27,13 @@ static inline void prefetch_row(const char *row, Py_ssize_t row_bytes)
     __builtin_prefetch(row + row_bytes - 1);
 }
 
-/* format/order.py's rank index as the lookups read it: `lines`, one 64-byte line a RANK_LINE_ROWS
- * rows (the placed rows before them, then their placed bits in 7 words), and `packed`, each placed
- * row's slot in `width` bits, rows ascending, little-endian bit order, a spare word at the end (a
- * slot is read with one unaligned 8-byte load). Without placed rows both are empty. */
-#define RANK_LINE_ROWS 448
-#define RANK_LINE_WORDS 8
-typedef struct {
-    const uint64_t *lines, *packed;
-    int64_t num_placed;
-    int width;
-} rank_index;
-
-/* The `width`-bit value at `index` of `packed` (rank_index). */
-static inline uint64_t packed_value(const uint64_t *packed, uint64_t index, int width)
-{
-    uint64_t bit = index * (uint64_t)width, value;
-    memcpy(&value, (const char *)packed + (bit >> 3), sizeof(value));
-    return (value >> (bit & 7)) & (((uint64_t)1 << width) - 1);
-}
-
-/* find_slots(row, count, first_row, limit, index, target, bad): target[i] = the file slot of row id
- * row[i] from `index`; local rows (ids less first_row) outside [0, limit) are refused (*bad = their
- * position, else -1). Placed rows get their slot from `index->packed`, the others follow the placed
- * ones in row order; without placed rows a slot is the row. */
-typedef void find_slots_fn(const int64_t *, Py_ssize_t, int64_t, int64_t, const rank_index *, int64_t *,
-                           Py_ssize_t *);
+/* find_slots(row, count, first_row, limit, rank_words, slot, num_placed, target, bad): target[i] =
+ * the file slot of row id row[i] from format/order.py's rank index; local rows (ids less first_row)
+ * outside [0, limit) are refused (*bad = their position, else -1). Placed rows get their slot from
+ * `slot`, the others follow the placed ones in row order; without placed rows a slot is the row. */
+typedef void find_slots_fn(const int64_t *, Py_ssize_t, int64_t, int64_t, const uint64_t *, const uint32_t *,
+                           int64_t, int64_t *, Py_ssize_t *);
 extern find_slots_fn *find_slots;
-
-/* `index` from a lookup's arguments (lines and packed as Python buffers), checked against a table
- * of `num_rows` rows; -1 with a ValueError naming `caller` where they do not fit together. */
-int rank_index_from(rank_index *index, const Py_buffer *lines, const Py_buffer *packed, long long num_placed,
-                    int width, long long num_rows, const char *caller);
 
 /* Picks find_slots' fastest variant for this CPU; called once, at a module's import. */
 void select_find_slots(void);

@@ -7,14 +7,14 @@
 #include <stdint.h>
 
 #include "../../core/native/buffers.h"
-#include "../../core/native/rows.h"
 #include "pool.h"
 
 typedef struct {
     const int64_t *id;
     Py_ssize_t count;
-    int64_t first_row, num_rows, num_resident;
-    const rank_index *ranks; /* the view's rank index (view.h), held by the call */
+    int64_t first_row, num_rows, num_placed, num_resident;
+    const uint64_t *rank_words;
+    const uint32_t *slot_by_rank;
     const char *data, *mapping; /* the data region, and the mapping's first byte (the file's) */
     Py_ssize_t page_size, rows_per_page, row_bytes, num_slots;
     char *out;

@@ -7,15 +7,15 @@
 #include <stdint.h>
 
 #include "../../core/native/buffers.h"
-#include "../../core/native/rows.h"
 
 typedef struct {
     PyObject_HEAD
-    held_buffers held; /* the mapping, and the rank index's lines and packed slots */
+    held_buffers held; /* the mapping, the rank words and the placed rows' slots */
     const char *mapping, *data; /* the file's first byte, and the data region's */
     Py_ssize_t mapping_bytes, data_offset, page_size, rows_per_page, row_bytes, num_slots;
-    int64_t first_row, num_rows;
-    rank_index index;
+    int64_t first_row, num_rows, num_placed;
+    const uint64_t *rank_words;
+    const uint32_t *slot_by_rank;
 } table_view;
 
 extern PyTypeObject table_view_type;
