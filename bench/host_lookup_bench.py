@@ -23,12 +23,18 @@ with its pages in the page cache and the mapped read path:
    used to run on the uint32 map (the whole map converted on every call).
 4. `threads` 1 and 2 on the 18,000-row request (this host has 2 cores shared with other work).
 Every gather is checked equal to np.take's rows. Prints one JSON object; BENCHMARKS.md records it.
+
+Beside other code (a built checkout, e.g. `git worktree add /tmp/other COMMIT` and `python3 setup.py
+build_ext --inplace` there): `--other-tree /tmp/other --pairs 3` runs the bench of each tree as a
+child process in turn (the order swapped every pair, as the shared disk and host drift), and adds
+each side's figures that both trees report, their medians and this tree's over the other's.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import mmap
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -156,11 +162,44 @@ def slot_lookup(table, ids: np.ndarray, row_ids: np.ndarray) -> dict:
     return report
 
 
+def leaves(report, prefix: str = "") -> dict[str, float]:
+    """Each number of a report, by its path of keys ("table/slot_of/16 ids, compiled/p50_us")."""
+    if isinstance(report, dict):
+        return {name: value for key, part in report.items() for name, value in leaves(part, f"{prefix}{key}/").items()}
+    return {prefix.rstrip("/"): report} if isinstance(report, (int, float)) and not isinstance(report, bool) else {}
+
+
+def beside(other: Path, tables: list[Path], rounds: int, pairs: int) -> dict:
+    """This tree's bench and `other`'s, each a child run of its own tree's script, `pairs` times,
+    the order swapped every pair; per figure both reported: each side's values, medians, ratio."""
+    trees = {"this": Path(__file__).resolve().parent.parent, "other": other.resolve()}
+    runs: dict[str, list[dict[str, float]]] = {"this": [], "other": []}
+    for pair in range(pairs):
+        for side in (("this", "other") if pair % 2 == 0 else ("other", "this")):
+            done = subprocess.run([sys.executable, str(trees[side] / "bench" / "host_lookup_bench.py"),
+                                   *(str(table.resolve()) for table in tables), "--rounds", str(rounds)],
+                                  capture_output=True, text=True, check=True, cwd=trees[side])
+            runs[side].append(leaves(json.loads(done.stdout)))
+    shared = sorted(set.intersection(*(set(run) for side in runs.values() for run in side)))
+    figures = {}
+    for name in shared:
+        this, that = ([run[name] for run in runs[side]] for side in ("this", "other"))
+        middle = float(np.median(this)), float(np.median(that))
+        figures[name] = {"this": this, "other": that, "this_median": middle[0], "other_median": middle[1],
+                         "this_over_other": round(middle[0] / middle[1], 3) if middle[1] else None}
+    return {"other_tree": str(other), "pairs": pairs, "figures": figures}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("tables", type=Path, nargs="+")
     parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--other-tree", type=Path, help="a built checkout of other code to run beside this one")
+    parser.add_argument("--pairs", type=int, default=3, help="with --other-tree: runs of each tree, alternating")
     args = parser.parse_args()
+    if args.other_tree is not None:
+        print(json.dumps(beside(args.other_tree, args.tables, args.rounds, args.pairs), indent=1))
+        return
     report: dict = {"compiled_helper": COMPILED is not None, "tables": {}}
     for path in args.tables:
         with open_table(path, read_path="mapped") as table:
