@@ -100,31 +100,55 @@ def find_keys(sorted_keys: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np
     return where, sorted_keys[where] == keys
 
 
-class GroupPages:
-    """Seen groups (hottest first) on pages of their own, 3 a page: each group's page, and the
-    groups by their key for a token's lookup."""
+class KnownGroups:
+    """Groups by order and key, to find a token's n-grams among them."""
 
-    def __init__(self, keys: np.ndarray, orders: np.ndarray, spec: NgramSpec):
+    def __init__(self, keys: np.ndarray, orders: np.ndarray):
         self.groups = len(keys)
-        groups_per_page = ROWS_PER_PAGE // spec.heads_per_ngram
-        self.group_page = (np.arange(self.groups) // groups_per_page).astype(np.int32)
-        self.grouped_pages = -(-self.groups // groups_per_page)
         self.by_order = {}
         for order in np.unique(orders):
             chosen = np.flatnonzero(orders == order)
             by_key = np.argsort(keys[chosen])
             self.by_order[int(order)] = (keys[chosen][by_key], chosen[by_key])
 
+    def find(self, mixed: np.ndarray, column: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(group, found) of each token's n-gram in `column` of `mixed` (its mixed hash), or None
+        where no group has that order; `group` counts only where `found`."""
+        if column + 2 not in self.by_order:
+            return None
+        sorted_keys, group = self.by_order[column + 2]
+        where, found = find_keys(sorted_keys, mixed[:, column])
+        return group[where], found
+
+    def seen(self, mixed: np.ndarray) -> np.ndarray:
+        """bool (tokens, orders): whether each n-gram (its mixed hash) is one of the groups."""
+        seen = np.zeros(mixed.shape, dtype=bool)
+        for column in range(mixed.shape[1]):
+            found = self.find(mixed, column)
+            if found is not None:
+                seen[:, column] = found[1]
+        return seen
+
+
+class GroupPages(KnownGroups):
+    """Seen groups (hottest first) on pages of their own, 3 a page: each group's page, and the
+    groups by their key for a token's lookup."""
+
+    def __init__(self, keys: np.ndarray, orders: np.ndarray, spec: NgramSpec):
+        super().__init__(keys, orders)
+        groups_per_page = ROWS_PER_PAGE // spec.heads_per_ngram
+        self.group_page = (np.arange(self.groups) // groups_per_page).astype(np.int32)
+        self.grouped_pages = -(-self.groups // groups_per_page)
+
     def read_groups_from_their_pages(self, pages: np.ndarray, mixed: np.ndarray) -> np.ndarray:
         """`pages` (per token, each of its 16 rows' page) with the rows of each placed group the
         token's n-grams are read from that group's page."""
         heads = pages.shape[1] // mixed.shape[1]
         for column in range(mixed.shape[1]):
-            if column + 2 not in self.by_order:
-                continue
-            sorted_keys, group = self.by_order[column + 2]
-            where, seen = find_keys(sorted_keys, mixed[:, column])
-            pages[seen, column * heads:(column + 1) * heads] = self.group_page[group[where[seen]]][:, None]
+            found = self.find(mixed, column)
+            if found is not None:
+                group, seen = found
+                pages[seen, column * heads:(column + 1) * heads] = self.group_page[group[seen]][:, None]
         return pages
 
 
@@ -265,23 +289,6 @@ def first_of_each_page(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return pages, fresh & (pages >= 0)
 
 
-class SeenNgrams:
-    """The n-grams the profile saw, by order, to tell a token's seen n-grams from the others."""
-
-    def __init__(self, profile):
-        keys, orders = _hot_groups(profile, PARTS)
-        self.sorted_keys = {int(order): np.sort(keys[orders == order]) for order in np.unique(orders)}
-
-    def seen(self, mixed: np.ndarray) -> np.ndarray:
-        """bool (tokens, orders): whether each n-gram (its mixed hash) was seen."""
-        seen = np.zeros(mixed.shape, dtype=bool)
-        for column in range(mixed.shape[1]):
-            keys = self.sorted_keys.get(column + 2)
-            if keys is not None:
-                seen[:, column] = find_keys(keys, mixed[:, column])[1]
-        return seen
-
-
 def reads_by_ngram(pages: np.ndarray, seen: np.ndarray, resident_pages: int) -> tuple[int, int, int]:
     """Of the tokens' reads (`pages` per row, `seen` per n-gram), those of a page holding a row of a
     seen n-gram, the others, and the seen n-grams with a row not resident."""
@@ -386,7 +393,7 @@ def main() -> None:
 
     clock = time.perf_counter()
     tokens = ngrams = unseen_ngrams = 0
-    seen_ngrams = SeenNgrams(profile)
+    seen_ngrams = KnownGroups(*_hot_groups(profile, PARTS))
     duplicated = DuplicatedLayout(profile, spec, num_rows) if args.duplicates else None
     keyed = None if args.group_keyed is None else GroupKeyedLayout(profile, spec, num_rows, args.group_keyed)
     copies = None if args.split_copies is None else SplitCopiesLayout(profile, spec, slot_of_row, args.split_copies,

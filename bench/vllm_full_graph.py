@@ -349,11 +349,12 @@ def warm_mapped_table(path: Path):
 
 
 def host_of_both(lookup: StepLookup, table, resident: int, decode: list[np.ndarray], chunks: list[np.ndarray],
-                 chunk_proxy: ProxyStep) -> dict:
-    """host_section for `lookup` (StepLookup), then for the plugin's PrefetchedRows on the same table."""
+                 chunk_proxy: ProxyStep, plugin: dict | None = None) -> dict:
+    """host_section for `lookup` (StepLookup), then for the plugin's PrefetchedRows on the same table
+    (`plugin`: its report where it ran before)."""
     with frozen_heap():
         report = host_section(lookup, table, decode, chunks, chunk_proxy)
-        report["plugin"] = plugin_host_section(table, resident, decode, chunks)
+        report["plugin"] = plugin or plugin_host_section(table, resident, decode, chunks)
     return report
 
 
@@ -372,22 +373,16 @@ def host_only_section(path: Path, resident: int, decode: list[np.ndarray], chunk
     the plugin's protocols run first, before the StepLookup and its graph exist, where they
     otherwise run after StepLookup's (as in the warm section), so that an effect of the order shows."""
     table = warm_mapped_table(path)
-    if not plugin_first:
-        lookup = StepLookup(table, device="cuda", resident_bytes=resident, max_ids=CHUNK_TOKENS * 16)
-        report = host_of_both(lookup, table, resident, decode, chunks,
-                              lookup_graph(lookup, pool_of(chunks[:4]), chunk_other))
-        lookup.close()
-        table.close()
-        return report
-    with frozen_heap():
-        plugin = plugin_host_section(table, resident, decode, chunks)
+    plugin = None
+    if plugin_first:
+        with frozen_heap():
+            plugin = plugin_host_section(table, resident, decode, chunks)
     lookup = StepLookup(table, device="cuda", resident_bytes=resident, max_ids=CHUNK_TOKENS * 16)
-    chunk_proxy = lookup_graph(lookup, pool_of(chunks[:4]), chunk_other)
-    with frozen_heap():
-        report = host_section(lookup, table, decode, chunks, chunk_proxy)
+    report = host_of_both(lookup, table, resident, decode, chunks,
+                          lookup_graph(lookup, pool_of(chunks[:4]), chunk_other), plugin)
     lookup.close()
     table.close()
-    return {**report, "plugin": plugin, "plugin_first": True}
+    return {**report, **({"plugin_first": True} if plugin_first else {})}
 
 
 def batched_section(path: Path, resident: int, row_ids: np.ndarray, other: OtherWork, token_counts: list[int],
