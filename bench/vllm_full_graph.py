@@ -33,6 +33,9 @@ replay, the two graphs alternating in blocks; p50 and p90 of each and their rati
 - faults (`--faults-table`, a small table): an id outside the table, and an I/O error (a truncated
   copy read with O_DIRECT), each during FULL replay: the step's time, its values, the raised cause,
   and the next step.
+The driver's launch queues are sized as the vLLM plugin sizes them when it serves a table
+(`scale_launch_queues`: four times the default unless CUDA_SCALE_LAUNCH_QUEUES is set), or with
+`--driver-queues` as the environment has them; the report says which (`launch_queues`).
 Prints JSON (also written to --out).
 """
 from __future__ import annotations
@@ -41,6 +44,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import resource
 import shutil
 import subprocess
@@ -58,6 +62,7 @@ from gpu_bench import CHUNK_TOKENS, OtherWork, bf16_bits  # noqa: E402  (bench/,
 from python_busy import PythonBusy  # noqa: E402
 
 from ple_prep.format.manifest import manifest_path  # noqa: E402
+from ple_prep.integrations.vllm import LAUNCH_QUEUES_VARIABLE, TABLE_VARIABLE, scale_launch_queues  # noqa: E402
 from ple_prep.integrations.vllm.backend import PrefetchedRows  # noqa: E402
 from ple_prep.ngram import NgramSpec  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
@@ -816,10 +821,17 @@ def main() -> None:
                         help="which of cold, warm, host, batched and faults to run (comma-separated)")
     parser.add_argument("--plugin-first", action="store_true",
                         help="the host section: the plugin's protocols before StepLookup's, not after")
+    parser.add_argument("--driver-queues", action="store_true",
+                        help="the driver's launch queues as the environment sets them, not as the vLLM plugin "
+                             "sizes them when it serves a table")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     args.work.mkdir(parents=True, exist_ok=True)
+    if not args.driver_queues:  # as the plugin's hook leaves the process, before its first use of CUDA
+        served = {TABLE_VARIABLE: str(args.table), **os.environ}
+        if scale_launch_queues(served):
+            os.environ[LAUNCH_QUEUES_VARIABLE] = served[LAUNCH_QUEUES_VARIABLE]
     torch.cuda.init()
     table = open_table(args.table)
     spec = NgramSpec.from_json(table.manifest["ngram"])
@@ -833,7 +845,9 @@ def main() -> None:
     resident = int(args.resident_fraction * table.num_rows * table.row_bytes)
     report = {"table": str(args.table), "rows": table.num_rows, "encoding": table.encoding,
               "resident_bytes": resident, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "compiled_helper": table.compiled, "real_text_seconds": round(time.perf_counter() - began, 1)}
+              "compiled_helper": table.compiled,
+              "launch_queues": os.environ.get(LAUNCH_QUEUES_VARIABLE, "the driver's default"),
+              "real_text_seconds": round(time.perf_counter() - began, 1)}
     table.close()
     other = OtherWork(args.layer_ms)
     chunk_other = OtherWork(args.chunk_layer_ms)

@@ -48,6 +48,7 @@ if w:
     print("page-cache fraction, warm decode:", w["decode"]["disk_positions_fraction"])
     print("warm decode, GIL held:", json.dumps(w["decode_busy_gil"]))
     print("host:", json.dumps(w["host"]))
+print("launch queues:", r.get("launch_queues"))
 if r.get("host"):  # --sections host
     print("host:", json.dumps(r["host"]))
 print("faults:", json.dumps(r.get("faults")))

@@ -1,11 +1,15 @@
 """Settings of the vLLM plugin (standard library only: runs without vLLM)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
 
 from ple_prep.core.errors import BadInput
+from ple_prep.integrations.vllm import scale_launch_queues
 from ple_prep.integrations.vllm.settings import (
     KEYS,
     MAX_BYTES,
@@ -134,6 +138,37 @@ def test_a_blank_value_counts_as_unset():
 def test_without_a_table_other_variables_leave_vllm_as_it_was_even_when_bad():
     assert read_settings({}, {"PLE_PREP_RESIDENT_BYTES": "lots", "PLE_PREP_RECORD_PROFILE": "/no/such/x.prof",
                               "PLE_PREP_READ_PATH": "nowhere"}) is None
+
+
+@pytest.mark.parametrize("environ, queues", [
+    ({"PLE_PREP_TABLE": "/a.bin"}, "4x"),
+    ({"PLE_PREP_TABLE": "/a.bin", "CUDA_SCALE_LAUNCH_QUEUES": "2x"}, "2x"),
+    ({"PLE_PREP_TABLE": "/a.bin", "CUDA_SCALE_LAUNCH_QUEUES": ""}, ""),
+    ({"PLE_PREP_TABLE": " "}, None),
+    ({}, None),
+])
+def test_a_served_table_sizes_the_drivers_launch_queues_unless_the_operator_did(environ, queues):
+    before = dict(environ)
+    assert scale_launch_queues(environ) == (queues == "4x" and "CUDA_SCALE_LAUNCH_QUEUES" not in before)
+    assert environ.get("CUDA_SCALE_LAUNCH_QUEUES") == queues
+    assert {key: value for key, value in environ.items() if key != "CUDA_SCALE_LAUNCH_QUEUES"} \
+        == {key: value for key, value in before.items() if key != "CUDA_SCALE_LAUNCH_QUEUES"}
+
+
+@pytest.mark.parametrize("table", ["/nvme/ple.bin", None])
+def test_the_plugin_hook_passes_the_launch_queues_to_the_processes_vllm_starts_after_it(table):
+    """vLLM loads its general plugins while it parses the command line, before any process uses CUDA;
+    the engine and worker processes it starts then inherit the variable."""
+    environ = {key: value for key, value in os.environ.items()
+               if key not in ("PLE_PREP_TABLE", "CUDA_SCALE_LAUNCH_QUEUES")}
+    if table:
+        environ["PLE_PREP_TABLE"] = table
+    grandchild = "import os; print(os.environ.get('CUDA_SCALE_LAUNCH_QUEUES'))"
+    child = ("from ple_prep.integrations.vllm import register; import subprocess, sys; register(); "
+             f"print(subprocess.run([sys.executable, '-c', {grandchild!r}], capture_output=True, text=True,"
+             " check=True).stdout.strip())")
+    shown = subprocess.run([sys.executable, "-c", child], env=environ, capture_output=True, text=True, check=True)
+    assert shown.stdout.strip() == ("4x" if table else "None")
 
 
 def test_a_config_section_without_a_table_is_refused_naming_what_it_sets():

@@ -1,20 +1,31 @@
 """ple-prep's vLLM plugin: Qwen4Exp's n-gram embedding served from a prepared table.
 
 `register` is the `vllm.general_plugins` entry point (pyproject.toml); vLLM calls it in every
-process before a model is built. It imports nothing of vLLM: it only arranges that, when vLLM
-imports the module that picks the n-gram embedding's storage class, `storage.install` swaps that
-choice, that, when vLLM imports its model loaders, `loader.register` makes its default load
-formats skip the PLE shards a prepared table serves, and that its model runners and worker feed
-and check the lookups (`traffic.py`). The table is configured by `PLE_PREP_TABLE`
-or vLLM's additional config (`settings.py`); without either, vLLM builds its own storage and
-loads every tensor as before.
+process before a model is built and before the process first uses CUDA. It imports nothing of vLLM.
+With a table in `PLE_PREP_TABLE` it sizes the driver's launch queues (`scale_launch_queues`). For
+the rest it only arranges that, when vLLM imports the module that picks the n-gram embedding's
+storage class, `storage.install` swaps that choice, that, when vLLM imports its model loaders,
+`loader.register` makes its default load formats skip the PLE shards a prepared table serves, and
+that its model runners and worker feed and check the lookups (`traffic.py`). The table is
+configured by `PLE_PREP_TABLE` or vLLM's additional config (`settings.py`); without either, vLLM
+builds its own storage, loads every tensor and runs its driver as before.
 """
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import logging
+import os
 import sys
+from collections.abc import MutableMapping
 from types import ModuleType
+
+# The table's variable (settings.py reads every setting; it is named here so that `register` needs
+# none of settings.py's imports in processes that serve no table).
+TABLE_VARIABLE = "PLE_PREP_TABLE"
+# The driver's variable that scales its launch queues, read when a process first uses CUDA.
+LAUNCH_QUEUES_VARIABLE = "CUDA_SCALE_LAUNCH_QUEUES"
+PLUGIN_LAUNCH_QUEUES = "4x"
 
 # vLLM's modules that choose the n-gram embedding's storage class: CUDA, and ROCm's copy.
 NVIDIA_MODULE = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
@@ -74,8 +85,23 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def scale_launch_queues(environ: MutableMapping[str, str]) -> bool:
+    """With a table in `environ`'s PLE_PREP_TABLE and no size chosen by the operator, the driver's
+    launch queues four times their default size; True if it set them. Outside FULL graphs each of a
+    step's kernels is a launch, and once about a thousand are queued the driver makes the next launch
+    wait, the lookup's `start` and `finish` too (BENCHMARKS.md, "Serving inside vLLM's CUDA graphs").
+    Child processes inherit it; in a process that already uses CUDA it changes nothing."""
+    if not environ.get(TABLE_VARIABLE, "").strip() or LAUNCH_QUEUES_VARIABLE in environ:
+        return False
+    environ[LAUNCH_QUEUES_VARIABLE] = PLUGIN_LAUNCH_QUEUES
+    return True
+
+
 def register() -> None:
     """vLLM's general plugin hook; safe to call many times."""
+    if scale_launch_queues(os.environ):
+        logging.getLogger(__name__).info("ple-prep: %s=%s (a table is served; set the variable to keep another size)",
+                                         LAUNCH_QUEUES_VARIABLE, PLUGIN_LAUNCH_QUEUES)
     for name in _PATCHED:
         if name in sys.modules:
             _patch(sys.modules[name])

@@ -25,9 +25,9 @@ from typing import Any
 
 from ...core.errors import BadInput
 from ...runtime import READ_PATHS
+from . import TABLE_VARIABLE
 
 CONFIG_KEY = "ple_prep"
-TABLE_VARIABLE = "PLE_PREP_TABLE"
 RESIDENT_VARIABLE = "PLE_PREP_RESIDENT_BYTES"
 READ_PATH_VARIABLE = "PLE_PREP_READ_PATH"
 READ_TIMEOUT_VARIABLE = "PLE_PREP_READ_TIMEOUT"
