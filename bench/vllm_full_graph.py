@@ -62,8 +62,8 @@ from gpu_bench import CHUNK_TOKENS, OtherWork, bf16_bits  # noqa: E402  (bench/,
 from python_busy import PythonBusy  # noqa: E402
 
 from ple_prep.format.manifest import manifest_path  # noqa: E402
-from ple_prep.integrations.vllm import LAUNCH_QUEUES_VARIABLE, TABLE_VARIABLE, scale_launch_queues  # noqa: E402
 from ple_prep.integrations.vllm.backend import PrefetchedRows  # noqa: E402
+from ple_prep.integrations.vllm.environment import LAUNCH_QUEUES_VARIABLE, TABLE_VARIABLE, scale_launch_queues  # noqa: E402
 from ple_prep.ngram import NgramSpec  # noqa: E402
 from ple_prep.runtime import open_table  # noqa: E402
 from ple_prep.runtime.device import EmbeddingSource, StepLookup  # noqa: E402

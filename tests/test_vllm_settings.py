@@ -9,7 +9,7 @@ import time
 import pytest
 
 from ple_prep.core.errors import BadInput
-from ple_prep.integrations.vllm import scale_launch_queues
+from ple_prep.integrations.vllm.environment import scale_launch_queues
 from ple_prep.integrations.vllm.settings import (
     KEYS,
     MAX_BYTES,

@@ -2,7 +2,7 @@
 
 `register` is the `vllm.general_plugins` entry point (pyproject.toml); vLLM calls it in every
 process before a model is built and before the process first uses CUDA. It imports nothing of vLLM.
-With a table in `PLE_PREP_TABLE` it sizes the driver's launch queues (`scale_launch_queues`). For
+With a table in `PLE_PREP_TABLE` it sizes the driver's launch queues (`environment.py`). For
 the rest it only arranges that, when vLLM imports the module that picks the n-gram embedding's
 storage class, `storage.install` swaps that choice, that, when vLLM imports its model loaders,
 `loader.register` makes its default load formats skip the PLE shards a prepared table serves, and
@@ -17,15 +17,9 @@ import importlib.machinery
 import logging
 import os
 import sys
-from collections.abc import MutableMapping
 from types import ModuleType
 
-# The table's variable (settings.py reads every setting; it is named here so that `register` needs
-# none of settings.py's imports in processes that serve no table).
-TABLE_VARIABLE = "PLE_PREP_TABLE"
-# The driver's variable that scales its launch queues, read when a process first uses CUDA.
-LAUNCH_QUEUES_VARIABLE = "CUDA_SCALE_LAUNCH_QUEUES"
-PLUGIN_LAUNCH_QUEUES = "4x"
+from .environment import LAUNCH_QUEUES_VARIABLE, PLUGIN_LAUNCH_QUEUES, scale_launch_queues
 
 # vLLM's modules that choose the n-gram embedding's storage class: CUDA, and ROCm's copy.
 NVIDIA_MODULE = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
@@ -83,18 +77,6 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
         if spec is not None and spec.loader is not None:
             spec.loader = _PatchingLoader(spec.loader)
         return spec
-
-
-def scale_launch_queues(environ: MutableMapping[str, str]) -> bool:
-    """With a table in `environ`'s PLE_PREP_TABLE and no size chosen by the operator, the driver's
-    launch queues four times their default size; True if it set them. Outside FULL graphs each of a
-    step's kernels is a launch, and once about a thousand are queued the driver makes the next launch
-    wait, the lookup's `start` and `finish` too (BENCHMARKS.md, "Serving inside vLLM's CUDA graphs").
-    Child processes inherit it; in a process that already uses CUDA it changes nothing."""
-    if not environ.get(TABLE_VARIABLE, "").strip() or LAUNCH_QUEUES_VARIABLE in environ:
-        return False
-    environ[LAUNCH_QUEUES_VARIABLE] = PLUGIN_LAUNCH_QUEUES
-    return True
 
 
 def register() -> None:

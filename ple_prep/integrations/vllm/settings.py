@@ -25,7 +25,7 @@ from typing import Any
 
 from ...core.errors import BadInput
 from ...runtime import READ_PATHS
-from . import TABLE_VARIABLE
+from .environment import TABLE_VARIABLE
 
 CONFIG_KEY = "ple_prep"
 RESIDENT_VARIABLE = "PLE_PREP_RESIDENT_BYTES"
