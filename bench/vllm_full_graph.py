@@ -387,7 +387,9 @@ def host_only_section(path: Path, resident: int, decode: list[np.ndarray], chunk
                           lookup_graph(lookup, pool_of(chunks[:4]), chunk_other), plugin)
     lookup.close()
     table.close()
-    return {**report, **({"plugin_first": True} if plugin_first else {})}
+    if plugin_first:
+        report["plugin_first"] = True
+    return report
 
 
 def batched_section(path: Path, resident: int, row_ids: np.ndarray, other: OtherWork, token_counts: list[int],
