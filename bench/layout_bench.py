@@ -23,9 +23,10 @@ an n-gram the profile saw counts as "seen", the rest as "unseen" (any layout rea
 row for those); with `seen_groups_not_resident` (seen n-grams with a row not resident), the ratio
 if every seen n-gram were one page read, as placing all of them whole would give.
 The "map charged" column also takes what a server holds for the row-order map (its lookup index:
-2 bits a table row and 4 bytes a placed row, `format.order.lookup_index_bytes`) out of its
-resident budget; `--index-bits ROW PLACED` charges an index of another size instead (not built:
-what a smaller index of the same rows would buy, down to the bits any map of them needs).
+2 bits a table row and each placed row's slot in the bits the slots need,
+`format.order.lookup_index_bytes`) out of its resident budget; `--index-bits ROW PLACED` charges an
+index of another size instead (not built: what a smaller index of the same rows would buy, down to
+the bits any map of them needs).
 
 --duplicates adds what duplicating shared rows would buy (not built: measured to decide): every
 seen n-gram's 8 rows on its own page, 3 groups a page in hotness order, so each seen n-gram costs

@@ -19,7 +19,7 @@ from ple_prep.core.constants import CHECKSUM_BLOCK_BYTES, HEADER_SIZE, MAGIC, En
 from ple_prep.core.errors import BadInput
 from ple_prep.format.header import Header
 from ple_prep.format.manifest import manifest_path
-from ple_prep.format.order import RowOrder
+from ple_prep.format.order import RowOrder, lookup_index_bytes
 from ple_prep.offline.writer import WriteOptions, convert
 from ple_prep.runtime import open_table
 from ple_prep.tools.fixtures import FIXTURE_ROWS
@@ -265,12 +265,44 @@ def test_rank_index_and_chunks_by_rank_are_the_same_from_the_helper_and_numpy(ch
     fallback = RowOrder(3_000_017, rows)
     expected = fallback.rank_index, fallback.chunks_by_rank(chunk_slots)
     assert np.array_equal(built[0].rank_words, expected[0].rank_words)
-    assert np.array_equal(built[0].sorted_slots, expected[0].sorted_slots)
+    assert np.array_equal(built[0].packed_slots, expected[0].packed_slots)
     assert built[1].dtype == expected[1].dtype and np.array_equal(built[1], expected[1])
     # Each placed row's slot, rows ascending: what the index promises, checked without it.
-    assert np.array_equal(built[0].sorted_slots, np.argsort(rows, kind="stable"))
+    assert np.array_equal(compiled.sorted_slots, np.argsort(rows, kind="stable"))
     assert np.array_equal(built[1], np.argsort(rows, kind="stable") // chunk_slots)
     poisoned = np.full(len(rows), 0xFFFFFFFF, dtype=np.uint32)  # every entry must be written
     monkeypatch.setattr(order_module, "_native", compiled_helper)
     assert np.array_equal(RowOrder(3_000_017, rows).chunks_by_rank(chunk_slots, poisoned),
                           np.argsort(rows, kind="stable") // chunk_slots)
+
+
+@pytest.mark.parametrize("num_placed", [1, 2, 3, 63, 64, 65, 4096, 4097, 70_001])
+def test_packed_slots_take_just_the_bits_the_slots_need(num_placed, index_builder, monkeypatch):
+    from ple_prep.format import order as order_module
+
+    allocate = order_module._huge_page_array
+
+    def poisoned(shape, dtype):  # every byte of the index must be written, none left as found
+        array = allocate(shape, dtype)
+        array.view(np.uint8)[...] = 0xA5
+        return array
+
+    monkeypatch.setattr(order_module, "_huge_page_array", poisoned)
+    num_rows = 200_003
+    rows = np.random.default_rng(num_placed).permutation(num_rows)[:num_placed]
+    order = RowOrder.from_placed(rows, num_rows)
+    bits = max(1, (num_placed - 1).bit_length())
+    index = order.rank_index
+    assert index.rank_words.shape == (-(-num_rows // 64), 2)
+    assert len(index.packed_slots) == 8 * -(-num_placed * bits // 64) + 8  # whole words, then one more
+    assert lookup_index_bytes(num_rows, num_placed) == index.rank_words.nbytes + index.packed_slots.nbytes
+    # Every row, placed or not, against the slots the map spells out.
+    expected = np.empty(num_rows, dtype=np.int64)
+    expected[rows] = np.arange(num_placed)
+    unplaced = np.ones(num_rows, dtype=bool)
+    unplaced[rows] = False
+    expected[unplaced] = np.arange(num_placed, num_rows)
+    assert np.array_equal(order.slot_of(np.arange(num_rows)), expected)
+    assert np.array_equal(order.rows_at(0, num_rows)[expected], np.arange(num_rows))
+    assert np.array_equal(order.placed_mask(0, num_rows), ~unplaced)
+    assert np.array_equal(order.placed_mask(63, 1_000), ~unplaced[63:1_000])

@@ -111,12 +111,13 @@ def test_plan_real_geometry_puts_each_seen_ngram_on_one_page():
 def test_plan_respects_the_map_cap(source_and_profile):
     source, profile = source_and_profile
     limit = max_placed_rows(source.num_rows, source.row_bytes, 0.01)
-    # The cap counts what a server holds for the map: its rank bits and 4 bytes a placed row.
+    # The cap counts what a server holds for the map: its rank lines and each placed row's packed slot.
     budget = int(0.01 * source.num_rows * 160)
     assert lookup_index_bytes(source.num_rows, limit) <= budget < lookup_index_bytes(source.num_rows, limit + 1)
     plan = plan_order(profile, source.num_rows, 25, max_placed=limit)
     assert 0 < plan.order.num_placed <= limit
-    assert ORDER_BYTES_PER_PLACED[2] * plan.order.num_placed < 0.02 * source.num_rows * source.row_bytes
+    # The slots packed in the bits they need: the server holds less than the file's 4 bytes a placed row.
+    assert lookup_index_bytes(source.num_rows, limit) < ORDER_BYTES_PER_PLACED[2] * limit
     with pytest.raises(BadInput, match="below 2%"):
         max_placed_rows(source.num_rows, source.row_bytes, 0.05)
 

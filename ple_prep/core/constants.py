@@ -27,10 +27,10 @@ ORDER_DTYPE = "<u4"
 MAX_ROWS = 2**32 - 1
 # The row-order map of an access-ordered table may cost at most this fraction of the table's bytes
 # by default, counted as a server holds it (format/order.py, lookup_index_bytes: 2 bits a table row
-# and 4 bytes a placed row). A placed n-gram costs one page read instead of eight whether resident or
-# not, so byte for byte the index is worth more than resident pages even at a 1% budget: the cap is
-# set to place every group of a profile of real text even where a third of the rows are shared
-# (BENCHMARKS.md, "Page reads per token by resident budget").
+# and each placed row's slot in the bits the slots need). A placed n-gram costs one page read
+# instead of eight whether resident or not, so byte for byte the index is worth more than resident
+# pages even at a 1% budget: the cap is set to place every group of a profile of real text even
+# where a third of the rows are shared (BENCHMARKS.md, "Page reads per token by resident budget").
 DEFAULT_MAP_FRACTION = 0.015
 # One CRC-32 per block of the data region; 64 MiB keeps a 48 GiB table's manifest small.
 CHECKSUM_BLOCK_BYTES = 64 << 20

@@ -8,9 +8,11 @@ is num_placed + row - (placed rows below it).
 A lookup must cost the same whatever the map's size (the real table places tens of millions of
 rows), so lookups read a rank index built once from `slot_rows`: for each 64 rows a 16-byte pair,
 their bits (placed or not) and the count of placed rows before them, so one cache line per id
-(2 bits a row: 80 MB for the real table), and `sorted_slots`, the slot of each placed row in row
-order (4 bytes a placed row). Both lie in huge pages, so the random reads take no TLB misses. The
-compiled helper (core/native/slots.c) walks them in one loop; numpy does the same in a dozen passes.
+(2 bits a row: 80 MB for the real table), and `packed_slots`, the slot of each placed row in row
+order in just the bits the slots need (ceil(log2(placed rows)): 25 bits for 21-33M placed rows, not
+32). Both lie in huge pages, so the random reads take no TLB misses. The compiled helper
+(core/native/slots.c, the layout in core/native/rows.h) walks them in one loop; numpy does the same
+in a dozen passes.
 Building them takes two passes over `slot_rows` (no sort of it; core/native/rankindex.c, or numpy's
 passes over pieces of it); a table builds them when it opens (runtime/table.py), so no request pays
 for it.
@@ -38,19 +40,29 @@ HUGE_PAGE_BYTES = 1 << 21
 
 class RankIndex(NamedTuple):
     """What a lookup reads, both in huge pages (`_huge_page_array`): `rank_words`, (words, 2)
-    uint64, each 64 rows' bits and the placed rows before them; and `sorted_slots`, uint32, the
-    slot of each placed row in ascending row order."""
+    uint64, each 64 rows' bits and the placed rows before them; and `packed_slots`, uint8, the slot
+    of each placed row in ascending row order, `slot_bits` bits each, then 8 zero bytes."""
 
     rank_words: np.ndarray
-    sorted_slots: np.ndarray
+    packed_slots: np.ndarray
 
 
-NO_RANK_INDEX = RankIndex(np.zeros((0, 2), dtype=np.uint64), np.zeros(0, dtype=np.uint32))
+NO_RANK_INDEX = RankIndex(np.zeros((0, 2), dtype=np.uint64), np.zeros(0, dtype=np.uint8))
+
+
+def slot_bits(num_placed: int) -> int:
+    """Bits a packed slot takes: enough for num_placed - 1, at least 1."""
+    return max(1, (num_placed - 1).bit_length())
+
+
+def packed_slots_bytes(num_placed: int) -> int:
+    """The packed slots' bytes: whole 8-byte words, then one more (a read loads 8 bytes)."""
+    return 8 * -(-num_placed * slot_bits(num_placed) // 64) + 8 if num_placed else 0
 
 
 def lookup_index_bytes(num_rows: int, num_placed: int) -> int:
     """Memory a table's lookups hold for its order map (`RankIndex`): what a server spends on it."""
-    return 16 * -(-num_rows // 64) + 4 * num_placed if num_placed else 0
+    return 16 * -(-num_rows // 64) + packed_slots_bytes(num_placed) if num_placed else 0
 
 
 class RowOrder:
@@ -123,10 +135,10 @@ class RowOrder:
         """File slot of each row id (int64, the shape of `ids`): ids are local rows plus
         `first_row` (a rank file's first row); an id outside them raises IndexError."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        rank_words, sorted_slots = self.rank_index
+        rank_words, packed_slots = self.rank_index
         if _native is not None:
             slots = np.empty(ids.shape, dtype=np.int64)
-            _native.slot_of(ids, first_row, self.num_rows, rank_words, sorted_slots, slots)
+            _native.slot_of(ids, first_row, self.num_rows, rank_words, packed_slots, slots)
             return slots
         rows = ids - first_row
         # One pass checks both ends: seen as unsigned, a negative local id is above any row count.
@@ -137,8 +149,8 @@ class RowOrder:
             return rows
         placed, below_row = _rank(rank_words, rows)
         slots = self.num_placed + rows - below_row
-        placed_slots = sorted_slots[np.minimum(below_row, self.num_placed - 1)]
-        return np.where(placed, placed_slots, slots)
+        placed_slots = _unpack(packed_slots, np.minimum(below_row, self.num_placed - 1), slot_bits(self.num_placed))
+        return np.where(placed, placed_slots.view(np.int64), slots)
 
     @property
     def rank_index(self) -> RankIndex:
@@ -154,7 +166,7 @@ class RowOrder:
 
     @property
     def rank_words(self) -> np.ndarray:
-        """The index's bits and counts alone (what offline tools need: no `sorted_slots`); raises
+        """The index's bits and counts alone (what offline tools need: no `packed_slots`); raises
         BadInput where the map places a row twice or one outside the table."""
         if self._rank_words is None:
             with self._rank_lock:
@@ -163,8 +175,22 @@ class RowOrder:
         return self._rank_words
 
     def build_rank_index(self) -> RankIndex:
-        """`rank_index`, computed from `slot_rows`: each placed row's rank goes to its slot."""
-        return RankIndex(self.rank_words, self.chunks_by_rank(1, _huge_page_array((self.num_placed,), np.uint32)))
+        """`rank_index`, computed from `slot_rows`: each placed row's slot goes to its rank."""
+        rank_words = self.rank_words
+        packed = _huge_page_array((packed_slots_bytes(self.num_placed),), np.uint8)
+        if _native is not None:
+            _native.pack_slots_by_rank(np.ascontiguousarray(self.slot_rows), rank_words, packed)
+            return RankIndex(rank_words, packed)
+        bits = slot_bits(self.num_placed)
+        packed[:] = 0
+        by_rank = self.chunks_by_rank(1, np.empty(self.num_placed, dtype=np.uint32))
+        # Pieces of RANK_BUILD_ROWS (a power of two) slots start on whole bytes.
+        for start in range(0, self.num_placed, RANK_BUILD_ROWS):
+            values = by_rank[start:start + RANK_BUILD_ROWS].astype(np.uint64)
+            spread = ((values[:, None] >> np.arange(bits, dtype=np.uint64)) & np.uint64(1)).astype(np.uint8)
+            piece = np.packbits(spread.reshape(-1), bitorder="little")
+            packed[start * bits // 8:start * bits // 8 + len(piece)] = piece
+        return RankIndex(rank_words, packed)
 
     def chunks_by_rank(self, chunk_slots: int, out: np.ndarray | None = None) -> np.ndarray:
         """For each placed row, rows ascending, the chunk of `chunk_slots` slots holding it (slot //
@@ -259,12 +285,17 @@ class RowOrder:
 
     @property
     def sorted_slots(self) -> np.ndarray:
-        """The slot of each placed row, rows ascending (uint32)."""
-        return self.rank_index.sorted_slots
+        """The slot of each placed row, rows ascending (uint32), unpacked from the index."""
+        slots = np.empty(self.num_placed, dtype=np.uint32)
+        packed, bits = self.rank_index.packed_slots, slot_bits(self.num_placed)
+        for start in range(0, self.num_placed, RANK_BUILD_ROWS):
+            index = np.arange(start, min(start + RANK_BUILD_ROWS, self.num_placed), dtype=np.int64)
+            slots[start:start + len(index)] = _unpack(packed, index, bits)
+        return slots
 
     def drop_slots(self) -> None:
-        """Free the index's `sorted_slots` (4 bytes a placed row) once an offline tool has looked up
-        what it needed; the rank bits stay (the writer reads them)."""
+        """Free the index's `packed_slots` once an offline tool has looked up what it needed; the
+        rank bits stay (the writer reads them)."""
         with self._rank_lock:
             self._rank_index = None
 
@@ -280,6 +311,14 @@ def _rank(rank_words: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndar
     below_row = rank_words[words, 1] + _popcount(to_row)
     below_row -= placed
     return placed.view(np.int64) != 0, below_row.view(np.int64)
+
+
+def _unpack(packed: np.ndarray, index: np.ndarray, bits: int) -> np.ndarray:
+    """uint64 values at `index` (int64) of `bits`-bit values packed little-endian: each read as the
+    8 bytes from its first byte, as core/native/rows.h reads it (a view with a uint64 at every byte)."""
+    at_every_byte = np.ndarray((len(packed) - 7,), dtype="<u8", buffer=packed, strides=(1,))
+    bit = index * bits
+    return (at_every_byte[bit >> 3] >> (bit & 7).view(np.uint64)) & np.uint64((1 << bits) - 1)
 
 
 def _huge_page_array(shape: tuple[int, ...], dtype) -> np.ndarray:

@@ -75,8 +75,13 @@ def max_placed_rows(num_rows: int, row_bytes: int, map_fraction: float = DEFAULT
     """Placed rows whose lookup index (what a server holds for the map, `lookup_index_bytes`) fits
     `map_fraction` of the table's bytes."""
     check_map_fraction(map_fraction)
-    allowed = int(map_fraction * num_rows * row_bytes) - lookup_index_bytes(num_rows, 1) + 4
-    return max(0, min(num_rows, allowed // 4))
+    allowed = int(map_fraction * num_rows * row_bytes)
+    # The index's bytes grow with the placed rows (their slots' bits too): the most that fit, by bisection.
+    low, high = 0, num_rows
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if lookup_index_bytes(num_rows, middle) <= allowed else (low, middle - 1)
+    return low
 
 
 def _summed(pieces: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:

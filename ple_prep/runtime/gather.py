@@ -25,6 +25,7 @@ import mmap
 
 import numpy as np
 
+from ..format.order import NO_RANK_INDEX
 from ..format.pages import row_offsets
 from .requests import DEFAULT_MAX_REQUEST_ROWS, checked_slots
 
@@ -294,9 +295,8 @@ class Gatherer:
         if self._view is None:
             if self._mapping is None:
                 raise ValueError("the table is closed")
-            rank_words, sorted_slots = (order.rank_index if order is not None else
-                                        (np.zeros(0, np.uint64), np.zeros(0, np.uint32)))
-            self._view = _native.TableView(self._mapping, rank_words, sorted_slots,
+            rank_words, packed_slots = order.rank_index if order is not None else NO_RANK_INDEX
+            self._view = _native.TableView(self._mapping, rank_words, packed_slots,
                                            self._header.first_row if first_row is None else first_row,
                                            self._num_slots if order is None else order.num_rows, self._data_offset,
                                            self._page_size, self._rows_per_page, self._row_bytes, self._num_slots)

@@ -6,9 +6,9 @@
  *     out[i] = the row at file slot slots[i]: one memcpy per row, straight into `out`. A page the
  *     kernel cannot read (an I/O error, a file that shrank) raises OSError instead of a SIGBUS
  *     (guard.h).
- * slot_of(ids, first_row, num_rows, rank_words, sorted_slots, out)
+ * slot_of(ids, first_row, num_rows, rank_words, packed_slots, out)
  *     out[i] = the file slot of row id ids[i] (local row ids[i] - first_row, refused outside
- *     [0, num_rows)), from format/order.py's rank index (the identity where sorted_slots is empty).
+ *     [0, num_rows)), from format/order.py's rank index (rows.h; the identity where it places no row).
  *
  * page_sums(pages, page_size, out)
  *     out[k] = the low 32 bits of XXH64 of page k of `pages` (pagesums.h), for the page-sums file
@@ -18,7 +18,7 @@
  *     The n-gram hash and the profile's counting (ngramcount.c).
  * pack_groups, take_new_rows
  *     The planner's page packing and its new rows of each group (pack.c).
- * rank_bits, slots_by_rank
+ * rank_bits, slots_by_rank, pack_slots_by_rank
  *     The construction of format/order.py's rank index (rankindex.c).
  *
  * The runtime's staging, thread pool and CUDA driver calls are ple_prep.runtime._native
@@ -108,23 +108,24 @@ done:
 
 static PyObject *slot_of(PyObject *self, PyObject *args)
 {
-    PyObject *ids_object, *rank_words_object, *sorted_slots_object, *out_object;
+    PyObject *ids_object, *rank_words_object, *packed_slots_object, *out_object;
     long long first_row, num_rows;
     if (!PyArg_ParseTuple(args, "OLLOOO", &ids_object, &first_row, &num_rows, &rank_words_object,
-                          &sorted_slots_object, &out_object))
+                          &packed_slots_object, &out_object))
         return NULL;
     held_buffers held = {.held = 0};
     PyObject *result = NULL;
-    Py_buffer *ids, *rank_words, *sorted_slots, *out;
+    Py_buffer *ids, *rank_words, *packed_slots, *out;
     if (!(ids = hold(&held, ids_object, 0, sizeof(int64_t), "ids"))
         || !(rank_words = hold(&held, rank_words_object, 0, sizeof(uint64_t), "rank_words"))
-        || !(sorted_slots = hold(&held, sorted_slots_object, 0, sizeof(uint32_t), "sorted_slots"))
+        || !(packed_slots = hold(&held, packed_slots_object, 0, 1, "packed_slots"))
         || !(out = hold(&held, out_object, 1, sizeof(int64_t), "out")))
         goto done;
-    Py_ssize_t num_words = rank_words->len / (Py_ssize_t)(2 * sizeof(uint64_t));
-    int64_t num_placed = sorted_slots->len / (Py_ssize_t)sizeof(uint32_t);
-    if (out->len != ids->len || rank_words->len % (Py_ssize_t)(2 * sizeof(uint64_t)) || num_rows < 0
-        || (num_placed && num_words * 64 < num_rows)) {
+    Py_ssize_t pairs = rank_words->len / (Py_ssize_t)(2 * sizeof(uint64_t));
+    int misshapen = rank_words->len % (Py_ssize_t)(2 * sizeof(uint64_t)) != 0;
+    int64_t num_placed = misshapen ? 0 : rank_index_placed((const uint64_t *)rank_words->buf, pairs);
+    if (out->len != ids->len || misshapen || num_rows < 0
+        || (num_placed && (pairs * 64 < num_rows || packed_slots->len < packed_slots_bytes(num_placed)))) {
         PyErr_SetString(PyExc_ValueError, "slot_of: mismatched array sizes");
         goto done;
     }
@@ -132,7 +133,7 @@ static PyObject *slot_of(PyObject *self, PyObject *args)
     Py_ssize_t bad;
     Py_BEGIN_ALLOW_THREADS
     find_slots(id, ids->len / (Py_ssize_t)sizeof(int64_t), first_row, num_rows, (const uint64_t *)rank_words->buf,
-               (const uint32_t *)sorted_slots->buf, num_placed, (int64_t *)out->buf, &bad);
+               (const uint8_t *)packed_slots->buf, num_placed, (int64_t *)out->buf, &bad);
     Py_END_ALLOW_THREADS
     if (bad >= 0) {
         refuse_row_id(id[bad], first_row, num_rows);

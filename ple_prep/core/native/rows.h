@@ -5,6 +5,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 /* Ids looked at ahead of the one being resolved: enough misses in flight to cover memory latency. */
 #define PREFETCH_AHEAD 16
@@ -27,11 +28,42 @@ static inline void prefetch_row(const char *row, Py_ssize_t row_bytes)
     __builtin_prefetch(row + row_bytes - 1);
 }
 
-/* find_slots(row, count, first_row, limit, rank_words, slot, num_placed, target, bad): target[i] =
- * the file slot of row id row[i] from format/order.py's rank index; local rows (ids less first_row)
- * outside [0, limit) are refused (*bad = their position, else -1). Placed rows get their slot from
- * `slot`, the others follow the placed ones in row order; without placed rows a slot is the row. */
-typedef void find_slots_fn(const int64_t *, Py_ssize_t, int64_t, int64_t, const uint64_t *, const uint32_t *,
+/* format/order.py's rank index. `rank_words`: for each 64 rows a pair of words, their bits (row
+ * 64 * w + b is bit b of pair w's first word) and the placed rows before them: one 16-byte read and
+ * one popcount a lookup. `packed_slots`: each placed row's slot, rows ascending, in
+ * slot_bits(num_placed) bits each, little-endian, in whole 8-byte words and then 8 zero bytes (a
+ * read loads the 8 bytes from a slot's first). */
+
+/* Bits a packed slot takes: enough for num_placed - 1, at least 1. */
+static inline int slot_bits(int64_t num_placed)
+{
+    return num_placed > 1 ? 64 - __builtin_clzll((uint64_t)(num_placed - 1)) : 1;
+}
+
+static inline Py_ssize_t packed_slots_bytes(int64_t num_placed)
+{
+    return num_placed ? (Py_ssize_t)(8 * (((uint64_t)num_placed * (uint64_t)slot_bits(num_placed) + 63) / 64) + 8) : 0;
+}
+
+/* The placed rows the index counts: the last pair's count and bits. */
+static inline int64_t rank_index_placed(const uint64_t *rank_words, Py_ssize_t pairs)
+{
+    return pairs ? (int64_t)rank_words[2 * pairs - 1] + __builtin_popcountll(rank_words[2 * pairs - 2]) : 0;
+}
+
+static inline __attribute__((always_inline)) uint64_t packed_slot(const uint8_t *packed, int64_t index, int bits)
+{
+    uint64_t bit = (uint64_t)index * (uint64_t)bits, value;
+    memcpy(&value, packed + (bit >> 3), sizeof value);
+    return (value >> (bit & 7)) & (((uint64_t)1 << bits) - 1);
+}
+
+/* find_slots(row, count, first_row, limit, rank_words, packed_slots, num_placed, target, bad):
+ * target[i] = the file slot of row id row[i] from the rank index above; local rows (ids less
+ * first_row) outside [0, limit) are refused (*bad = their position, else -1). Placed rows get their
+ * slot from `packed_slots`, the others follow the placed ones in row order; without placed rows a
+ * slot is the row. */
+typedef void find_slots_fn(const int64_t *, Py_ssize_t, int64_t, int64_t, const uint64_t *, const uint8_t *,
                            int64_t, int64_t *, Py_ssize_t *);
 extern find_slots_fn *find_slots;
 

@@ -3,7 +3,7 @@
 /* find_slots (rows.h), inlined into each variant below. */
 static inline __attribute__((always_inline)) void find_slots_body(
     const int64_t *row, Py_ssize_t count, int64_t first_row, int64_t limit, const uint64_t *rank_words,
-    const uint32_t *slot, int64_t num_placed, int64_t *target, Py_ssize_t *bad)
+    const uint8_t *packed_slots, int64_t num_placed, int64_t *target, Py_ssize_t *bad)
 {
     *bad = -1;
     /* Local rows in unsigned arithmetic: id - first_row wraps instead of overflowing (an id of
@@ -22,7 +22,7 @@ static inline __attribute__((always_inline)) void find_slots_body(
     }
     /* Two passes, each prefetching ids ahead, so the cache misses of many ids overlap: first each
      * row's rank (placed rows below it, negated for a placed row) from the one 16-byte pair of its
-     * 64 rows (format/order.py), then the placed rows' slots. */
+     * 64 rows (rows.h), then the placed rows' packed slots. */
     for (Py_ssize_t i = 0; i < count; i++) {
         if (i + RANK_PREFETCH_AHEAD < count) {
             uint64_t ahead = ((uint64_t)row[i + RANK_PREFETCH_AHEAD] - (uint64_t)first_row) >> 6;
@@ -47,19 +47,20 @@ static inline __attribute__((always_inline)) void find_slots_body(
         }
         target[i] = placed ? -1 - position : num_placed + r - position;
     }
+    const int bits = slot_bits(num_placed);
     for (Py_ssize_t i = 0; i < count; i++) {
         if (i + PREFETCH_AHEAD < count && target[i + PREFETCH_AHEAD] < 0)
-            __builtin_prefetch(&slot[-1 - target[i + PREFETCH_AHEAD]]);
+            __builtin_prefetch(&packed_slots[(uint64_t)(-1 - target[i + PREFETCH_AHEAD]) * (uint64_t)bits >> 3]);
         if (target[i] < 0)
-            target[i] = slot[-1 - target[i]];
+            target[i] = (int64_t)packed_slot(packed_slots, -1 - target[i], bits);
     }
 }
 
 static void find_slots_portable(const int64_t *row, Py_ssize_t count, int64_t first_row, int64_t limit,
-                                const uint64_t *rank_words, const uint32_t *slot, int64_t num_placed,
+                                const uint64_t *rank_words, const uint8_t *packed_slots, int64_t num_placed,
                                 int64_t *target, Py_ssize_t *bad)
 {
-    find_slots_body(row, count, first_row, limit, rank_words, slot, num_placed, target, bad);
+    find_slots_body(row, count, first_row, limit, rank_words, packed_slots, num_placed, target, bad);
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -67,9 +68,9 @@ static void find_slots_portable(const int64_t *row, Py_ssize_t count, int64_t fi
  * counts bits in a library call that doubles the rank pass); chosen at import where the CPU has it. */
 __attribute__((target("popcnt"))) static void find_slots_popcnt(
     const int64_t *row, Py_ssize_t count, int64_t first_row, int64_t limit, const uint64_t *rank_words,
-    const uint32_t *slot, int64_t num_placed, int64_t *target, Py_ssize_t *bad)
+    const uint8_t *packed_slots, int64_t num_placed, int64_t *target, Py_ssize_t *bad)
 {
-    find_slots_body(row, count, first_row, limit, rank_words, slot, num_placed, target, bad);
+    find_slots_body(row, count, first_row, limit, rank_words, packed_slots, num_placed, target, bad);
 }
 #endif
 

@@ -3,13 +3,13 @@
  * stage and cached, with the same results bit for bit (the CUDA driver calls have none: the device
  * package uses torch's copies without the helper). All release the GIL.
  *
- * TableView(mapping, rank_words, sorted_slots, first_row, num_rows, data_offset, page_size,
+ * TableView(mapping, rank_words, packed_slots, first_row, num_rows, data_offset, page_size,
  *           rows_per_page, row_bytes, num_slots)
  *     A table's mapping, geometry and rank index (format/order.py), checked once and held by the
  *     view, and by every call and job that uses it, for as long as they read them (view.c).
  * stage(view, ids, num_resident, slots, index, out, probes, threads) -> (disk, staged)
  *     The host half of a tiered lookup (runtime/gather.py's Gatherer.stage): slots[i] = the file
- *     slot of row id ids[i] (the identity where sorted_slots is empty), index[i] = that slot where
+ *     slot of row id ids[i] (the identity where the index places no row), index[i] = that slot where
  *     it is below num_resident (the resident tier's rows); `disk` counts the other positions. If
  *     `probes` rows spread over those are in the page cache, the k-th of them (in position order)
  *     is copied to row len(out) - disk + k of `out` and index[i] = num_resident + that row, and

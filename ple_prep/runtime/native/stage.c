@@ -68,7 +68,7 @@ static void split_part(void *context, int part)
     Py_ssize_t low, high, bad, disk = 0;
     part_bounds(request, part, &low, &high);
     find_slots(request->id + low, high - low, request->first_row, request->num_rows, request->rank_words,
-               request->slot_by_rank, request->num_placed, request->slots + low, &bad);
+               request->packed_slots, request->num_placed, request->slots + low, &bad);
     request->bad[part] = bad < 0 ? -1 : low + bad;
     if (bad >= 0)
         return;
@@ -187,7 +187,7 @@ stage_call *new_stage_call(PyObject *args)
     *request = (stage_request){
         .id = ids->buf, .count = count, .first_row = view->first_row, .num_rows = view->num_rows,
         .num_placed = view->num_placed, .num_resident = num_resident, .rank_words = view->rank_words,
-        .slot_by_rank = view->slot_by_rank, .data = view->data, .mapping = view->mapping,
+        .packed_slots = view->packed_slots, .data = view->data, .mapping = view->mapping,
         .page_size = view->page_size, .rows_per_page = view->rows_per_page, .row_bytes = row_bytes,
         .num_slots = view->num_slots, .out = out->buf, .slots = slots->buf, .index = index->buf};
     call->out_rows = out->len / row_bytes;

@@ -14,7 +14,7 @@ typedef struct {
     Py_ssize_t count;
     int64_t first_row, num_rows, num_placed, num_resident;
     const uint64_t *rank_words;
-    const uint32_t *slot_by_rank;
+    const uint8_t *packed_slots;
     const char *data, *mapping; /* the data region, and the mapping's first byte (the file's) */
     Py_ssize_t page_size, rows_per_page, row_bytes, num_slots;
     char *out;

@@ -1,33 +1,37 @@
 #include "view.h"
 
-/* TableView(mapping, rank_words, sorted_slots, first_row, num_rows, data_offset, page_size,
+#include "../../core/native/rows.h"
+
+/* TableView(mapping, rank_words, packed_slots, first_row, num_rows, data_offset, page_size,
  * rows_per_page, row_bytes, num_slots): runtime/gather.py builds one per table. */
 static int view_init(table_view *self, PyObject *args, PyObject *kwargs)
 {
-    PyObject *mapping_object, *rank_words_object, *sorted_slots_object;
+    PyObject *mapping_object, *rank_words_object, *packed_slots_object;
     long long first_row, num_rows;
     Py_ssize_t data_offset, page_size, rows_per_page, row_bytes, num_slots;
-    static char *names[] = {"mapping", "rank_words", "sorted_slots", "first_row", "num_rows", "data_offset",
+    static char *names[] = {"mapping", "rank_words", "packed_slots", "first_row", "num_rows", "data_offset",
                             "page_size", "rows_per_page", "row_bytes", "num_slots", NULL};
     if (self->held.held) {
         PyErr_SetString(PyExc_RuntimeError, "TableView: already built");
         return -1;
     }
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOLLnnnnn", names, &mapping_object, &rank_words_object,
-                                     &sorted_slots_object, &first_row, &num_rows, &data_offset, &page_size,
+                                     &packed_slots_object, &first_row, &num_rows, &data_offset, &page_size,
                                      &rows_per_page, &row_bytes, &num_slots)
         || check_geometry(data_offset, page_size, rows_per_page, row_bytes, num_slots) != 0)
         return -1;
-    Py_buffer *mapping, *rank_words, *sorted_slots;
+    Py_buffer *mapping, *rank_words, *packed_slots;
     if (!(mapping = hold(&self->held, mapping_object, 0, 1, "mapping"))
         || !(rank_words = hold(&self->held, rank_words_object, 0, sizeof(uint64_t), "rank_words"))
-        || !(sorted_slots = hold(&self->held, sorted_slots_object, 0, sizeof(uint32_t), "sorted_slots")))
+        || !(packed_slots = hold(&self->held, packed_slots_object, 0, 1, "packed_slots")))
         goto refused;
-    Py_ssize_t num_words = rank_words->len / (Py_ssize_t)(2 * sizeof(uint64_t));
+    Py_ssize_t pairs = rank_words->len / (Py_ssize_t)(2 * sizeof(uint64_t));
     Py_ssize_t num_pages = (num_slots + rows_per_page - 1) / rows_per_page;
-    int64_t num_placed = sorted_slots->len / (Py_ssize_t)sizeof(uint32_t);
+    int misshapen = rank_words->len % (Py_ssize_t)(2 * sizeof(uint64_t)) != 0;
+    int64_t num_placed = misshapen ? 0 : rank_index_placed(rank_words->buf, pairs);
     const char *mismatch = first_row < 0 || num_rows < 0 || num_rows > num_slots ? "bad row counts"
-        : rank_words->len % (Py_ssize_t)(2 * sizeof(uint64_t)) || (num_placed && num_words * 64 < num_rows)
+        : misshapen || (num_placed && (pairs * 64 < num_rows || num_placed > num_rows
+                                       || packed_slots->len < packed_slots_bytes(num_placed)))
             ? "the rank index does not cover the table"
         : num_pages > (PY_SSIZE_T_MAX - data_offset) / page_size || data_offset + num_pages * page_size > mapping->len
             ? "the mapping is shorter than its pages" : NULL;
@@ -40,7 +44,7 @@ static int view_init(table_view *self, PyObject *args, PyObject *kwargs)
                          .data_offset = data_offset, .page_size = page_size, .rows_per_page = rows_per_page,
                          .row_bytes = row_bytes, .num_slots = num_slots, .first_row = first_row,
                          .num_rows = num_rows, .num_placed = num_placed, .rank_words = rank_words->buf,
-                         .slot_by_rank = sorted_slots->buf};
+                         .packed_slots = packed_slots->buf};
     return 0;
 refused:
     release(&self->held);

@@ -15,7 +15,7 @@ typedef struct {
     Py_ssize_t mapping_bytes, data_offset, page_size, rows_per_page, row_bytes, num_slots;
     int64_t first_row, num_rows, num_placed;
     const uint64_t *rank_words;
-    const uint32_t *slot_by_rank;
+    const uint8_t *packed_slots;
 } table_view;
 
 extern PyTypeObject table_view_type;
