@@ -175,22 +175,22 @@ class RowOrder:
         return self._rank_words
 
     def build_rank_index(self) -> RankIndex:
-        """`rank_index`, computed from `slot_rows`: each placed row's slot goes to its rank."""
-        rank_words = self.rank_words
+        """`rank_index`, computed from `slot_rows`: each placed row's slot goes to its rank, then the
+        slots are packed in rank order (4 bytes a placed row held only while building)."""
+        by_rank = self.chunks_by_rank(1, np.empty(self.num_placed, dtype=np.uint32))
+        bits = slot_bits(self.num_placed)
         packed = _huge_page_array((packed_slots_bytes(self.num_placed),), np.uint8)
         if _native is not None:
-            _native.pack_slots_by_rank(np.ascontiguousarray(self.slot_rows), rank_words, packed)
-            return RankIndex(rank_words, packed)
-        bits = slot_bits(self.num_placed)
+            _native.pack_bits(by_rank, bits, packed)
+            return RankIndex(self.rank_words, packed)
         packed[:] = 0
-        by_rank = self.chunks_by_rank(1, np.empty(self.num_placed, dtype=np.uint32))
         # Pieces of RANK_BUILD_ROWS (a power of two) slots start on whole bytes.
         for start in range(0, self.num_placed, RANK_BUILD_ROWS):
             values = by_rank[start:start + RANK_BUILD_ROWS].astype(np.uint64)
             spread = ((values[:, None] >> np.arange(bits, dtype=np.uint64)) & np.uint64(1)).astype(np.uint8)
             piece = np.packbits(spread.reshape(-1), bitorder="little")
             packed[start * bits // 8:start * bits // 8 + len(piece)] = piece
-        return RankIndex(rank_words, packed)
+        return RankIndex(self.rank_words, packed)
 
     def chunks_by_rank(self, chunk_slots: int, out: np.ndarray | None = None) -> np.ndarray:
         """For each placed row, rows ascending, the chunk of `chunk_slots` slots holding it (slot //

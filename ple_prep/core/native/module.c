@@ -18,7 +18,7 @@
  *     The n-gram hash and the profile's counting (ngramcount.c).
  * pack_groups, take_new_rows
  *     The planner's page packing and its new rows of each group (pack.c).
- * rank_bits, slots_by_rank, pack_slots_by_rank
+ * rank_bits, slots_by_rank, pack_bits
  *     The construction of format/order.py's rank index (rankindex.c).
  *
  * The runtime's staging, thread pool and CUDA driver calls are ple_prep.runtime._native

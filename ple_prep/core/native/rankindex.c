@@ -11,11 +11,10 @@
  *     out[rank of slot_rows[s]] = s / divisor, `out` of `item`-byte unsigned integers (1, 2, 4):
  *     each placed row's slot in row order (divisor 1), or its write chunk's number
  *     (offline/ordered.py).
- * pack_slots_by_rank(slot_rows, rank_words, out)
- *     The index's packed slots: slot s at the rank of slot_rows[s], in slot_bits(len(slot_rows))
- *     bits (rows.h); `out` uint8 of packed_slots_bytes(len(slot_rows)) bytes (8-byte aligned: it
- *     is written as 64-bit words), every byte written here.
- * Both refuse (ValueError) a row the bits do not hold, so no write lands outside `out`.
+ *     It refuses (ValueError) a row the bits do not hold, so no write lands outside `out`.
+ * pack_bits(values, bits, out)
+ *     uint32 `values` packed in `bits` bits each, little-endian (the index's packed slots, rows.h):
+ *     `out` uint8, 8-byte aligned, of whole 64-bit words and one more, every byte written here.
  */
 #include "rankindex.h"
 
@@ -133,68 +132,37 @@ done:
     return result;
 }
 
-PyObject *pack_slots_by_rank(PyObject *self, PyObject *args)
+PyObject *pack_bits(PyObject *self, PyObject *args)
 {
-    PyObject *rows_object, *rank_words_object, *out_object;
-    if (!PyArg_ParseTuple(args, "OOO", &rows_object, &rank_words_object, &out_object))
+    PyObject *values_object, *out_object;
+    int bits;
+    if (!PyArg_ParseTuple(args, "OiO", &values_object, &bits, &out_object))
         return NULL;
     held_buffers held = {.held = 0};
     PyObject *result = NULL;
-    Py_buffer *rows, *rank_words, *out;
-    if (!(rows = hold(&held, rows_object, 0, sizeof(uint32_t), "slot_rows"))
-        || !(rank_words = hold(&held, rank_words_object, 0, sizeof(uint64_t), "rank_words"))
+    Py_buffer *values, *out;
+    if (!(values = hold(&held, values_object, 0, sizeof(uint32_t), "values"))
         || !(out = hold(&held, out_object, 1, 1, "out")))
         goto done;
-    Py_ssize_t count = rows->len / (Py_ssize_t)sizeof(uint32_t);
-    if (rank_words->len % (Py_ssize_t)(2 * sizeof(uint64_t)) || out->len != packed_slots_bytes(count)
+    Py_ssize_t count = values->len / (Py_ssize_t)sizeof(uint32_t);
+    if (bits < 1 || bits > 32 || out->len != (Py_ssize_t)(8 * (((uint64_t)count * (uint64_t)bits + 63) / 64) + 8)
         || (uintptr_t)out->buf % sizeof(uint64_t)) {
-        PyErr_SetString(PyExc_ValueError, "pack_slots_by_rank: mismatched array sizes, or out not 8-byte aligned");
+        PyErr_SetString(PyExc_ValueError, "pack_bits: bits outside 1-32, or out not the packed size or not 8-byte aligned");
         goto done;
     }
-    const uint32_t *row = rows->buf;
-    const uint64_t *pair = rank_words->buf;
-    uint64_t words = (uint64_t)(rank_words->len / (Py_ssize_t)(2 * sizeof(uint64_t)));
-    uint8_t *packed = out->buf;
-    const int bits = slot_bits(count);
-    /* The slots by rank first (4 bytes a placed row, for this call only), then packed in order:
-     * packing straight to each rank would read and write scattered words, five times slower. */
-    uint32_t *by_rank = PyMem_RawMalloc(count ? (size_t)count * sizeof(uint32_t) : 1);
-    if (!by_rank) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    Py_ssize_t bad = -1;
+    const uint32_t *value = values->buf;
+    uint64_t *word = out->buf, mask = ((uint64_t)1 << bits) - 1;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t s = 0; s < count; s++) {
-        if (s + RANK_PREFETCH_AHEAD < count && (row[s + RANK_PREFETCH_AHEAD] >> 6) < words)
-            __builtin_prefetch(&pair[2 * (row[s + RANK_PREFETCH_AHEAD] >> 6)]);
-        int64_t rank = (row[s] >> 6) < words ? rank_of(&pair[2 * (row[s] >> 6)], row[s]) : -1;
-        if (rank < 0 || rank >= count) {
-            bad = s;
-            break;
-        }
-        by_rank[rank] = (uint32_t)s;
-    }
-    if (bad < 0) {
-        /* Slots are below 2**bits <= 2**32: each lands in the 64-bit word of its first bit and,
-         * where it crosses, the next. */
-        uint64_t *packed_words = (uint64_t *)packed;
-        memset(packed, 0, (size_t)out->len);
-        for (Py_ssize_t r = 0; r < count; r++) {
-            uint64_t bit = (uint64_t)r * (uint64_t)bits, value = by_rank[r];
-            packed_words[bit >> 6] |= value << (bit & 63);
-            if ((bit & 63) + (uint64_t)bits > 64)
-                packed_words[(bit >> 6) + 1] |= value >> (64 - (bit & 63));
-        }
+    memset(word, 0, (size_t)out->len);
+    /* Each value lands in the 64-bit word of its first bit and, where it crosses, the next. */
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint64_t bit = (uint64_t)i * (uint64_t)bits, v = value[i] & mask;
+        word[bit >> 6] |= v << (bit & 63);
+        if ((bit & 63) + (uint64_t)bits > 64)
+            word[(bit >> 6) + 1] |= v >> (64 - (bit & 63));
     }
     Py_END_ALLOW_THREADS
-    PyMem_RawFree(by_rank);
-    if (bad >= 0) {
-        PyErr_Format(PyExc_ValueError, "pack_slots_by_rank: row %u of slot %zd is not placed", row[bad], bad);
-        goto done;
-    }
-    result = Py_None;
-    Py_INCREF(result);
+    result = Py_NewRef(Py_None);
 done:
     release(&held);
     return result;
