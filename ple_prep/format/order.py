@@ -175,22 +175,29 @@ class RowOrder:
         return self._rank_words
 
     def build_rank_index(self) -> RankIndex:
-        """`rank_index`, computed from `slot_rows`: each placed row's slot goes to its rank, then the
-        slots are packed in rank order (4 bytes a placed row held only while building)."""
-        by_rank = self.chunks_by_rank(1, np.empty(self.num_placed, dtype=np.uint32))
-        bits = slot_bits(self.num_placed)
-        packed = _huge_page_array((packed_slots_bytes(self.num_placed),), np.uint8)
+        """`rank_index`, computed from `slot_rows`: each placed row's slot goes to its rank (4 bytes
+        a placed row), then the slots are packed in place and the memory past them given back, so
+        opening a table holds no more than its index and one array of slots."""
+        if not self.num_placed:
+            return NO_RANK_INDEX
+        bits, packed_bytes = slot_bits(self.num_placed), packed_slots_bytes(self.num_placed)
+        area = _huge_page_array((max(4 * self.num_placed, packed_bytes),), np.uint8)
+        self.chunks_by_rank(1, area[:4 * self.num_placed].view(np.uint32))
         if _native is not None:
-            _native.pack_bits(by_rank, bits, packed)
-            return RankIndex(self.rank_words, packed)
-        packed[:] = 0
-        # Pieces of RANK_BUILD_ROWS (a power of two) slots start on whole bytes.
-        for start in range(0, self.num_placed, RANK_BUILD_ROWS):
-            values = by_rank[start:start + RANK_BUILD_ROWS].astype(np.uint64)
-            spread = ((values[:, None] >> np.arange(bits, dtype=np.uint64)) & np.uint64(1)).astype(np.uint8)
-            piece = np.packbits(spread.reshape(-1), bitorder="little")
-            packed[start * bits // 8:start * bits // 8 + len(piece)] = piece
-        return RankIndex(self.rank_words, packed)
+            _native.pack_bits(area, self.num_placed, bits)
+        else:
+            # Pieces of RANK_BUILD_ROWS (a power of two) values start on whole bytes, and each
+            # piece's packing ends before the next piece's values begin.
+            end = 0
+            for start in range(0, self.num_placed, RANK_BUILD_ROWS):
+                values = area[4 * start:4 * min(start + RANK_BUILD_ROWS, self.num_placed)].view(np.uint32)
+                spread = (values[:, None].astype(np.uint64) >> np.arange(bits, dtype=np.uint64)) & np.uint64(1)
+                piece = np.packbits(spread.astype(np.uint8).reshape(-1), bitorder="little")
+                area[start * bits // 8:start * bits // 8 + len(piece)] = piece
+                end = start * bits // 8 + len(piece)
+            area[end:packed_bytes] = 0
+        _give_back_after(area, packed_bytes)
+        return RankIndex(self.rank_words, area[:packed_bytes])
 
     def chunks_by_rank(self, chunk_slots: int, out: np.ndarray | None = None) -> np.ndarray:
         """For each placed row, rows ascending, the chunk of `chunk_slots` slots holding it (slot //
@@ -319,6 +326,20 @@ def _unpack(packed: np.ndarray, index: np.ndarray, bits: int) -> np.ndarray:
     at_every_byte = np.ndarray((len(packed) - 7,), dtype="<u8", buffer=packed, strides=(1,))
     bit = index * bits
     return (at_every_byte[bit >> 3] >> (bit & 7).view(np.uint64)) & np.uint64((1 << bits) - 1)
+
+
+def _give_back_after(array: np.ndarray, keep: int) -> None:
+    """Return to the system the whole pages of `array` (one of `_huge_page_array`'s) past its first
+    `keep` bytes: they are never read again."""
+    memory = array.base
+    while memory is not None and not isinstance(memory, mmap.mmap):
+        memory = memory.obj if isinstance(memory, memoryview) else getattr(memory, "base", None)
+    if memory is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    offset = array.ctypes.data - np.frombuffer(memory, dtype=np.uint8, count=1).ctypes.data
+    first = -(-(offset + keep) // mmap.PAGESIZE) * mmap.PAGESIZE
+    if first < len(memory):
+        memory.madvise(mmap.MADV_DONTNEED, first, len(memory) - first)
 
 
 def _huge_page_array(shape: tuple[int, ...], dtype) -> np.ndarray:

@@ -12,9 +12,10 @@
  *     each placed row's slot in row order (divisor 1), or its write chunk's number
  *     (offline/ordered.py).
  *     It refuses (ValueError) a row the bits do not hold, so no write lands outside `out`.
- * pack_bits(values, bits, out)
- *     uint32 `values` packed in `bits` bits each, little-endian (the index's packed slots, rows.h):
- *     `out` uint8, 8-byte aligned, of whole 64-bit words and one more, every byte written here.
+ * pack_bits(area, count, bits)
+ *     The `count` uint32 values at the start of `area` packed there, in place, in `bits` bits each,
+ *     little-endian (the index's packed slots, rows.h): whole 64-bit words and one more, every
+ *     byte of them written.
  */
 #include "rankindex.h"
 
@@ -134,33 +135,44 @@ done:
 
 PyObject *pack_bits(PyObject *self, PyObject *args)
 {
-    PyObject *values_object, *out_object;
+    PyObject *area_object;
+    Py_ssize_t count;
     int bits;
-    if (!PyArg_ParseTuple(args, "OiO", &values_object, &bits, &out_object))
+    if (!PyArg_ParseTuple(args, "Oni", &area_object, &count, &bits))
         return NULL;
     held_buffers held = {.held = 0};
     PyObject *result = NULL;
-    Py_buffer *values, *out;
-    if (!(values = hold(&held, values_object, 0, sizeof(uint32_t), "values"))
-        || !(out = hold(&held, out_object, 1, 1, "out")))
+    Py_buffer *area;
+    if (!(area = hold(&held, area_object, 1, 1, "area")))
         goto done;
-    Py_ssize_t count = values->len / (Py_ssize_t)sizeof(uint32_t);
-    if (bits < 1 || bits > 32 || out->len != (Py_ssize_t)(8 * (((uint64_t)count * (uint64_t)bits + 63) / 64) + 8)
-        || (uintptr_t)out->buf % sizeof(uint64_t)) {
-        PyErr_SetString(PyExc_ValueError, "pack_bits: bits outside 1-32, or out not the packed size or not 8-byte aligned");
+    Py_ssize_t words = (Py_ssize_t)(((uint64_t)count * (uint64_t)bits + 63) / 64) + 1;
+    if (bits < 1 || bits > 32 || count < 0 || area->len < 4 * count || area->len < 8 * words) {
+        PyErr_SetString(PyExc_ValueError, "pack_bits: bits outside 1-32, or an area shorter than its values or their packing");
         goto done;
     }
-    const uint32_t *value = values->buf;
-    uint64_t *word = out->buf, mask = ((uint64_t)1 << bits) - 1;
+    /* In place: word k, written once value 2k + 1 (the last that word's bytes held) has been read,
+     * since a value takes at most 32 bits. memcpy, not pointers of two types, so that the compiler
+     * keeps every read before the write that follows it. */
+    char *bytes = area->buf;
+    uint64_t mask = ((uint64_t)1 << bits) - 1, pending = 0;
+    int filled = 0;
+    Py_ssize_t written = 0;
     Py_BEGIN_ALLOW_THREADS
-    memset(word, 0, (size_t)out->len);
-    /* Each value lands in the 64-bit word of its first bit and, where it crosses, the next. */
     for (Py_ssize_t i = 0; i < count; i++) {
-        uint64_t bit = (uint64_t)i * (uint64_t)bits, v = value[i] & mask;
-        word[bit >> 6] |= v << (bit & 63);
-        if ((bit & 63) + (uint64_t)bits > 64)
-            word[(bit >> 6) + 1] |= v >> (64 - (bit & 63));
+        uint32_t read;
+        memcpy(&read, bytes + 4 * i, sizeof read);
+        uint64_t value = read & mask;
+        pending |= value << filled;
+        filled += bits;
+        if (filled >= 64) {
+            memcpy(bytes + 8 * written++, &pending, sizeof pending);
+            filled -= 64;
+            pending = filled ? value >> (bits - filled) : 0;
+        }
     }
+    if (filled)
+        memcpy(bytes + 8 * written++, &pending, sizeof pending);
+    memset(bytes + 8 * written, 0, (size_t)(8 * (words - written)));
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
