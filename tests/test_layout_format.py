@@ -306,3 +306,25 @@ def test_packed_slots_take_just_the_bits_the_slots_need(num_placed, index_builde
     assert np.array_equal(order.rows_at(0, num_rows)[expected], np.arange(num_rows))
     assert np.array_equal(order.placed_mask(0, num_rows), ~unplaced)
     assert np.array_equal(order.placed_mask(63, 1_000), ~unplaced[63:1_000])
+
+
+def test_building_the_index_gives_back_the_memory_past_the_packed_slots(index_builder, monkeypatch):
+    import mmap
+
+    from ple_prep.format import order as order_module
+
+    allocate = order_module._huge_page_array
+
+    def poisoned(shape, dtype):
+        array = allocate(shape, dtype)
+        array.view(np.uint8)[...] = 0xA5
+        return array
+
+    monkeypatch.setattr(order_module, "_huge_page_array", poisoned)
+    rows = np.random.default_rng(9).permutation(1_000_003)[:300_007]
+    packed = RowOrder.from_placed(rows, 1_000_003).rank_index.packed_slots
+    area = packed.base  # the 4 bytes a slot the ranks were written to, packed in place at its start
+    assert area.nbytes == 4 * len(rows) > len(packed) + 2 * mmap.PAGESIZE
+    # Pages given back read as zeros; kept ones would still hold slots or the poison.
+    tail = -(-(area.ctypes.data + len(packed)) // mmap.PAGESIZE) * mmap.PAGESIZE - area.ctypes.data
+    assert not area[tail:].any()

@@ -180,22 +180,21 @@ class RowOrder:
         opening a table holds no more than its index and one array of slots."""
         if not self.num_placed:
             return NO_RANK_INDEX
-        bits, packed_bytes = slot_bits(self.num_placed), packed_slots_bytes(self.num_placed)
+        packed_bytes = packed_slots_bytes(self.num_placed)
         area = _huge_page_array((max(4 * self.num_placed, packed_bytes),), np.uint8)
         self.chunks_by_rank(1, area[:4 * self.num_placed].view(np.uint32))
         if _native is not None:
-            _native.pack_bits(area, self.num_placed, bits)
+            _native.pack_slots(area, self.num_placed)
         else:
+            bits = slot_bits(self.num_placed)
             # Pieces of RANK_BUILD_ROWS (a power of two) values start on whole bytes, and each
             # piece's packing ends before the next piece's values begin.
-            end = 0
             for start in range(0, self.num_placed, RANK_BUILD_ROWS):
                 values = area[4 * start:4 * min(start + RANK_BUILD_ROWS, self.num_placed)].view(np.uint32)
-                spread = (values[:, None].astype(np.uint64) >> np.arange(bits, dtype=np.uint64)) & np.uint64(1)
+                spread = (values[:, None] >> np.arange(bits, dtype=np.uint32)) & np.uint32(1)
                 piece = np.packbits(spread.astype(np.uint8).reshape(-1), bitorder="little")
                 area[start * bits // 8:start * bits // 8 + len(piece)] = piece
-                end = start * bits // 8 + len(piece)
-            area[end:packed_bytes] = 0
+            area[-(-self.num_placed * bits // 8):packed_bytes] = 0
         _give_back_after(area, packed_bytes)
         return RankIndex(self.rank_words, area[:packed_bytes])
 

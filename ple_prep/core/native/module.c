@@ -18,7 +18,7 @@
  *     The n-gram hash and the profile's counting (ngramcount.c).
  * pack_groups, take_new_rows
  *     The planner's page packing and its new rows of each group (pack.c).
- * rank_bits, slots_by_rank, pack_bits
+ * rank_bits, slots_by_rank, pack_slots
  *     The construction of format/order.py's rank index (rankindex.c).
  *
  * The runtime's staging, thread pool and CUDA driver calls are ple_prep.runtime._native
@@ -121,11 +121,8 @@ static PyObject *slot_of(PyObject *self, PyObject *args)
         || !(packed_slots = hold(&held, packed_slots_object, 0, 1, "packed_slots"))
         || !(out = hold(&held, out_object, 1, sizeof(int64_t), "out")))
         goto done;
-    Py_ssize_t pairs = rank_words->len / (Py_ssize_t)(2 * sizeof(uint64_t));
-    int misshapen = rank_words->len % (Py_ssize_t)(2 * sizeof(uint64_t)) != 0;
-    int64_t num_placed = misshapen ? 0 : rank_index_placed((const uint64_t *)rank_words->buf, pairs);
-    if (out->len != ids->len || misshapen || num_rows < 0
-        || (num_placed && (pairs * 64 < num_rows || packed_slots->len < packed_slots_bytes(num_placed)))) {
+    int64_t num_placed = rank_index_placed(rank_words->buf, rank_words->len, packed_slots->len, num_rows);
+    if (out->len != ids->len || num_rows < 0 || num_placed < 0) {
         PyErr_SetString(PyExc_ValueError, "slot_of: mismatched array sizes");
         goto done;
     }

@@ -12,10 +12,10 @@
  *     each placed row's slot in row order (divisor 1), or its write chunk's number
  *     (offline/ordered.py).
  *     It refuses (ValueError) a row the bits do not hold, so no write lands outside `out`.
- * pack_bits(area, count, bits)
- *     The `count` uint32 values at the start of `area` packed there, in place, in `bits` bits each,
- *     little-endian (the index's packed slots, rows.h): whole 64-bit words and one more, every
- *     byte of them written.
+ * pack_slots(area, count)
+ *     The `count` uint32 slots at the start of `area` packed there, in place, in slot_bits(count)
+ *     bits each, little-endian (the index's packed slots, rows.h): packed_slots_bytes(count) bytes,
+ *     every one of them written.
  */
 #include "rankindex.h"
 
@@ -133,27 +133,26 @@ done:
     return result;
 }
 
-PyObject *pack_bits(PyObject *self, PyObject *args)
+PyObject *pack_slots(PyObject *self, PyObject *args)
 {
     PyObject *area_object;
     Py_ssize_t count;
-    int bits;
-    if (!PyArg_ParseTuple(args, "Oni", &area_object, &count, &bits))
+    if (!PyArg_ParseTuple(args, "On", &area_object, &count))
         return NULL;
     held_buffers held = {.held = 0};
     PyObject *result = NULL;
     Py_buffer *area;
     if (!(area = hold(&held, area_object, 1, 1, "area")))
         goto done;
-    Py_ssize_t words = (Py_ssize_t)(((uint64_t)count * (uint64_t)bits + 63) / 64) + 1;
-    if (bits < 1 || bits > 32 || count < 0 || area->len < 4 * count || area->len < 8 * words) {
-        PyErr_SetString(PyExc_ValueError, "pack_bits: bits outside 1-32, or an area shorter than its values or their packing");
+    if (count < 1 || area->len < 4 * count || area->len < packed_slots_bytes(count)) {
+        PyErr_SetString(PyExc_ValueError, "pack_slots: no slots, or an area shorter than the slots or their packing");
         goto done;
     }
     /* In place: word k, written once value 2k + 1 (the last that word's bytes held) has been read,
      * since a value takes at most 32 bits. memcpy, not pointers of two types, so that the compiler
      * keeps every read before the write that follows it. */
     char *bytes = area->buf;
+    const int bits = slot_bits(count);
     uint64_t mask = ((uint64_t)1 << bits) - 1, pending = 0;
     int filled = 0;
     Py_ssize_t written = 0;
@@ -172,7 +171,7 @@ PyObject *pack_bits(PyObject *self, PyObject *args)
     }
     if (filled)
         memcpy(bytes + 8 * written++, &pending, sizeof pending);
-    memset(bytes + 8 * written, 0, (size_t)(8 * (words - written)));
+    memset(bytes + 8 * written, 0, (size_t)(packed_slots_bytes(count) - 8 * written));
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:

@@ -7,11 +7,11 @@
 
 PyObject *rank_bits(PyObject *self, PyObject *args);
 PyObject *slots_by_rank(PyObject *self, PyObject *args);
-PyObject *pack_bits(PyObject *self, PyObject *args);
+PyObject *pack_slots(PyObject *self, PyObject *args);
 
 #define RANKINDEX_METHODS \
     {"rank_bits", rank_bits, METH_VARARGS, "The rank index's bits and counts from a map (see rankindex.c)."}, \
     {"slots_by_rank", slots_by_rank, METH_VARARGS, "Each placed row's write chunk, rows ascending (see rankindex.c)."}, \
-    {"pack_bits", pack_bits, METH_VARARGS, "Values packed in a number of bits each (see rankindex.c)."},
+    {"pack_slots", pack_slots, METH_VARARGS, "The rank index's slots packed in place (see rankindex.c)."},
 
 #endif

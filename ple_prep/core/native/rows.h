@@ -45,10 +45,17 @@ static inline Py_ssize_t packed_slots_bytes(int64_t num_placed)
     return num_placed ? (Py_ssize_t)(8 * (((uint64_t)num_placed * (uint64_t)slot_bits(num_placed) + 63) / 64) + 8) : 0;
 }
 
-/* The placed rows the index counts: the last pair's count and bits. */
-static inline int64_t rank_index_placed(const uint64_t *rank_words, Py_ssize_t pairs)
+/* The placed rows an index of `rank_bytes` of pairs and `packed_bytes` of slots counts (the last
+ * pair's count and bits), or -1 where the two do not make an index of `num_rows` rows. */
+static inline int64_t rank_index_placed(const uint64_t *rank_words, Py_ssize_t rank_bytes, Py_ssize_t packed_bytes,
+                                        int64_t num_rows)
 {
-    return pairs ? (int64_t)rank_words[2 * pairs - 1] + __builtin_popcountll(rank_words[2 * pairs - 2]) : 0;
+    Py_ssize_t pairs = rank_bytes / (Py_ssize_t)(2 * sizeof(uint64_t));
+    if (rank_bytes % (Py_ssize_t)(2 * sizeof(uint64_t)))
+        return -1;
+    int64_t placed = pairs ? (int64_t)rank_words[2 * pairs - 1] + __builtin_popcountll(rank_words[2 * pairs - 2]) : 0;
+    return placed && (pairs * 64 < num_rows || placed > num_rows || packed_bytes < packed_slots_bytes(placed))
+        ? -1 : placed;
 }
 
 static inline __attribute__((always_inline)) uint64_t packed_slot(const uint8_t *packed, int64_t index, int bits)

@@ -25,14 +25,10 @@ static int view_init(table_view *self, PyObject *args, PyObject *kwargs)
         || !(rank_words = hold(&self->held, rank_words_object, 0, sizeof(uint64_t), "rank_words"))
         || !(packed_slots = hold(&self->held, packed_slots_object, 0, 1, "packed_slots")))
         goto refused;
-    Py_ssize_t pairs = rank_words->len / (Py_ssize_t)(2 * sizeof(uint64_t));
     Py_ssize_t num_pages = (num_slots + rows_per_page - 1) / rows_per_page;
-    int misshapen = rank_words->len % (Py_ssize_t)(2 * sizeof(uint64_t)) != 0;
-    int64_t num_placed = misshapen ? 0 : rank_index_placed(rank_words->buf, pairs);
+    int64_t num_placed = rank_index_placed(rank_words->buf, rank_words->len, packed_slots->len, num_rows);
     const char *mismatch = first_row < 0 || num_rows < 0 || num_rows > num_slots ? "bad row counts"
-        : misshapen || (num_placed && (pairs * 64 < num_rows || num_placed > num_rows
-                                       || packed_slots->len < packed_slots_bytes(num_placed)))
-            ? "the rank index does not cover the table"
+        : num_placed < 0 ? "the rank index does not cover the table"
         : num_pages > (PY_SSIZE_T_MAX - data_offset) / page_size || data_offset + num_pages * page_size > mapping->len
             ? "the mapping is shorter than its pages" : NULL;
     if (mismatch) {
