@@ -533,7 +533,9 @@ def busy_launching(ms: float, scratch: torch.Tensor) -> tuple[float, int]:
 class CallWatch:
     """What else happened while a timed call ran: the thread's context switches (getrusage:
     involuntary, the thread preempted; voluntary, it blocked), its page faults (minor and major:
-    memory the kernel had to map in) and Python's garbage collections."""
+    memory the kernel had to map in), Python's garbage collections, and the thread's CPU time (a
+    call over 0.1 ms with none of those either ran that long or was kept off its CPU without a
+    context switch: the hypervisor or interrupts)."""
 
     def __init__(self):
         self.collection_starts: list[float] = []
@@ -550,24 +552,30 @@ class CallWatch:
         gc.callbacks.remove(self._collected)
 
     @staticmethod
-    def counters() -> tuple[int, int, int]:
-        """This thread's voluntary and involuntary context switches and page faults so far."""
+    def counters() -> tuple[int, int, int, int]:
+        """This thread's voluntary and involuntary context switches, page faults and CPU ns so far."""
         usage = resource.getrusage(resource.RUSAGE_THREAD)
-        return usage.ru_nvcsw, usage.ru_nivcsw, usage.ru_minflt + usage.ru_majflt
+        return usage.ru_nvcsw, usage.ru_nivcsw, usage.ru_minflt + usage.ru_majflt, time.thread_time_ns()
 
-    def causes(self, spans: list[tuple[float, float, tuple[int, int, int], tuple[int, int, int]]]) -> dict:
+    def causes(self, spans: list[tuple[float, float, tuple[int, ...], tuple[int, ...]]]) -> dict:
         """Of calls timed over 0.1 ms (began, ended, counters before and after, each), how many
-        blocked, were preempted, faulted, ran a collection, or none of those."""
-        counts = {"blocked": 0, "preempted": 0, "faulted": 0, "collection": 0, "unexplained": 0}
+        blocked, were preempted, faulted, ran a collection, or none of those: then `off_cpu` where
+        the thread's CPU time over the call (its counters' reads included) was under 0.1 ms, else
+        `on_cpu`; and the first 20 such calls' wall and CPU ms (`overs`)."""
+        counts = {"blocked": 0, "preempted": 0, "faulted": 0, "collection": 0, "off_cpu": 0, "on_cpu": 0}
+        overs = []
         for began, ended, before, after in spans:
             if ended - began <= 1e-4:
                 continue
+            cpu_ms = (after[3] - before[3]) / 1e6
             cause = ("blocked" if after[0] > before[0] else "preempted" if after[1] > before[1]
                      else "faulted" if after[2] > before[2]
                      else "collection" if any(began <= at <= ended for at in self.collection_starts)
-                     else "unexplained")
+                     else "off_cpu" if cpu_ms < 0.1 else "on_cpu")
             counts[cause] += 1
-        return counts
+            if len(overs) < 20:
+                overs.append([round((ended - began) * 1e3, 3), round(cpu_ms, 3), cause])
+        return counts | {"overs": overs}
 
 
 def continuous_calls(lookup, table, requests: list[np.ndarray], as_ids: list[torch.Tensor], calls: int,

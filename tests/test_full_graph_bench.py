@@ -30,18 +30,33 @@ def _bench():
     return module
 
 
-def test_slow_calls_are_put_down_to_blocking_preemption_faults_collection_or_nothing_known():
+def test_slow_calls_are_put_down_to_blocking_preemption_faults_collection_or_where_the_time_went():
     watch = _bench().CallWatch()
     watch.collection_starts = [10.00015]
-    slow = 0.0002
-    spans = [(1.0, 1.0 + slow, (4, 7, 3), (5, 7, 3)),     # a voluntary switch: it blocked
-             (2.0, 2.0 + slow, (4, 7, 3), (4, 8, 3)),     # an involuntary one: preempted
-             (3.0, 3.0 + slow, (4, 7, 3), (4, 7, 4)),     # a page fault
-             (10.0, 10.0 + slow, (4, 7, 3), (4, 7, 3)),   # a collection started inside it
-             (20.0, 20.0 + slow, (4, 7, 3), (4, 7, 3)),   # none of those
-             (30.0, 30.00005, (4, 7, 3), (9, 9, 9))]      # under 0.1 ms: not counted
-    assert watch.causes(spans) == {"blocked": 1, "preempted": 1, "faulted": 1, "collection": 1,
-                                   "unexplained": 1}
+    slow, cpu = 0.0002, 150_000  # the last counter: the thread's CPU ns
+    spans = [(1.0, 1.0 + slow, (4, 7, 3, 0), (5, 7, 3, 0)),       # a voluntary switch: it blocked
+             (2.0, 2.0 + slow, (4, 7, 3, 0), (4, 8, 3, 0)),       # an involuntary one: preempted
+             (3.0, 3.0 + slow, (4, 7, 3, 0), (4, 7, 4, 0)),       # a page fault
+             (10.0, 10.0 + slow, (4, 7, 3, 0), (4, 7, 3, 0)),     # a collection started inside it
+             (20.0, 20.0 + slow, (4, 7, 3, 0), (4, 7, 3, 20_000)),  # 0.02 ms on its CPU: kept off it
+             (25.0, 25.0 + slow, (4, 7, 3, 0), (4, 7, 3, cpu)),   # 0.15 ms on its CPU: it ran that long
+             (30.0, 30.00005, (4, 7, 3, 0), (9, 9, 9, 0))]        # under 0.1 ms: not counted
+    causes = watch.causes(spans)
+    assert causes.pop("overs") == [[0.2, 0.0, "blocked"], [0.2, 0.0, "preempted"], [0.2, 0.0, "faulted"],
+                                   [0.2, 0.0, "collection"], [0.2, 0.02, "off_cpu"], [0.2, 0.15, "on_cpu"]]
+    assert causes == {"blocked": 1, "preempted": 1, "faulted": 1, "collection": 1, "off_cpu": 1, "on_cpu": 1}
+
+
+def test_a_call_that_computes_counts_its_cpu_time():
+    bench = _bench()
+    before, began = bench.CallWatch.counters(), time.perf_counter()
+    until = began + 0.003
+    while time.perf_counter() < until:
+        pass
+    spun = (began, time.perf_counter(), before, bench.CallWatch.counters())
+    wall_ms, cpu_ms, cause = bench.CallWatch().causes([spun])["overs"][0]
+    assert wall_ms >= 3.0 and cpu_ms > 0.1
+    assert cause in ("on_cpu", "preempted")  # a busy 2-core machine may preempt a 3 ms loop
 
 
 def test_a_call_that_sleeps_counts_as_blocked_and_a_collection_is_seen():
