@@ -170,17 +170,27 @@ def resident_graph(full: EmbeddingSource, slot_pool: torch.Tensor, other: OtherW
     return ProxyStep(slot_pool, other, start, finish, (size, full.table.values_per_row))
 
 
-def alternate(first: ProxyStep, second: ProxyStep, steps: int, block: int) -> tuple[list[float], list[float]]:
+def alternate(first: ProxyStep, second: ProxyStep, steps: int, block: int,
+              late: StepLookup | None = None) -> tuple:
+    """Each side's GPU ms per step, `steps` replays a side in blocks of `block`, the order swapped
+    every turn. With `late` (the first side's lookup), a third element: that side's late steps by
+    what ran before their block (nothing, its own block, or the other side's, during which the
+    service thread idled)."""
     times: tuple[list[float], list[float]] = ([], [])
-    done, turn = 0, 0
+    late_after = {"nothing": 0, "itself": 0, "the_other": 0}
+    done, turn, previous = 0, 0, "nothing"
     while done < steps:
         count = min(block, steps - done)
         order = (0, 1) if turn % 2 == 0 else (1, 0)
         for side in order:
+            before = late.stats()["late"] if late is not None and side == 0 else 0
             times[side].extend((first, second)[side].replay_timed(count))
+            if late is not None and side == 0:  # replay_timed ends with a synchronize: every step counted
+                late_after[previous] += late.stats()["late"] - before
+            previous = "itself" if side == 0 else "the_other"
         done += count
         turn += 1
-    return times
+    return times if late is None else (*times, late_after)
 
 
 def poison(lookup: StepLookup) -> None:
@@ -304,7 +314,7 @@ def warm_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
         ours = lookup_graph(lookup, pool_of(requests), work)
         reference = resident_graph(full, slot_pool_of(table, requests), work)
         before = lookup.stats()
-        mine, theirs = alternate(ours, reference, steps, block)
+        mine, theirs, late_after = alternate(ours, reference, steps, block, late=lookup)
         lookup.check()
         after = lookup.stats()
         checked = min(len(requests), steps, 8 if name == "chunk" else steps)
@@ -313,7 +323,7 @@ def warm_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
             **side_by_side(mine, theirs),
             "bit_exact": exact_history(table, ours, requests, checked)
             and exact_history(table, reference, requests, checked),
-            "late_steps": after["late"] - before["late"],
+            "late_steps": after["late"] - before["late"], "late_steps_after": late_after,
             "disk_positions_fraction": round((after["rows_page_cache"] - before["rows_page_cache"])
                                              / max(1, after["ids"] - before["ids"]), 3),
             "failed_steps": after["failed"] - before["failed"],

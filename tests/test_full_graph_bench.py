@@ -90,3 +90,29 @@ def test_batch_sizes_other_than_token_counts_are_refused(tokens, tmp_path):
     assert done.returncode == 2
     assert "error: argument --batch-tokens" in done.stderr and "Traceback" not in done.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_late_steps_are_put_down_to_what_ran_before_their_block():
+    bench = _bench()
+
+    class Lookup:  # the first side's lookup: one step of each of its blocks late
+        late = 0
+
+        def stats(self):
+            return {"late": self.late}
+
+    lookup = Lookup()
+
+    class Side:
+        def __init__(self, first):
+            self.first = first
+
+        def replay_timed(self, count):
+            lookup.late += self.first
+            return [1.0] * count
+
+    mine, theirs, late_after = bench.alternate(Side(1), Side(0), 500, 100, late=lookup)
+    # Turns (first, second), (second, first), ...: the first side's blocks come after nothing once,
+    # then after the other side's block and after its own in turn.
+    assert late_after == {"nothing": 1, "the_other": 2, "itself": 2}
+    assert len(mine) == len(theirs) == 500
