@@ -50,13 +50,14 @@ def test_slow_calls_are_put_down_to_blocking_preemption_faults_collection_or_whe
 def test_a_call_that_computes_counts_its_cpu_time():
     bench = _bench()
     before, began = bench.CallWatch.counters(), time.perf_counter()
-    until = began + 0.003
-    while time.perf_counter() < until:
+    until = time.thread_time_ns() + 2_000_000
+    while time.thread_time_ns() < until:  # 2 ms of this thread's CPU
         pass
-    spun = (began, time.perf_counter(), before, bench.CallWatch.counters())
+    after, ended = bench.CallWatch.counters(), time.perf_counter()
+    # Its switches and faults taken as none (a busy machine may preempt or fault it): the CPU time decides.
+    spun = (began, ended, before, before[:3] + after[3:])
     wall_ms, cpu_ms, cause = bench.CallWatch().causes([spun])["overs"][0]
-    assert wall_ms >= 3.0 and cpu_ms > 0.1
-    assert cause in ("on_cpu", "preempted")  # a busy 2-core machine may preempt a 3 ms loop
+    assert cpu_ms >= 2.0 and wall_ms >= 2.0 and cause == "on_cpu"
 
 
 def test_a_call_that_sleeps_counts_as_blocked_and_a_collection_is_seen():
