@@ -1,7 +1,8 @@
 """Disk page reads per 1,000 tokens: access-ordered layout against the checkpoint's own layout.
 
 Run: flock /tmp/ple-bench.lock python bench/layout_bench.py [--map-fraction F] [--base B] [--duplicates]
-     [--group-keyed G] [--split-copies G [--group-map-bytes B] [--make-room]] [--index-bits ROW PLACED]
+     [--group-keyed G] [--split-copies G [--group-map-bytes B] [--make-room]] [--hashed-copies G]
+     [--index-bits ROW PLACED]
 (F: most RAM the row-order map's lookup index may cost, as a fraction of the table, default 0.015;
 B: `ngram_vocab_size_base`, 20,000,000 for the real geometry, 2,500,000 for 1/8 of it.)
 
@@ -47,6 +48,11 @@ copied groups (--group-map-bytes a group, default 12: a 64-bit key and a slot), 
 per-row map's index. Optimistic: the home page is taken to have room for the copies. With
 --make-room it has none: a home takes at most 3 copied groups, and each copy pushes one of the
 page's other rows (the last by slot) out to pages after the table's.
+
+--hashed-copies G adds the per-row layout with whole copies of the split groups in a region of
+their own (not built: measured to decide): as many as a file growth of G holds, 3 a page, each on
+one of two pages its key hashes to, found exactly through a table of the copies' keys (8 bytes a
+place, charged with the per-row map's index); nothing is pushed out (HashedCopiesLayout).
 """
 from __future__ import annotations
 
@@ -282,6 +288,82 @@ class SplitCopiesLayout(GroupPages):
         return self.read_groups_from_their_pages(pages, mixed)
 
 
+class HashedCopiesLayout(KnownGroups):
+    """The --hashed-copies layout: the planned per-row order, and whole copies of the seen groups it
+    splits over pages, most page reads saved first, in a region of their own after the table's
+    pages as far as a file growth of `growth`: 3 groups a page (24 of its 25 rows), each group in
+    the emptier of two pages its key hashes to, a group whose two pages are full not copied. A
+    table in RAM of every copy place's 64-bit mixed hash (8 bytes a place, empty ones too, charged)
+    says exactly which group a place holds: a reader computes the group's 8 rows from it and
+    compares them with a token's, so no other group's rows are ever read from a copy. A token's
+    copied group is read from its copy only where the plan would read it from 2 pages or more that
+    are not resident (so never a page more than the plan)."""
+
+    def __init__(self, profile, spec: NgramSpec, slot_of_row: np.ndarray, growth: float):
+        keys, orders, counts = _hot_groups(profile, PARTS, with_counts=True)
+        heads = spec.heads_per_ngram
+        distinct = np.empty(len(keys), dtype=np.int64)
+        step = 1 << 20
+        for start in range(0, len(keys), step):
+            rows = np.empty((min(step, len(keys) - start), heads), dtype=np.int64)
+            chunk_orders = orders[start:start + step]
+            for order in np.unique(chunk_orders):
+                chosen = chunk_orders == order
+                rows[chosen] = rows_of_mixed(keys[start:start + step][chosen], int(order), spec)
+            pages = np.sort(slot_of_row[rows] // ROWS_PER_PAGE, axis=1)
+            distinct[start:start + step] = 1 + np.count_nonzero(pages[:, 1:] != pages[:, :-1], axis=1)
+        split = np.flatnonzero(distinct > 1)
+        by_saving = split[np.argsort(-(counts[split] * (distinct[split] - 1)), kind="stable")]
+        per_page = ROWS_PER_PAGE // heads
+        self.copy_pages = int(growth * len(slot_of_row)) // ROWS_PER_PAGE
+        keyed = keys[by_saving] ^ orders[by_saving].astype(np.uint64)
+        first_choice, second_choice = (_mix64(keyed ^ np.uint64(salt)) % np.uint64(self.copy_pages)
+                                       for salt in (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F))
+        load = np.zeros(self.copy_pages, dtype=np.int64)
+        page_of = np.full(len(by_saving), -1, dtype=np.int64)
+        free = self.copy_pages * per_page
+        for k, (one, two) in enumerate(zip(first_choice.tolist(), second_choice.tolist())):
+            page = one if load[one] <= load[two] else two
+            if load[page] < per_page:
+                load[page] += 1
+                page_of[k] = page
+                free -= 1
+                if not free:
+                    break
+        copied = page_of >= 0
+        super().__init__(keys[by_saving[copied]], orders[by_saving[copied]])
+        self.split_groups = len(split)
+        self.first_copy_page = -(-len(slot_of_row) // ROWS_PER_PAGE)
+        self.group_page = self.first_copy_page + page_of[copied]
+        self.map_bytes = 8 * per_page * self.copy_pages
+        self.heads = heads
+
+    def pages(self, slot_of_row: np.ndarray, mixed: np.ndarray, rows: np.ndarray, resident_pages: int) -> np.ndarray:
+        """Per token, the page of each of its 16 rows as this layout reads them."""
+        pages = (slot_of_row[rows] // ROWS_PER_PAGE).astype(np.int64)
+        for column in range(mixed.shape[1]):
+            found = self.find(mixed, column)
+            if found is None:
+                continue
+            group, seen = found
+            ours = pages[seen, column * self.heads:(column + 1) * self.heads]
+            sorted_pages = np.sort(ours, axis=1)
+            fresh = np.ones(sorted_pages.shape, dtype=bool)
+            fresh[:, 1:] = sorted_pages[:, 1:] != sorted_pages[:, :-1]
+            from_copy = np.count_nonzero(fresh & (sorted_pages >= resident_pages), axis=1) > 1
+            ours[from_copy] = self.group_page[group[seen][from_copy]][:, None]
+            pages[seen, column * self.heads:(column + 1) * self.heads] = ours
+        return pages
+
+
+def _mix64(values: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: well-spread 64-bit hashes of uint64 values."""
+    with np.errstate(over="ignore"):
+        values = (values ^ (values >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        values = (values ^ (values >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return values ^ (values >> np.uint64(31))
+
+
 def first_of_each_page(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per token (a row of `pages`; -1 = no page), its pages sorted and a mask of each distinct one."""
     pages = np.sort(pages, axis=1)
@@ -323,12 +405,13 @@ def main() -> None:
     parser.add_argument("--group-keyed", type=float, metavar="GROWTH")
     parser.add_argument("--split-copies", type=float, metavar="GROWTH")
     parser.add_argument("--group-map-bytes", type=float, default=12.0)
+    parser.add_argument("--hashed-copies", type=float, metavar="GROWTH")
     parser.add_argument("--index-bits", type=float, nargs=2, metavar=("ROW", "PLACED"),
                         help="charge a lookup index of ROW bits a table row and PLACED bits a placed row")
     parser.add_argument("--make-room", action="store_true",
                         help="with --split-copies: home pages push rows out for their copies")
     args = parser.parse_args()
-    for name in ("group_keyed", "split_copies"):
+    for name in ("group_keyed", "split_copies", "hashed_copies"):
         if getattr(args, name) is not None and not 0 < getattr(args, name) <= 1:
             parser.error(f"--{name.replace('_', '-')} takes a file growth between 0 and 1")
     if args.make_room and args.split_copies is None:
@@ -399,8 +482,15 @@ def main() -> None:
     keyed = None if args.group_keyed is None else GroupKeyedLayout(profile, spec, num_rows, args.group_keyed)
     copies = None if args.split_copies is None else SplitCopiesLayout(profile, spec, slot_of_row, args.split_copies,
                                                                      args.group_map_bytes, args.make_room)
+    hashed = None if args.hashed_copies is None else HashedCopiesLayout(profile, spec, slot_of_row, args.hashed_copies)
     for mixed, row_ids in evaluation_row_ids(spec, *corpus["evaluation"]):
         tokens += len(row_ids)
+        if hashed is not None:
+            for fraction, budget in budgets.items():
+                resident = max(0, int(fraction * table_bytes) - index_bytes - hashed.map_bytes) // PAGE_SIZE
+                hashed_sorted, hashed_fresh = first_of_each_page(hashed.pages(slot_of_row, mixed, row_ids, resident))
+                budget["hashed_copies"] = budget.get("hashed_copies", 0) + int(
+                    np.count_nonzero(hashed_fresh & (hashed_sorted >= resident)))
         if duplicated is not None:
             dup_sorted, dup_fresh = first_of_each_page(duplicated.pages(mixed, row_ids))
             for budget in budgets.values():
@@ -469,10 +559,14 @@ def main() -> None:
                                   "copied_rows": copies.copied_rows, "group_map_bytes": copies.map_bytes,
                                   "file_growth": round(copies.copied_rows / num_rows, 4),
                                   **({"pushed_out_rows": copies.pushed_rows} if args.make_room else {})}
+    if hashed is not None:
+        result["hashed_copies"] = {"split_groups": hashed.split_groups, "copied_groups": hashed.groups,
+                                   "copy_pages": hashed.copy_pages, "copy_table_bytes": hashed.map_bytes,
+                                   "file_growth": round(hashed.copy_pages * ROWS_PER_PAGE / num_rows, 4)}
     for fraction, budget in budgets.items():
         per_k = {key: round(1000 * budget[key] / tokens, 1)
                  for key in ("prepared", "prepared_charged", "checkpoint", "duplicated", "group_keyed",
-                             "split_copies")
+                             "split_copies", "hashed_copies")
                  if key in budget}
         result["budgets"].append({
             "budget": f"{fraction:.0%}", "resident_bytes": budget["resident_pages"] * PAGE_SIZE,
@@ -492,6 +586,8 @@ def main() -> None:
                if "group_keyed" in budget else {}),
             **({"ratio_split_copies_maps_charged": round(budget["split_copies"] / budget["checkpoint"], 3)}
                if "split_copies" in budget else {}),
+            **({"ratio_hashed_copies_maps_charged": round(budget["hashed_copies"] / budget["checkpoint"], 3)}
+               if "hashed_copies" in budget else {}),
             "row_hit_fraction": {"prepared": round(budget["prepared_row_hits"] / (16 * tokens), 4),
                                  "checkpoint": round(budget["checkpoint_row_hits"] / (16 * tokens), 4)},
         })

@@ -58,6 +58,29 @@ def _refused(*arguments: str) -> str:
     return result.stderr.strip().splitlines()[-1]
 
 
+def test_a_copied_group_is_read_from_its_copy_only_where_the_plan_reads_two_pages_or_more():
+    bench = _bench()
+    per_page = bench.ROWS_PER_PAGE
+    layout = object.__new__(bench.HashedCopiesLayout)
+    # Two copied groups: the bigram of key 5 (copy page 100) and the trigram of key 9 (copy page 101).
+    bench.KnownGroups.__init__(layout, np.array([5, 9], dtype=np.uint64), np.array([2, 3], dtype=np.uint8))
+    layout.group_page, layout.heads = np.array([100, 101]), 8
+    slot_of_row = np.arange(20 * per_page)  # the plan: row r at slot r
+    def on_pages(*pages):  # 8 rows, one on each page given, cycling
+        return [pages[k % len(pages)] * per_page + k for k in range(8)]
+    mixed = np.array([[5, 7], [5, 9], [6, 9]], dtype=np.uint64)
+    rows = np.array([on_pages(3, 4, 5) + on_pages(6),        # copied bigram over 3 pages; trigram not copied
+                     on_pages(7) + on_pages(0, 8),           # copied bigram on 1 page; copied trigram, 1 page resident
+                     on_pages(9, 10) + on_pages(11, 12)])    # bigram not copied; copied trigram over 2 pages
+
+    pages = bench.HashedCopiesLayout.pages(layout, slot_of_row, mixed, rows, resident_pages=1)
+
+    planned = rows // per_page
+    assert np.array_equal(pages[0], [100] * 8 + list(planned[0, 8:]))
+    assert np.array_equal(pages[1], planned[1])
+    assert np.array_equal(pages[2], list(planned[2, :8]) + [101] * 8)
+
+
 def test_making_room_needs_split_copies():
     assert "error: --make-room applies to --split-copies" in _refused("--make-room")
 
