@@ -71,8 +71,8 @@ import real_corpus  # noqa: E402
 
 from ple_prep.format.header import ORDER_BYTES_PER_PLACED  # noqa: E402
 from ple_prep.format.order import lookup_index_bytes  # noqa: E402
-from ple_prep.ngram import NgramSpec, mixed_values, rows_of_mixed  # noqa: E402
-from ple_prep.offline.planner import DEFAULT_MAP_FRACTION, _hot_groups, max_placed_rows, plan_order  # noqa: E402
+from ple_prep.ngram import NgramSpec, mixed_values, rows_of_mixed, splitmix64  # noqa: E402
+from ple_prep.offline.planner import DEFAULT_MAP_FRACTION, _group_rows, _hot_groups, max_placed_rows, plan_order  # noqa: E402
 from ple_prep.offline.profile import PARTS, Profiler  # noqa: E402
 from ple_prep.tools.fixtures import fixture_config  # noqa: E402
 
@@ -301,24 +301,20 @@ class HashedCopiesLayout(KnownGroups):
 
     def __init__(self, profile, spec: NgramSpec, slot_of_row: np.ndarray, growth: float):
         keys, orders, counts = _hot_groups(profile, PARTS, with_counts=True)
-        heads = spec.heads_per_ngram
         distinct = np.empty(len(keys), dtype=np.int64)
         step = 1 << 20
         for start in range(0, len(keys), step):
-            rows = np.empty((min(step, len(keys) - start), heads), dtype=np.int64)
-            chunk_orders = orders[start:start + step]
-            for order in np.unique(chunk_orders):
-                chosen = chunk_orders == order
-                rows[chosen] = rows_of_mixed(keys[start:start + step][chosen], int(order), spec)
-            pages = np.sort(slot_of_row[rows] // ROWS_PER_PAGE, axis=1)
-            distinct[start:start + step] = 1 + np.count_nonzero(pages[:, 1:] != pages[:, :-1], axis=1)
+            rows = _group_rows(keys[start:start + step], orders[start:start + step], spec, 0, len(slot_of_row))
+            _, fresh = first_of_each_page(slot_of_row[rows] // ROWS_PER_PAGE)
+            distinct[start:start + step] = np.count_nonzero(fresh, axis=1)
         split = np.flatnonzero(distinct > 1)
         by_saving = split[np.argsort(-(counts[split] * (distinct[split] - 1)), kind="stable")]
-        per_page = ROWS_PER_PAGE // heads
+        per_page = ROWS_PER_PAGE // spec.heads_per_ngram
         self.copy_pages = int(growth * len(slot_of_row)) // ROWS_PER_PAGE
         keyed = keys[by_saving] ^ orders[by_saving].astype(np.uint64)
-        first_choice, second_choice = (_mix64(keyed ^ np.uint64(salt)) % np.uint64(self.copy_pages)
-                                       for salt in (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F))
+        with np.errstate(over="ignore"):  # splitmix64 wraps, as uint64 arithmetic does
+            first_choice, second_choice = (splitmix64(keyed ^ np.uint64(salt)) % np.uint64(self.copy_pages)
+                                           for salt in (0, 0xC2B2AE3D27D4EB4F))
         load = np.zeros(self.copy_pages, dtype=np.int64)
         page_of = np.full(len(by_saving), -1, dtype=np.int64)
         free = self.copy_pages * per_page
@@ -333,35 +329,24 @@ class HashedCopiesLayout(KnownGroups):
         copied = page_of >= 0
         super().__init__(keys[by_saving[copied]], orders[by_saving[copied]])
         self.split_groups = len(split)
-        self.first_copy_page = -(-len(slot_of_row) // ROWS_PER_PAGE)
-        self.group_page = self.first_copy_page + page_of[copied]
+        self.group_page = -(-len(slot_of_row) // ROWS_PER_PAGE) + page_of[copied]  # after the table's pages
         self.map_bytes = 8 * per_page * self.copy_pages
-        self.heads = heads
 
     def pages(self, slot_of_row: np.ndarray, mixed: np.ndarray, rows: np.ndarray, resident_pages: int) -> np.ndarray:
         """Per token, the page of each of its 16 rows as this layout reads them."""
         pages = (slot_of_row[rows] // ROWS_PER_PAGE).astype(np.int64)
+        heads = pages.shape[1] // mixed.shape[1]
         for column in range(mixed.shape[1]):
             found = self.find(mixed, column)
             if found is None:
                 continue
             group, seen = found
-            ours = pages[seen, column * self.heads:(column + 1) * self.heads]
-            sorted_pages = np.sort(ours, axis=1)
-            fresh = np.ones(sorted_pages.shape, dtype=bool)
-            fresh[:, 1:] = sorted_pages[:, 1:] != sorted_pages[:, :-1]
+            ours = pages[seen, column * heads:(column + 1) * heads]
+            sorted_pages, fresh = first_of_each_page(ours)
             from_copy = np.count_nonzero(fresh & (sorted_pages >= resident_pages), axis=1) > 1
             ours[from_copy] = self.group_page[group[seen][from_copy]][:, None]
-            pages[seen, column * self.heads:(column + 1) * self.heads] = ours
+            pages[seen, column * heads:(column + 1) * heads] = ours
         return pages
-
-
-def _mix64(values: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: well-spread 64-bit hashes of uint64 values."""
-    with np.errstate(over="ignore"):
-        values = (values ^ (values >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        values = (values ^ (values >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return values ^ (values >> np.uint64(31))
 
 
 def first_of_each_page(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

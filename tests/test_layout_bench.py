@@ -64,7 +64,7 @@ def test_a_copied_group_is_read_from_its_copy_only_where_the_plan_reads_two_page
     layout = object.__new__(bench.HashedCopiesLayout)
     # Two copied groups: the bigram of key 5 (copy page 100) and the trigram of key 9 (copy page 101).
     bench.KnownGroups.__init__(layout, np.array([5, 9], dtype=np.uint64), np.array([2, 3], dtype=np.uint8))
-    layout.group_page, layout.heads = np.array([100, 101]), 8
+    layout.group_page = np.array([100, 101])
     slot_of_row = np.arange(20 * per_page)  # the plan: row r at slot r
     def on_pages(*pages):  # 8 rows, one on each page given, cycling
         return [pages[k % len(pages)] * per_page + k for k in range(8)]
@@ -102,3 +102,32 @@ def test_a_tokens_reads_split_by_whether_a_page_holds_a_row_of_a_seen_ngram():
     _, fresh = bench.first_of_each_page(np.where(pages >= 2, pages, -1))
     assert of_seen + of_unseen == np.count_nonzero(fresh) == 5
     assert (of_seen, of_unseen, seen_not_resident) == (2, 3, 2)
+
+
+def test_hashed_copies_go_to_pages_of_their_own_three_a_page_the_most_reads_saved_first(monkeypatch):
+    bench = _bench()
+    from ple_prep.ngram import NgramSpec, rows_of_mixed
+    from ple_prep.tools.fixtures import fixture_config
+
+    spec = NgramSpec.from_config(fixture_config(base=1000))
+    num_rows = spec.rows_stored
+    keys = np.arange(1, 4001, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    orders = np.where(np.arange(4000) % 2 == 0, 2, 3).astype(np.uint8)
+    counts = np.arange(4000, 0, -1).astype(np.uint64)  # hottest first, as _hot_groups gives them
+    monkeypatch.setattr(bench, "_hot_groups", lambda profile, parts, with_counts: (keys, orders, counts))
+    slot_of_row = np.arange(num_rows)  # the plan: row r at slot r, so a group's rows spread over pages
+
+    layout = bench.HashedCopiesLayout(None, spec, slot_of_row, 0.1)
+
+    table_pages = -(-num_rows // bench.ROWS_PER_PAGE)
+    assert layout.copy_pages == int(0.1 * num_rows) // bench.ROWS_PER_PAGE
+    assert layout.groups <= 3 * layout.copy_pages and layout.map_bytes == 24 * layout.copy_pages
+    assert np.bincount(layout.group_page - table_pages, minlength=layout.copy_pages).max() <= 3
+    assert (layout.group_page >= table_pages).all()
+    # The hottest group spread over several pages is copied; a copied group is one the plan splits.
+    rows = np.concatenate([rows_of_mixed(keys[k:k + 1], int(orders[k]), spec) for k in range(4000)])
+    spread = [len(np.unique(rows[k] // bench.ROWS_PER_PAGE)) > 1 for k in range(4000)]
+    hottest = int(np.argmax(spread))
+    assert layout.find(np.array([[keys[hottest]] * 2], dtype=np.uint64), int(orders[hottest]) - 2)[1][0]
+    copied_keys = np.concatenate([layout.by_order[order][0] for order in layout.by_order])
+    assert all(spread[k] for k in np.flatnonzero(np.isin(keys, copied_keys)))

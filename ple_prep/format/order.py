@@ -183,18 +183,7 @@ class RowOrder:
         packed_bytes = packed_slots_bytes(self.num_placed)
         area = _huge_page_array((max(4 * self.num_placed, packed_bytes),), np.uint8)
         self.chunks_by_rank(1, area[:4 * self.num_placed].view(np.uint32))
-        if _native is not None:
-            _native.pack_slots(area, self.num_placed)
-        else:
-            bits = slot_bits(self.num_placed)
-            # Pieces of RANK_BUILD_ROWS (a power of two) values start on whole bytes, and each
-            # piece's packing ends before the next piece's values begin.
-            for start in range(0, self.num_placed, RANK_BUILD_ROWS):
-                values = area[4 * start:4 * min(start + RANK_BUILD_ROWS, self.num_placed)].view(np.uint32)
-                spread = (values[:, None] >> np.arange(bits, dtype=np.uint32)) & np.uint32(1)
-                piece = np.packbits(spread.astype(np.uint8).reshape(-1), bitorder="little")
-                area[start * bits // 8:start * bits // 8 + len(piece)] = piece
-            area[-(-self.num_placed * bits // 8):packed_bytes] = 0
+        (_native.pack_slots if _native is not None else _pack_slots)(area, self.num_placed)
         _give_back_after(area, packed_bytes)
         return RankIndex(self.rank_words, area[:packed_bytes])
 
@@ -317,6 +306,20 @@ def _rank(rank_words: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndar
     below_row = rank_words[words, 1] + _popcount(to_row)
     below_row -= placed
     return placed.view(np.int64) != 0, below_row.view(np.int64)
+
+
+def _pack_slots(area: np.ndarray, count: int) -> None:
+    """numpy's core/native/rankindex.c pack_slots: the `count` uint32 slots at the start of `area`
+    packed there, in place, `slot_bits(count)` bits each, then zeros to `packed_slots_bytes(count)`."""
+    bits = slot_bits(count)
+    # Pieces of RANK_BUILD_ROWS (a power of two) values start on whole bytes, and each piece's
+    # packing ends before the next piece's values begin.
+    for start in range(0, count, RANK_BUILD_ROWS):
+        values = area[4 * start:4 * min(start + RANK_BUILD_ROWS, count)].view(np.uint32)
+        spread = (values[:, None] >> np.arange(bits, dtype=np.uint32)) & np.uint32(1)
+        piece = np.packbits(spread.astype(np.uint8).reshape(-1), bitorder="little")
+        area[start * bits // 8:start * bits // 8 + len(piece)] = piece
+    area[-(-count * bits // 8):packed_slots_bytes(count)] = 0
 
 
 def _unpack(packed: np.ndarray, index: np.ndarray, bits: int) -> np.ndarray:
