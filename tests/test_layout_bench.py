@@ -85,6 +85,10 @@ def test_making_room_needs_split_copies():
     assert "error: --make-room applies to --split-copies" in _refused("--make-room")
 
 
+def test_a_copies_growth_outside_0_to_1_is_refused():
+    assert "error: --hashed-copies takes a file growth between 0 and 1" in _refused("--hashed-copies", "1.5")
+
+
 def test_an_index_of_negative_bits_is_refused():
     assert "error: --index-bits" in _refused("--index-bits", "1", "-2")
 
