@@ -324,6 +324,9 @@ def warm_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
             "bit_exact": exact_history(table, ours, requests, checked)
             and exact_history(table, reference, requests, checked),
             "late_steps": after["late"] - before["late"], "late_steps_after": late_after,
+            # The thread's own time on its late steps: far below the other work, the thread saw
+            # their requests late (a wake), not slow at serving them.
+            "late_host_us": round((after["late_host_ns"] - before["late_host_ns"]) / 1e3, 1),
             "disk_positions_fraction": round((after["rows_page_cache"] - before["rows_page_cache"])
                                              / max(1, after["ids"] - before["ids"]), 3),
             "failed_steps": after["failed"] - before["failed"],
