@@ -3,26 +3,23 @@ where serving starts (open_table, `ple-prep bench`); a build that has it says no
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 import warnings
-from pathlib import Path
 
 import pytest
+from support.environment import child_environment
 
 from ple_prep.runtime import CompiledHelperMissing, compiled_helper_missing, open_table
 
-ROOT = Path(__file__).resolve().parent.parent
 # What an install without a C compiler leaves: the package without its two extension modules.
 WITHOUT_HELPER = "import sys\nsys.modules['ple_prep.core._native'] = sys.modules['ple_prep.runtime._native'] = None\n"
 
 
 def _without_helper(code: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, "-c", WITHOUT_HELPER + textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=300, env=env)
+                          text=True, timeout=300, env=child_environment())
 
 
 def test_open_table_warns_once_without_the_helper(fp8_table):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.environment import child_environment
 from support.hubcache import add_checkpoint
 
 from ple_prep.cli import EXIT_BUG, cli
@@ -50,7 +51,7 @@ def run_cli(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProces
                "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)\n"
                "sys.exit(done.returncode)\n")
     result = subprocess.run([sys.executable, "-c", measure, *args], capture_output=True, text=True,
-                            timeout=timeout, cwd=REPO, env=os.environ | {"PYTHONPATH": str(REPO)})
+                            timeout=timeout, cwd=REPO, env=child_environment())
     *lines, peak = result.stderr.splitlines()
     result.stderr = "".join(line + "\n" for line in lines)
     return result, int(peak) * 1024
@@ -527,7 +528,7 @@ def test_a_second_convert_of_one_output_fails_while_the_first_runs(fp8_checkpoin
 
 def test_two_converts_at_once_one_wins_and_the_other_says_so(fp8_checkpoint, out_dir):
     command = [sys.executable, "-m", "ple_prep", *convert_args(fp8_checkpoint, out_dir / "t.bin")]
-    env = os.environ | {"PYTHONPATH": str(REPO)}
+    env = child_environment()
     processes = [subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
                  for _ in range(2)]
     results = [(p.wait(timeout=60), p.stderr.read()) for p in processes]

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from support.environment import child_environment
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"^```(\w+)\n(.*?)^```$", README, flags=re.M | re.S)
@@ -59,7 +61,7 @@ def _shell_script() -> str:
 
 
 def _environment(folder: Path) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = child_environment()
     if shutil.which("ple-prep") is None or not shutil.which("ple-prep").startswith(str(Path(sys.executable).parent)):
         # Not installed as a script here (the package is on PYTHONPATH): the same entry point.
         shim = folder / ".bin" / "ple-prep"
