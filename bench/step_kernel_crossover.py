@@ -72,7 +72,7 @@ def main() -> None:
         requests = [row_ids[k:k + tokens] for k in starts]
         through_kernels = full_graph.lookup_graph(kernels, full_graph.pool_of(requests), other)
         through_side = full_graph.lookup_graph(side, full_graph.pool_of(requests), other)
-        mine, theirs = full_graph.alternate(through_kernels, through_side, args.steps, 100)
+        mine, theirs, _ = full_graph.alternate(through_kernels, through_side, args.steps, 100)
         kernels.check()
         side.check()
         report["sizes"][ids_count] = {

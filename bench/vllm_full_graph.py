@@ -171,11 +171,11 @@ def resident_graph(full: EmbeddingSource, slot_pool: torch.Tensor, other: OtherW
 
 
 def alternate(first: ProxyStep, second: ProxyStep, steps: int, block: int,
-              late: StepLookup | None = None) -> tuple:
+              late: StepLookup | None = None) -> tuple[list[float], list[float], dict[str, int] | None]:
     """Each side's GPU ms per step, `steps` replays a side in blocks of `block`, the order swapped
-    every turn. With `late` (the first side's lookup), a third element: that side's late steps by
-    what ran before their block (nothing, its own block, or the other side's, during which the
-    service thread idled)."""
+    every turn, and with `late` (the first side's lookup; else None) that side's late steps by what
+    ran before their block (nothing, its own block, or the other side's, during which the service
+    thread idled)."""
     times: tuple[list[float], list[float]] = ([], [])
     late_after = {"nothing": 0, "itself": 0, "the_other": 0}
     done, turn, previous = 0, 0, "nothing"
@@ -190,7 +190,7 @@ def alternate(first: ProxyStep, second: ProxyStep, steps: int, block: int,
             previous = "itself" if side == 0 else "the_other"
         done += count
         turn += 1
-    return times if late is None else (*times, late_after)
+    return (*times, late_after if late is not None else None)
 
 
 def poison(lookup: StepLookup) -> None:
@@ -336,7 +336,7 @@ def warm_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
     reference = resident_graph(full, slot_pool_of(table, decode[:300]), other)
     before = lookup.stats()
     with PythonBusy():
-        mine, theirs = alternate(ours, reference, 300, 100)
+        mine, theirs, _ = alternate(ours, reference, 300, 100)
     report["decode_busy_gil"] = {**side_by_side(mine, theirs), "late_steps": lookup.stats()["late"] - before["late"]}
     report["exact_poisoned_warm"] = exact_replays(table, lookup, lookup_graph(lookup, pool_of(decode[:200]), other),
                                                   decode[:200])
@@ -423,7 +423,7 @@ def batched_section(path: Path, resident: int, row_ids: np.ndarray, other: Other
         ours = lookup_graph(lookup, pool_of(requests), other)
         reference = resident_graph(full, slot_pool_of(table, requests), other)
         before = lookup.stats()
-        mine, theirs = alternate(ours, reference, steps, 100)
+        mine, theirs, _ = alternate(ours, reference, steps, 100)
         lookup.check()
         after = lookup.stats()
         checked = min(steps, 200)
