@@ -1,7 +1,7 @@
 """Disk page reads per 1,000 tokens: access-ordered layout against the checkpoint's own layout.
 
 Run: flock /tmp/ple-bench.lock python bench/layout_bench.py [--map-fraction F] [--base B] [--duplicates]
-     [--group-keyed G] [--split-copies G [--group-map-bytes B] [--make-room]] [--hashed-copies G]
+     [--group-keyed G] [--split-copies G [--group-map-bytes B] [--make-room]] [--hashed-copies G [--copy-key-bytes K]]
      [--index-bits ROW PLACED]
 (F: most RAM the row-order map's lookup index may cost, as a fraction of the table, default 0.015;
 B: `ngram_vocab_size_base`, 20,000,000 for the real geometry, 2,500,000 for 1/8 of it.)
@@ -53,6 +53,9 @@ page's other rows (the last by slot) out to pages after the table's.
 their own (not built: measured to decide): as many as a file growth of G holds, 3 a page, each on
 one of two pages its key hashes to, found exactly through a table of the copies' keys (8 bytes a
 place, charged with the per-row map's index); nothing is pushed out (HashedCopiesLayout).
+--copy-key-bytes K charges K bytes a place instead: a fingerprint of the key in RAM, the full keys on
+the copy page, where a false positive (about 6 in 2**(8K) of the split groups looked up) would cost
+a read of the copy page and a second round for the plan's pages, which is not counted.
 """
 from __future__ import annotations
 
@@ -293,13 +296,14 @@ class HashedCopiesLayout(KnownGroups):
     splits over pages, most page reads saved first, in a region of their own after the table's
     pages as far as a file growth of `growth`: 3 groups a page (24 of its 25 rows), each group in
     the emptier of two pages its key hashes to, a group whose two pages are full not copied. A
-    table in RAM of every copy place's 64-bit mixed hash (8 bytes a place, empty ones too, charged)
-    says exactly which group a place holds: a reader computes the group's 8 rows from it and
-    compares them with a token's, so no other group's rows are ever read from a copy. A token's
+    table in RAM of every copy place's 64-bit mixed hash (8 bytes a place, empty ones too, charged;
+    `key_bytes` charges a fingerprint of it instead) says exactly which group a place holds: a
+    reader computes the group's 8 rows from it and compares them with a token's, so no other
+    group's rows are ever read from a copy. A token's
     copied group is read from its copy only where the plan would read it from 2 pages or more that
     are not resident (so never a page more than the plan)."""
 
-    def __init__(self, profile, spec: NgramSpec, slot_of_row: np.ndarray, growth: float):
+    def __init__(self, profile, spec: NgramSpec, slot_of_row: np.ndarray, growth: float, key_bytes: float = 8):
         keys, orders, counts = _hot_groups(profile, PARTS, with_counts=True)
         distinct = np.empty(len(keys), dtype=np.int64)
         step = 1 << 20
@@ -330,7 +334,7 @@ class HashedCopiesLayout(KnownGroups):
         super().__init__(keys[by_saving[copied]], orders[by_saving[copied]])
         self.split_groups = len(split)
         self.group_page = -(-len(slot_of_row) // ROWS_PER_PAGE) + page_of[copied]  # after the table's pages
-        self.map_bytes = 8 * per_page * self.copy_pages
+        self.map_bytes = int(key_bytes * per_page * self.copy_pages)
 
     def pages(self, slot_of_row: np.ndarray, mixed: np.ndarray, rows: np.ndarray, resident_pages: int) -> np.ndarray:
         """Per token, the page of each of its 16 rows as this layout reads them."""
@@ -391,6 +395,8 @@ def main() -> None:
     parser.add_argument("--split-copies", type=float, metavar="GROWTH")
     parser.add_argument("--group-map-bytes", type=float, default=12.0)
     parser.add_argument("--hashed-copies", type=float, metavar="GROWTH")
+    parser.add_argument("--copy-key-bytes", type=float, default=8.0,
+                        help="with --hashed-copies: bytes a copy place costs in RAM (8: its whole key)")
     parser.add_argument("--index-bits", type=float, nargs=2, metavar=("ROW", "PLACED"),
                         help="charge a lookup index of ROW bits a table row and PLACED bits a placed row")
     parser.add_argument("--make-room", action="store_true",
@@ -401,6 +407,10 @@ def main() -> None:
             parser.error(f"--{name.replace('_', '-')} takes a file growth between 0 and 1")
     if args.make_room and args.split_copies is None:
         parser.error("--make-room applies to --split-copies")
+    if args.copy_key_bytes != 8.0 and args.hashed_copies is None:
+        parser.error("--copy-key-bytes applies to --hashed-copies")
+    if not 0 < args.copy_key_bytes <= 8:
+        parser.error("--copy-key-bytes takes the bytes a copy place costs, above 0 and at most 8")
     if args.index_bits is not None and min(args.index_bits) < 0:
         parser.error("--index-bits takes bits a table row and bits a placed row, neither negative")
     started = time.perf_counter()
@@ -467,7 +477,8 @@ def main() -> None:
     keyed = None if args.group_keyed is None else GroupKeyedLayout(profile, spec, num_rows, args.group_keyed)
     copies = None if args.split_copies is None else SplitCopiesLayout(profile, spec, slot_of_row, args.split_copies,
                                                                      args.group_map_bytes, args.make_room)
-    hashed = None if args.hashed_copies is None else HashedCopiesLayout(profile, spec, slot_of_row, args.hashed_copies)
+    hashed = None if args.hashed_copies is None else HashedCopiesLayout(profile, spec, slot_of_row, args.hashed_copies,
+                                                                      args.copy_key_bytes)
     for mixed, row_ids in evaluation_row_ids(spec, *corpus["evaluation"]):
         tokens += len(row_ids)
         if hashed is not None:
@@ -571,7 +582,7 @@ def main() -> None:
                if "group_keyed" in budget else {}),
             **({"ratio_split_copies_maps_charged": round(budget["split_copies"] / budget["checkpoint"], 3)}
                if "split_copies" in budget else {}),
-            **({"ratio_hashed_copies_maps_charged": round(budget["hashed_copies"] / budget["checkpoint"], 3)}
+            **({"ratio_hashed_copies_maps_charged": round(budget["hashed_copies"] / budget["checkpoint"], 4)}
                if "hashed_copies" in budget else {}),
             "row_hit_fraction": {"prepared": round(budget["prepared_row_hits"] / (16 * tokens), 4),
                                  "checkpoint": round(budget["checkpoint_row_hits"] / (16 * tokens), 4)},

@@ -89,6 +89,12 @@ def test_a_copies_growth_outside_0_to_1_is_refused():
     assert "error: --hashed-copies takes a file growth between 0 and 1" in _refused("--hashed-copies", "1.5")
 
 
+def test_copy_key_bytes_need_hashed_copies_and_at_most_a_whole_key():
+    assert "error: --copy-key-bytes applies to --hashed-copies" in _refused("--copy-key-bytes", "2")
+    assert "error: --copy-key-bytes takes" in _refused("--hashed-copies", "0.1", "--copy-key-bytes", "0")
+    assert "error: --copy-key-bytes takes" in _refused("--hashed-copies", "0.1", "--copy-key-bytes", "9")
+
+
 def test_an_index_of_negative_bits_is_refused():
     assert "error: --index-bits" in _refused("--index-bits", "1", "-2")
 
@@ -126,6 +132,10 @@ def test_hashed_copies_go_to_pages_of_their_own_three_a_page_the_most_reads_save
     table_pages = -(-num_rows // bench.ROWS_PER_PAGE)
     assert layout.copy_pages == int(0.1 * num_rows) // bench.ROWS_PER_PAGE
     assert layout.groups <= 3 * layout.copy_pages and layout.map_bytes == 24 * layout.copy_pages
+    # A fingerprint of each place's key charged instead of the key: the same copies, fewer bytes.
+    fingerprinted = bench.HashedCopiesLayout(None, spec, slot_of_row, 0.1, key_bytes=2)
+    assert fingerprinted.map_bytes == 6 * layout.copy_pages
+    assert np.array_equal(fingerprinted.group_page, layout.group_page)
     assert np.bincount(layout.group_page - table_pages, minlength=layout.copy_pages).max() <= 3
     assert (layout.group_page >= table_pages).all()
     # The hottest group spread over several pages is copied; a copied group is one the plan splits.
