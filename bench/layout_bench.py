@@ -299,9 +299,9 @@ class HashedCopiesLayout(KnownGroups):
     table in RAM of every copy place's 64-bit mixed hash (8 bytes a place, empty ones too, charged;
     `key_bytes` charges a fingerprint of it instead) says exactly which group a place holds: a
     reader computes the group's 8 rows from it and compares them with a token's, so no other
-    group's rows are ever read from a copy. A token's
-    copied group is read from its copy only where the plan would read it from 2 pages or more that
-    are not resident (so never a page more than the plan)."""
+    group's rows are ever read from a copy. A token's copied group is read from its copy only
+    where the plan would read it from 2 pages or more that are not resident (so never a page more
+    than the plan)."""
 
     def __init__(self, profile, spec: NgramSpec, slot_of_row: np.ndarray, growth: float, key_bytes: float = 8):
         keys, orders, counts = _hot_groups(profile, PARTS, with_counts=True)
@@ -395,8 +395,8 @@ def main() -> None:
     parser.add_argument("--split-copies", type=float, metavar="GROWTH")
     parser.add_argument("--group-map-bytes", type=float, default=12.0)
     parser.add_argument("--hashed-copies", type=float, metavar="GROWTH")
-    parser.add_argument("--copy-key-bytes", type=float, default=8.0,
-                        help="with --hashed-copies: bytes a copy place costs in RAM (8: its whole key)")
+    parser.add_argument("--copy-key-bytes", type=float,
+                        help="with --hashed-copies: bytes a copy place costs in RAM (default 8: its whole key)")
     parser.add_argument("--index-bits", type=float, nargs=2, metavar=("ROW", "PLACED"),
                         help="charge a lookup index of ROW bits a table row and PLACED bits a placed row")
     parser.add_argument("--make-room", action="store_true",
@@ -407,9 +407,9 @@ def main() -> None:
             parser.error(f"--{name.replace('_', '-')} takes a file growth between 0 and 1")
     if args.make_room and args.split_copies is None:
         parser.error("--make-room applies to --split-copies")
-    if args.copy_key_bytes != 8.0 and args.hashed_copies is None:
+    if args.copy_key_bytes is not None and args.hashed_copies is None:
         parser.error("--copy-key-bytes applies to --hashed-copies")
-    if not 0 < args.copy_key_bytes <= 8:
+    if args.copy_key_bytes is not None and not 0 < args.copy_key_bytes <= 8:
         parser.error("--copy-key-bytes takes the bytes a copy place costs, above 0 and at most 8")
     if args.index_bits is not None and min(args.index_bits) < 0:
         parser.error("--index-bits takes bits a table row and bits a placed row, neither negative")
@@ -478,7 +478,7 @@ def main() -> None:
     copies = None if args.split_copies is None else SplitCopiesLayout(profile, spec, slot_of_row, args.split_copies,
                                                                      args.group_map_bytes, args.make_room)
     hashed = None if args.hashed_copies is None else HashedCopiesLayout(profile, spec, slot_of_row, args.hashed_copies,
-                                                                      args.copy_key_bytes)
+                                                                      args.copy_key_bytes or 8)
     for mixed, row_ids in evaluation_row_ids(spec, *corpus["evaluation"]):
         tokens += len(row_ids)
         if hashed is not None:

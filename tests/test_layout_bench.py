@@ -91,6 +91,7 @@ def test_a_copies_growth_outside_0_to_1_is_refused():
 
 def test_copy_key_bytes_need_hashed_copies_and_at_most_a_whole_key():
     assert "error: --copy-key-bytes applies to --hashed-copies" in _refused("--copy-key-bytes", "2")
+    assert "error: --copy-key-bytes applies to --hashed-copies" in _refused("--copy-key-bytes", "8")
     assert "error: --copy-key-bytes takes" in _refused("--hashed-copies", "0.1", "--copy-key-bytes", "0")
     assert "error: --copy-key-bytes takes" in _refused("--hashed-copies", "0.1", "--copy-key-bytes", "9")
 
