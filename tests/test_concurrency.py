@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-import multiprocessing
+import json
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
+from support.environment import child_environment
 
 from ple_prep.runtime import open_table
 from ple_prep.tools.benchmark import evict
@@ -16,6 +20,10 @@ THREADS = 8
 PROCESSES = 2
 ROUNDS = 40
 BATCH = 4096
+# A child process hands its digests back as JSON on stdout (nothing pickled either way).
+CHILD = ("import json, sys\nsys.path.insert(0, {tests!r})\nfrom test_concurrency import _gather_digests\n"
+         "print(json.dumps(_gather_digests(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))\n"
+         ).format(tests=str(Path(__file__).resolve().parent))
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +64,14 @@ def _threads_gather(table, expected: np.ndarray) -> list[int]:
 def test_gather_from_eight_threads_and_two_processes_at_once_is_bit_exact(shared_table):
     path, expected = shared_table
     evict(path)
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(PROCESSES, mp_context=context) as processes:
-        futures = [processes.submit(_gather_digests, str(path), 100 + p, len(expected))
-                   for p in range(PROCESSES)]
-        with open_table(path) as table:
-            wrong = _threads_gather(table, expected)
-        digests = [future.result() for future in futures]
+    children = [subprocess.Popen([sys.executable, "-c", CHILD, str(path), str(100 + p), str(len(expected))],
+                                 stdout=subprocess.PIPE, text=True, env=child_environment())
+                for p in range(PROCESSES)]
+    with open_table(path) as table:
+        wrong = _threads_gather(table, expected)
+    outputs = [child.communicate(timeout=300)[0] for child in children]
+    assert [child.returncode for child in children] == [0] * PROCESSES
+    digests = [json.loads(output) for output in outputs]
     assert wrong == [0] * THREADS
     for p, worker_digests in enumerate(digests):
         assert worker_digests == [hashlib.sha256(expected[_ids(100 + p, r, len(expected))]).hexdigest()

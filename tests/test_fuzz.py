@@ -465,10 +465,12 @@ def test_load_manifest_refuses_huge_or_deep_files_before_reading():
 
 # --- no pickle ------------------------------------------------------------------------------------
 
-def test_package_never_unpickles():
-    package = Path(__file__).resolve().parent.parent / "ple_prep"
+def _unpickling_lines(folder: Path, skip: tuple[Path, ...] = ()) -> list[str]:
+    """Lines of the .py files under `folder` that unpickle or hand data through a pickling channel."""
     offenders = []
-    for path in package.rglob("*.py"):
+    for path in folder.rglob("*.py"):
+        if path in skip:
+            continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#")[0]
             # The process pools and queues of concurrent.futures and multiprocessing pickle what they carry.
@@ -478,5 +480,15 @@ def test_package_never_unpickles():
                     or re.search(r"allow_pickle\s*=\s*True", code)
                     or re.search(r"torch\.load\((?!.*weights_only=True)", code)
                     or (re.search(r"\bnp\.load\(", code) and "allow_pickle=False" not in code)):
-                offenders.append(f"{path.relative_to(package)}:{number}: {line.strip()}")
-    assert offenders == []
+                offenders.append(f"{path.relative_to(folder)}:{number}: {line.strip()}")
+    return offenders
+
+
+def test_package_never_unpickles():
+    assert _unpickling_lines(Path(__file__).resolve().parent.parent / "ple_prep") == []
+
+
+def test_benchmarks_and_tests_never_unpickle():
+    root = Path(__file__).resolve().parent.parent
+    for folder in ("bench", "tests", "scripts"):
+        assert _unpickling_lines(root / folder, skip=(Path(__file__).resolve(),)) == []
