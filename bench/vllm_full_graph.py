@@ -99,6 +99,15 @@ def side_by_side(mine: list[float], theirs: list[float], names=("full_graph_look
             "p90_ratio": round(float(np.percentile(mine, 90) / np.percentile(theirs, 90)), 4)}
 
 
+def block_ratios(mine: list[float], theirs: list[float], block: int) -> dict:
+    """The ratio of the two sides' medians over each pair of blocks `alternate` ran next to each other:
+    unlike the pooled percentiles, a drift of the GPU's speed over the run (its clocks) moves both
+    sides of a pair alike."""
+    ratios = [float(np.median(mine[i:i + block]) / np.median(theirs[i:i + block])) for i in range(0, len(mine), block)]
+    return {"blocks": len(ratios), "median": round(float(np.median(ratios)), 4),
+            "p90": round(float(np.percentile(ratios, 90)), 4), "max": round(max(ratios), 4)}
+
+
 class ProxyStep:
     """One step as one CUDA graph: ids from a device pool, `lookup`, other work, a consumer."""
 
@@ -320,7 +329,7 @@ def warm_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
         checked = min(len(requests), steps, 8 if name == "chunk" else steps)
         report[name] = {
             "steps": steps, "distinct_id_sets": len(requests), "other_work_ms": round(work.ms, 3),
-            **side_by_side(mine, theirs),
+            **side_by_side(mine, theirs), "block_ratios": block_ratios(mine, theirs, block),
             "bit_exact": exact_history(table, ours, requests, checked)
             and exact_history(table, reference, requests, checked),
             "late_steps": after["late"] - before["late"], "late_steps_after": late_after,
@@ -429,7 +438,7 @@ def batched_section(path: Path, resident: int, row_ids: np.ndarray, other: Other
         checked = min(steps, 200)
         report[f"{tokens}_tokens"] = {
             "ids": tokens * 16, "through_kernels": tokens * 16 <= lookup.kernel_max_ids,
-            **side_by_side(mine, theirs),
+            **side_by_side(mine, theirs), "block_ratios": block_ratios(mine, theirs, 100),
             "bit_exact": exact_history(table, ours, requests, checked) and exact_history(table, reference, requests,
                                                                                          checked),
             "late_steps": after["late"] - before["late"]}
