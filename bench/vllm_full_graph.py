@@ -552,6 +552,10 @@ def busy_launching(ms: float, scratch: torch.Tensor) -> tuple[float, int]:
         stalls += busy_watching(0.1)
 
 
+def run_pending_collection() -> None:
+    """Nothing: its entry is where the interpreter runs a garbage collection already due (CallWatch.counters)."""
+
+
 class CallWatch:
     """What else happened while a timed call ran: the thread's context switches (getrusage:
     involuntary, the thread preempted; voluntary, it blocked), its page faults (minor and major:
@@ -577,7 +581,11 @@ class CallWatch:
     def counters() -> tuple[int, int, int, int]:
         """This thread's voluntary and involuntary context switches, page faults and CPU ns so far."""
         usage = resource.getrusage(resource.RUSAGE_THREAD)
-        return usage.ru_nvcsw, usage.ru_nivcsw, usage.ru_minflt + usage.ru_majflt, time.thread_time_ns()
+        counted = usage.ru_nvcsw, usage.ru_nivcsw, usage.ru_minflt + usage.ru_majflt, time.thread_time_ns()
+        # From Python 3.12 a collection that an allocation sets off runs at the next Python call's entry:
+        # one that these counters' objects set off would run in the timed call that follows them.
+        run_pending_collection()
+        return counted
 
     def causes(self, spans: list[tuple[float, float, tuple[int, ...], tuple[int, ...]]]) -> dict:
         """Of calls timed over 0.1 ms (began, ended, counters before and after, each), how many

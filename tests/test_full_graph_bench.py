@@ -47,6 +47,28 @@ def test_slow_calls_are_put_down_to_blocking_preemption_faults_collection_or_whe
     assert causes == {"blocked": 1, "preempted": 1, "faulted": 1, "collection": 1, "off_cpu": 1, "on_cpu": 1}
 
 
+def test_a_collection_the_counters_set_off_runs_before_the_timed_call_not_in_it():
+    bench = _bench()
+    watch, spans, kept = bench.CallWatch(), [], []
+    threshold = gc.get_threshold()
+    gc.set_threshold(50, *threshold[1:])
+    try:
+        with watch:
+            for k in range(5000):
+                kept.append(bench.CallWatch.counters())  # kept: each read leaves objects to the collector
+                began = time.perf_counter()
+                _timed_call(k)
+                spans.append((began, time.perf_counter()))
+    finally:
+        gc.set_threshold(*threshold)
+    assert len(watch.collection_starts) > 50
+    assert not [at for at in watch.collection_starts for began, ended in spans if began <= at <= ended]
+
+
+def _timed_call(k: int) -> int:
+    return k
+
+
 def test_block_ratios_pair_the_blocks_that_ran_next_to_each_other():
     # The GPU twice as slow from the second pair of blocks on (the last block a short one): each pair
     # still says 1.01x.
