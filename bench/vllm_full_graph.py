@@ -12,7 +12,8 @@ standing for decoder layer 0, `StepLookup.finish`, and a consumer (a product of 
 copy of them into a history row, checked bit for bit against `Table.values` after the loop). The
 reference graph is the same with the lookup replaced by the same decode kernel over a table held
 whole on the GPU (its index: each id's file slot). Steps are timed by CUDA events around each
-replay, the two graphs alternating in blocks; p50 and p90 of each and their ratios.
+replay, the two graphs alternating in blocks; p50 and p90 of each and their ratios, and the ratio
+of each pair of blocks run next to each other (`block_ratios`).
 
 - warm: every page of the file in the page cache (`read_path="mapped"`): decode steps (1 token, 16
   rows, tokens spread over the text) and 4,096-token chunks (65,536 rows) with at least
