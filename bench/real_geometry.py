@@ -11,11 +11,11 @@ Steps, in order (seconds and peak RSS of each child, from os.wait4):
    (one JSON line a document, tokenised by the profile's workers).
 3. convert: `ple-prep convert --profile` (cold page cache) against `cat` of the .gguf into a file
    on the same disk (cold, fsynced), alternating which goes first (the last round's convert goes
-   last), `--rounds` pairs; ratio = copy seconds / convert seconds of a round. The last convert's
-   table is kept for the next steps. With `--old-tree OLD` (a checkout of an older commit, its
-   compiled helper built: `git worktree add OLD COMMIT`, then `python setup.py build_ext --inplace`
-   there), that checkout's convert runs in each round too, the three in turn, and `old_ratio` is its
-   seconds over this one's.
+   last), `--rounds` pairs; ratio = copy seconds / convert seconds of a round (`totals_ratio`: of
+   all rounds' seconds). The last convert's table is kept for the next steps. With `--old-tree OLD`
+   (a checkout of an older commit, its compiled helper built: `git worktree add OLD COMMIT`, then
+   `python setup.py build_ext --inplace` there), that checkout's convert runs in each round too, the
+   three in turn, and `old_ratio` is its seconds over this one's.
 4. verify: `ple-prep verify --sample N` against the checkpoint.
 5. first gather: bench/first_gather.py (the first gather after open against a later one).
 6. bench: `ple-prep bench` of the table (real-text gathers, cold and warm; fio when installed).
@@ -176,7 +176,11 @@ def main() -> None:
         rounds.append(pair)
         print(f"round {index}: {pair}", file=sys.stderr)
     manifest = json.loads(table.with_name(table.name + ".json").read_text())
-    results["convert"] = {"rounds": rounds, "source_bytes": model.stat().st_size,
+    # The rounds' totals: the disk's speed moves by the minute on a shared disk, so one round can
+    # fall in a slow spell on one side; over alternating rounds both sides meet the spells alike.
+    results["convert"] = {"rounds": rounds, "totals_ratio": round(sum(pair["copy_s"] for pair in rounds)
+                                                                  / sum(pair["convert_s"] for pair in rounds), 3),
+                          "source_bytes": model.stat().st_size,
                           "table_bytes": manifest["file_size"], "layout": manifest["layout"] | {"profile": None}}
     evict(table)
     report = args.dir / "verify.json"

@@ -31,6 +31,9 @@ def _check(results: dict, folder: Path) -> None:
         assert results[name]["seconds"] > 0 and results[name]["peak_rss_mib"] > 0
     for pair in results["convert"]["rounds"]:
         assert pair["copy_s"] > 0 and pair["convert_s"] > 0 and pair["convert_peak_rss_mib"] > 0
+    rounds = results["convert"]["rounds"]
+    assert results["convert"]["totals_ratio"] == round(sum(pair["copy_s"] for pair in rounds)
+                                                       / sum(pair["convert_s"] for pair in rounds), 3)
     # Everything the run wrote is gone but what --keep keeps.
     assert sorted(p.name for p in folder.iterdir()) == ["ckpt"]
 
