@@ -47,6 +47,8 @@ def test_slow_calls_are_put_down_to_blocking_preemption_faults_collection_or_whe
     assert causes == {"blocked": 1, "preempted": 1, "faulted": 1, "collection": 1, "off_cpu": 1, "on_cpu": 1}
 
 
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="before Python 3.12 a collection runs inside the allocation "
+                                                       "that sets it off, so none can reach the timed call")
 def test_a_collection_the_counters_set_off_runs_before_the_timed_call_not_in_it():
     bench = _bench()
     watch, spans, kept = bench.CallWatch(), [], []
@@ -74,8 +76,9 @@ def test_block_ratios_pair_the_blocks_that_ran_next_to_each_other():
     # still says 1.01x.
     mine = [1.01, 1.01, 2.02, 2.02, 2.02]
     theirs = [1.0, 1.0, 2.0, 2.0, 2.0]
-    assert _bench().block_ratios(mine, theirs, 2) == {"blocks": 3, "median": 1.01, "p90": 1.01, "max": 1.01}
-    uneven = _bench().block_ratios([1.0, 1.0, 3.0, 3.0], [1.0, 1.0, 2.0, 2.0], 2)
+    bench = _bench()
+    assert bench.block_ratios(mine, theirs, 2) == {"blocks": 3, "median": 1.01, "p90": 1.01, "max": 1.01}
+    uneven = bench.block_ratios([1.0, 1.0, 3.0, 3.0], [1.0, 1.0, 2.0, 2.0], 2)
     assert uneven == {"blocks": 2, "median": 1.25, "p90": 1.45, "max": 1.5}
 
 
