@@ -109,6 +109,13 @@ def block_ratios(mine: list[float], theirs: list[float], block: int) -> dict:
             "p90": round(float(np.percentile(ratios, 90)), 4), "max": round(max(ratios), 4)}
 
 
+def save_step_times(path: Path, step_ms: dict[str, tuple[list[float], list[float]]]) -> None:
+    """Each section's two sides' step times (ms) into `path` (.npz): `<section>_full_graph_lookup` and
+    `<section>_resident_table`."""
+    np.savez(path, **{f"{name}_{side}": np.array(times[k]) for name, times in step_ms.items()
+                      for k, side in enumerate(("full_graph_lookup", "resident_table"))})
+
+
 class ProxyStep:
     """One step as one CUDA graph: ids from a device pool, `lookup`, other work, a consumer."""
 
@@ -312,7 +319,11 @@ def cold_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
 
 def warm_section(path: Path, resident: int, decode: list[np.ndarray], chunks: list[np.ndarray],
                  other: OtherWork, chunk_other: OtherWork, args) -> dict:
+    """The warm steps side by side; with `args.step_times`, each side's step times (ms, in the order
+    they ran; block k of one side ran next to block k of the other) saved there as .npz, to look at
+    the bands behind a ratio."""
     table = warm_mapped_table(path)
+    step_ms = {}
     lookup = StepLookup(table, device="cuda", resident_bytes=resident, max_ids=CHUNK_TOKENS * 16)
     began = time.perf_counter()
     full = EmbeddingSource(table, device="cuda", resident_bytes=table.num_rows * table.row_bytes, max_ids=16)
@@ -325,6 +336,7 @@ def warm_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
         reference = resident_graph(full, slot_pool_of(table, requests), work)
         before = lookup.stats()
         mine, theirs, late_after = alternate(ours, reference, steps, block, late=lookup)
+        step_ms[name] = (mine, theirs)
         lookup.check()
         after = lookup.stats()
         checked = min(len(requests), steps, 8 if name == "chunk" else steps)
@@ -348,6 +360,8 @@ def warm_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
     with PythonBusy():
         mine, theirs, _ = alternate(ours, reference, 300, 100)
     report["decode_busy_gil"] = {**side_by_side(mine, theirs), "late_steps": lookup.stats()["late"] - before["late"]}
+    if args.step_times is not None:
+        save_step_times(args.step_times, step_ms)
     report["exact_poisoned_warm"] = exact_replays(table, lookup, lookup_graph(lookup, pool_of(decode[:200]), other),
                                                   decode[:200])
     chunk_proxy = lookup_graph(lookup, pool_of(chunks[:4]), chunk_other)
@@ -865,6 +879,8 @@ def main() -> None:
     parser.add_argument("--driver-queues", action="store_true",
                         help="the driver's launch queues as the environment sets them, not as the vLLM plugin "
                              "sizes them when it serves a table")
+    parser.add_argument("--step-times", type=Path,
+                        help="the warm section: each side's step times (ms) saved here as .npz")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     sections = set(args.sections.split(","))

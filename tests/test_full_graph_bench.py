@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -80,6 +81,17 @@ def test_block_ratios_pair_the_blocks_that_ran_next_to_each_other():
     assert bench.block_ratios(mine, theirs, 2) == {"blocks": 3, "median": 1.01, "p90": 1.01, "max": 1.01}
     uneven = bench.block_ratios([1.0, 1.0, 3.0, 3.0], [1.0, 1.0, 2.0, 2.0], 2)
     assert uneven == {"blocks": 2, "median": 1.25, "p90": 1.45, "max": 1.5}
+
+
+def test_step_times_are_saved_by_section_and_side_in_the_order_they_ran(tmp_path):
+    path = tmp_path / "steps.npz"
+    _bench().save_step_times(path, {"decode": ([1.5, 1.6], [1.4, 1.7]), "chunk": ([3.3], [3.2])})
+    with np.load(path) as saved:
+        assert sorted(saved.files) == ["chunk_full_graph_lookup", "chunk_resident_table",
+                                       "decode_full_graph_lookup", "decode_resident_table"]
+        assert saved["decode_full_graph_lookup"].tolist() == [1.5, 1.6]
+        assert saved["decode_resident_table"].tolist() == [1.4, 1.7]
+        assert saved["chunk_resident_table"].tolist() == [3.2]
 
 
 def test_a_call_that_computes_counts_its_cpu_time():

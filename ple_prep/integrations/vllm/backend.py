@@ -81,26 +81,23 @@ def default_resident_bytes(table: Table) -> int:
 
 
 class _KeptFailure:
-    """Around a call of a PrefetchedRows' source: its error kept for every later `start` and `check`.
-    Under a lock: the source hands an error out once, and a thread checking a step's output must not
-    pass while the worker's thread is between taking it and keeping it (traffic.py). An object, not
-    a generator's context: it is entered at every start and finish. With a shared record
-    (failures.py) the error is written there too, for the rank that hands the step's output over."""
+    """A PrefetchedRows' source's error, kept for every later `start` and `check`. The calls that may
+    raise it run holding `lock`: the source hands an error out once, and a thread checking a step's
+    output must not pass while the worker's thread is between taking it and keeping it (traffic.py).
+    They take the lock in a try block, not a `with`: entering a `with` makes bound-method objects,
+    which count towards Python's next garbage collection, and these calls run at every step. With a
+    shared record (failures.py) the error is written there too, for the rank that hands the step's
+    output over."""
 
     def __init__(self, record: FailureRecord | None):
         self.error: BaseException | None = None
         self.record = record
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
 
-    def __enter__(self) -> None:
-        self._lock.acquire()
-
-    def __exit__(self, kind, error, traceback) -> None:
-        if isinstance(error, Exception):
-            self.error = error
-            if self.record is not None:
-                self.record.publish(error)
-        self._lock.release()
+    def keep(self, error: Exception) -> None:
+        self.error = error
+        if self.record is not None:
+            self.record.publish(error)
 
 
 class PrefetchedRows:
@@ -171,11 +168,17 @@ class PrefetchedRows:
     def check(self) -> None:
         """Raise the error of a failed step (StepLookup.check), and from then on at every call;
         without the helper `finish` raises its errors itself."""
-        if self._failure.error is None and self.graph_safe:
-            with self._failure:
+        failure = self._failure
+        if failure.error is None and self.graph_safe:
+            failure.lock.acquire()
+            try:
                 self.source.check()
-        if self._failure.error is not None:
-            raise self._failure.error
+            except Exception as error:
+                failure.keep(error)
+            finally:
+                failure.lock.release()
+        if failure.error is not None:
+            raise failure.error
 
     def close(self) -> None:
         self.source.close()
@@ -202,12 +205,20 @@ class PrefetchedRows:
             owned = (ids >= self._owned_from) & (ids < self._owned_to)
             self._owned = owned.view(-1, self.heads, 1)
             ids = ids.where(owned, self.table.row_range[0])
-        # The source reads the ids in row-major order, any shape.
-        with self._failure:  # its check takes a failed step's error (as `check`)
+        # The source reads the ids in row-major order, any shape; its check takes a failed step's
+        # error (as `check`).
+        failure = self._failure
+        failure.lock.acquire()
+        try:
             if self.graph_safe:
                 self.source.start(ids, finish_in_same_graph=finish_in_same_graph)
             else:
                 self.source.start(ids)
+        except Exception as error:
+            failure.keep(error)
+            raise
+        finally:
+            failure.lock.release()
         self._started = count
 
     def finish(self) -> torch.Tensor:
@@ -216,12 +227,18 @@ class PrefetchedRows:
         if self._started is None:
             raise RuntimeError("the PLE lookup was finished without a start")
         count, self._started = self._started, None
+        failure = self._failure
+        failure.lock.acquire()
         try:
-            with self._failure:
-                values = self.source.finish()
-        except Exception:
-            if self._failure.record is None:
+            values = self.source.finish()
+        except Exception as error:
+            failure.keep(error)
+            if failure.record is None:
                 raise
+            values = None
+        finally:
+            failure.lock.release()
+        if values is None:
             # A lookup that raises here (EmbeddingSource; StepLookup on the CPU) would do it before the
             # ranks' all-reduce, where the other ranks wait for this one until vLLM's timeout. With
             # other ranks to tell (failures.py) the step completes with NaN values, as StepLookup's
