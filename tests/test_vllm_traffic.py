@@ -359,8 +359,7 @@ def test_an_error_raised_without_the_service_thread_is_written_to_the_record(tmp
     record = worker.own
     kept = backend._KeptFailure(record)
     for message in ("first", "second"):
-        with pytest.raises(OSError), kept:
-            raise OSError(5, message)
+        kept.keep(OSError(5, message))
     other = failures.SharedFailures("instance-8", 1, 2, folder=tmp_path)
     assert str(other.first_error()) == "the PLE lookup of rank 0 failed a step: OSError: [Errno 5] first"
     worker.remove()
