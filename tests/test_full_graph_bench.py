@@ -86,7 +86,7 @@ def test_block_ratios_pair_the_blocks_that_ran_next_to_each_other():
 def test_step_times_are_saved_by_section_and_side_in_the_order_they_ran(tmp_path):
     path = tmp_path / "steps.npz"
     _bench().save_step_times(path, {"decode": ([1.5, 1.6], [1.4, 1.7]), "chunk": ([3.3], [3.2])})
-    with np.load(path) as saved:
+    with np.load(path, allow_pickle=False) as saved:
         assert sorted(saved.files) == ["chunk_full_graph_lookup", "chunk_resident_table",
                                        "decode_full_graph_lookup", "decode_resident_table"]
         assert saved["decode_full_graph_lookup"].tolist() == [1.5, 1.6]
