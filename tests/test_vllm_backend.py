@@ -47,7 +47,7 @@ def test_start_finish_equals_the_tables_values_across_tiers(fp8_table, device):
 def test_a_steps_calls_set_off_no_garbage_collection_of_their_own(fp8_table, device, tokens):
     """vLLM calls start, finish and check at every step. A collection that an object made in them sets
     off runs inside the call (from Python 3.12), so the plugin's own part makes none: its steps set off
-    no more collections than its lookup's calls alone, and on a GPU, where those make none, none."""
+    no more collections than its lookup's calls alone."""
     with open_table(fp8_table) as table:
         rows = PrefetchedRows(table, device=device, resident_bytes=4000 * 160, max_tokens=64, heads=16)
         ids = np.random.default_rng(2).integers(0, FIXTURE_ROWS, (tokens, 16))
@@ -66,8 +66,6 @@ def test_a_steps_calls_set_off_no_garbage_collection_of_their_own(fp8_table, dev
             # The least of three counts: now and then a round sets off one more, on either side.
             steps = min(collections_set_off(lambda: step(rows)) for _ in range(3))
             assert steps == min(collections_set_off(lambda: step(rows.source)) for _ in range(3))
-            if device == "cuda":
-                assert steps == 0
             np.testing.assert_array_equal(bits(served[-1]), expected_bits(table, ids))
         finally:
             rows.close()
