@@ -1,6 +1,7 @@
-"""How often calls set off Python's garbage collector. A call that makes an object the collector tracks
-(a tuple, a bound method, a tensor's Python object) counts towards the next collection; from Python
-3.12 that collection runs at the next Python call's entry, which may be inside a step's timed call."""
+"""How often calls set off Python's garbage collector. A call that makes an object the collector counts
+(a bound method, a tensor's Python object; a tuple or a list only when its free list is empty) moves
+it towards its next collection; from Python 3.12 that collection runs at the next Python call's
+entry, which may be inside a step's timed call."""
 from __future__ import annotations
 
 import gc
@@ -17,9 +18,8 @@ def _nothing() -> None:
 
 
 def collections_set_off(call: Callable[[], None], rounds: int = 50) -> int:
-    """Of `rounds` calls of `call`, how many set off a collection: each starts with the youngest
-    generation's count one object short of a threshold of 1, so the first object the call makes and
-    still holds when it makes another sets one off."""
+    """How many collections `rounds` calls of `call` set off: each call starts with the youngest
+    generation's count at its threshold, set to 1, so the first object the call makes sets one off."""
     seen: list[int] = []
 
     def started(phase: str, info: dict) -> None:
