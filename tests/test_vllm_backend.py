@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from support.bf16_bits import bits, expected_bits  # noqa: E402
-from support.collections import collections_set_off  # noqa: E402
+from support.garbage_collections import collections_set_off  # noqa: E402
 from support.step_calls import captured_step  # noqa: E402
 
 from ple_prep.integrations.vllm.backend import (  # noqa: E402
