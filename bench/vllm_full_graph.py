@@ -13,7 +13,10 @@ copy of them into a history row, checked bit for bit against `Table.values` afte
 reference graph is the same with the lookup replaced by the same decode kernel over a table held
 whole on the GPU (its index: each id's file slot). Steps are timed by CUDA events around each
 replay, the two graphs alternating in blocks; p50 and p90 of each and their ratios, and the ratio
-of each pair of blocks run next to each other (`block_ratios`).
+of each pair of blocks run next to each other (`block_ratios`). With `--interleave` the warm
+section's two graphs alternate step by step instead (`interleave`): the GPU's clocks drift by
+several percent over a block of steps, so there the pooled percentiles compare steps that ran under
+the same clocks, and `pair_ratios` gives each pair's ratio.
 
 - warm: every page of the file in the page cache (`read_path="mapped"`): decode steps (1 token, 16
   rows, tokens spread over the text) and 4,096-token chunks (65,536 rows) with at least
@@ -210,6 +213,38 @@ def alternate(first: ProxyStep, second: ProxyStep, steps: int, block: int,
     return (*times, late_after if late is not None else None)
 
 
+def interleave(first: ProxyStep, second: ProxyStep, steps: int, group: int = 250, *, event=None,
+               synchronize=None) -> tuple[list[float], list[float]]:
+    """Each side's GPU ms per step, the two graphs replayed step by step (first then second, then
+    second then first, and so on), queued back to back with an event between replays and a
+    synchronize every `group` pairs (whose first pair's order alternates too). `event` and
+    `synchronize` default to CUDA's."""
+    event = event or (lambda: torch.cuda.Event(enable_timing=True))
+    synchronize = synchronize or torch.cuda.synchronize
+    sides, times = (first, second), ([], [])
+    for begin in range(0, steps, group):
+        count = min(group, steps - begin)
+        orders = [(0, 1) if (begin // group + k) % 2 == 0 else (1, 0) for k in range(count)]
+        marks = [event() for _ in range(2 * count + 1)]
+        marks[0].record()
+        for k, order in enumerate(orders):
+            for j, side in enumerate(order):
+                sides[side].graph.replay()
+                marks[2 * k + j + 1].record()
+        synchronize()
+        for k, order in enumerate(orders):
+            for j, side in enumerate(order):
+                times[side].append(marks[2 * k + j].elapsed_time(marks[2 * k + j + 1]))
+    return times
+
+
+def pair_ratios(mine: list[float], theirs: list[float]) -> dict:
+    """The ratios of the steps `interleave` ran next to each other: their median and p90."""
+    ratios = np.array(mine) / np.array(theirs)
+    return {"pairs": len(ratios), "median": round(float(np.median(ratios)), 4),
+            "p90": round(float(np.percentile(ratios, 90)), 4)}
+
+
 def poison(lookup: StepLookup) -> None:
     buffers = lookup.buffers
     lookup.output.fill_(float("nan"))
@@ -320,8 +355,8 @@ def cold_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
 def warm_section(path: Path, resident: int, decode: list[np.ndarray], chunks: list[np.ndarray],
                  other: OtherWork, chunk_other: OtherWork, args) -> dict:
     """The warm steps side by side; with `args.step_times`, each side's step times (ms, in the order
-    they ran; block k of one side ran next to block k of the other) saved there as .npz, to look at
-    the bands behind a ratio."""
+    they ran; block k of one side ran next to block k of the other, or step k with `args.interleave`)
+    saved there as .npz, to look at the bands behind a ratio."""
     table = warm_mapped_table(path)
     step_ms = {}
     lookup = StepLookup(table, device="cuda", resident_bytes=resident, max_ids=CHUNK_TOKENS * 16)
@@ -335,14 +370,19 @@ def warm_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
         ours = lookup_graph(lookup, pool_of(requests), work)
         reference = resident_graph(full, slot_pool_of(table, requests), work)
         before = lookup.stats()
-        mine, theirs, late_after = alternate(ours, reference, steps, block, late=lookup)
+        if args.interleave:
+            mine, theirs = interleave(ours, reference, steps)
+            late_after, pairs = None, {"pair_ratios": pair_ratios(mine, theirs)}
+        else:
+            mine, theirs, late_after = alternate(ours, reference, steps, block, late=lookup)
+            pairs = {"block_ratios": block_ratios(mine, theirs, block)}
         step_ms[name] = (mine, theirs)
         lookup.check()
         after = lookup.stats()
         checked = min(len(requests), steps, 8 if name == "chunk" else steps)
         report[name] = {
             "steps": steps, "distinct_id_sets": len(requests), "other_work_ms": round(work.ms, 3),
-            **side_by_side(mine, theirs), "block_ratios": block_ratios(mine, theirs, block),
+            **side_by_side(mine, theirs), **pairs,
             "bit_exact": exact_history(table, ours, requests, checked)
             and exact_history(table, reference, requests, checked),
             "late_steps": after["late"] - before["late"], "late_steps_after": late_after,
@@ -354,6 +394,13 @@ def warm_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
             "failed_steps": after["failed"] - before["failed"],
             "host_us_per_step": round((after["host_ns"] - before["host_ns"]) / 1e3 / max(1, after["starts"]
                                                                                        - before["starts"]), 1)}
+    if args.steps_only:
+        if args.step_times is not None:
+            save_step_times(args.step_times, step_ms)
+        lookup.close()
+        del full
+        table.close()
+        return report
     ours = lookup_graph(lookup, pool_of(decode[:300]), other)
     reference = resident_graph(full, slot_pool_of(table, decode[:300]), other)
     before = lookup.stats()
@@ -879,6 +926,10 @@ def main() -> None:
     parser.add_argument("--driver-queues", action="store_true",
                         help="the driver's launch queues as the environment sets them, not as the vLLM plugin "
                              "sizes them when it serves a table")
+    parser.add_argument("--interleave", action="store_true",
+                        help="the warm section's two graphs alternating step by step, not in blocks")
+    parser.add_argument("--steps-only", action="store_true",
+                        help="the warm section's decode steps and chunks alone: no GIL, poisoned, host or mixed part")
     parser.add_argument("--step-times", type=Path,
                         help="the warm section: each side's step times (ms) saved here as .npz")
     parser.add_argument("--out", type=Path)

@@ -28,7 +28,7 @@ w, c = r.get("warm"), r.get("cold")
 for name in ("decode", "chunk"):
     if w:
         print(f"warm {name}: p50 {w[name]['full_graph_lookup']['p50_ms']} vs {w[name]['resident_table']['p50_ms']} ms,"
-              f" ratio p50 {w[name]['p50_ratio']} p90 {w[name]['p90_ratio']} (blocks {w[name].get('block_ratios')}), exact {w[name]['bit_exact']},"
+              f" ratio p50 {w[name]['p50_ratio']} p90 {w[name]['p90_ratio']} (blocks {w[name].get('block_ratios')}, pairs {w[name].get('pair_ratios')}), exact {w[name]['bit_exact']},"
               f" late {w[name]['late_steps']} (by what ran before their block: {w[name].get('late_steps_after')};"
               f" the thread's time on them {w[name].get('late_host_us')} us)")
     for label, cold in (("cold", c), ("cold, host cache", r.get("cold_host_cache"))):

@@ -83,6 +83,38 @@ def test_block_ratios_pair_the_blocks_that_ran_next_to_each_other():
     assert uneven == {"blocks": 2, "median": 1.25, "p90": 1.45, "max": 1.5}
 
 
+def test_interleaved_sides_alternate_step_by_step_and_each_keeps_its_own_times():
+    clock, ran = [0.0], []
+
+    class Event:
+        def record(self):
+            self.at = clock[0]
+
+        def elapsed_time(self, later):
+            return later.at - self.at
+
+    class Side:
+        def __init__(self, name, ms):
+            self.graph = self
+            self.name, self.ms = name, ms
+
+        def replay(self):
+            ran.append(self.name)
+            clock[0] += self.ms * (1 + len(ran) / 10)  # the GPU slowing down step by step
+
+    synchronized = []
+    mine, theirs = _bench().interleave(Side("a", 1.01), Side("b", 1.0), 5, group=2, event=Event,
+                                       synchronize=lambda: synchronized.append(len(ran)))
+    # Pairs ab, ba | ba, ab | ab: each group's first pair turns too; a synchronize ends each group.
+    assert "".join(ran) == "abba" + "baab" + "ab"
+    assert synchronized == [4, 8, 10]
+    assert len(mine) == len(theirs) == 5
+    assert mine[0] == pytest.approx(1.01 * 1.1) and theirs[0] == pytest.approx(1.0 * 1.2)
+    assert mine[1] == pytest.approx(1.01 * 1.4) and theirs[1] == pytest.approx(1.0 * 1.3)
+    pairs = _bench().pair_ratios([1.01, 2.02, 3.0], [1.0, 2.0, 2.0])
+    assert pairs == {"pairs": 3, "median": 1.01, "p90": 1.402}
+
+
 def test_step_times_are_saved_by_section_and_side_in_the_order_they_ran(tmp_path):
     path = tmp_path / "steps.npz"
     _bench().save_step_times(path, {"decode": ([1.5, 1.6], [1.4, 1.7]), "chunk": ([3.3], [3.2])})
