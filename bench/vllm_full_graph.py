@@ -239,10 +239,10 @@ def interleave(first: ProxyStep, second: ProxyStep, steps: int, group: int = 250
 
 
 def pair_ratios(mine: list[float], theirs: list[float]) -> dict:
-    """The ratios of the steps `interleave` ran next to each other: their median and p90."""
-    ratios = np.array(mine) / np.array(theirs)
-    return {"pairs": len(ratios), "median": round(float(np.median(ratios)), 4),
-            "p90": round(float(np.percentile(ratios, 90)), 4)}
+    """The ratios of the steps `interleave` ran next to each other (block_ratios of one-step blocks):
+    their median and p90."""
+    ratios = block_ratios(mine, theirs, 1)
+    return {"pairs": ratios["blocks"], "median": ratios["median"], "p90": ratios["p90"]}
 
 
 def poison(lookup: StepLookup) -> None:
@@ -394,9 +394,9 @@ def warm_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
             "failed_steps": after["failed"] - before["failed"],
             "host_us_per_step": round((after["host_ns"] - before["host_ns"]) / 1e3 / max(1, after["starts"]
                                                                                        - before["starts"]), 1)}
+    if args.step_times is not None:
+        save_step_times(args.step_times, step_ms)
     if args.steps_only:
-        if args.step_times is not None:
-            save_step_times(args.step_times, step_ms)
         lookup.close()
         del full
         table.close()
@@ -407,8 +407,6 @@ def warm_section(path: Path, resident: int, decode: list[np.ndarray], chunks: li
     with PythonBusy():
         mine, theirs, _ = alternate(ours, reference, 300, 100)
     report["decode_busy_gil"] = {**side_by_side(mine, theirs), "late_steps": lookup.stats()["late"] - before["late"]}
-    if args.step_times is not None:
-        save_step_times(args.step_times, step_ms)
     report["exact_poisoned_warm"] = exact_replays(table, lookup, lookup_graph(lookup, pool_of(decode[:200]), other),
                                                   decode[:200])
     chunk_proxy = lookup_graph(lookup, pool_of(chunks[:4]), chunk_other)
