@@ -399,6 +399,14 @@ def _cross_fields_hold(m: dict) -> bool:
     return True
 
 
+def _holds_rounded_whole_float(value) -> bool:
+    if isinstance(value, dict):
+        return any(_holds_rounded_whole_float(item) for item in value.values())
+    if isinstance(value, list):
+        return any(_holds_rounded_whole_float(item) for item in value)
+    return isinstance(value, float) and value.is_integer() and abs(value) >= 2**53
+
+
 @settings(max_examples=EXAMPLES["manifest_mutated"], **FAST)
 @given(PATHS, st.lists(JSON_VALUES | HOSTILE_INTS, min_size=3, max_size=3), st.booleans())
 def test_validate_manifest_mutated_fields_give_bad_input(paths, values, delete):
@@ -414,7 +422,9 @@ def test_validate_manifest_mutated_fields_give_bad_input(paths, values, delete):
             target[key] = value
     try:
         validate_with_schema(manifest)
-        expected = _cross_fields_hold(manifest)
+        # A whole float at or above 2**53 is an integer to the schema, which cannot tell 1.0 from
+        # 1, but a double may have rounded it: the reader refuses it where an integer is needed.
+        expected = None if _holds_rounded_whole_float(manifest) else _cross_fields_hold(manifest)
     except BadInput:
         expected = None  # the reader's fast check is a subset of the schema: it may accept this
     try:

@@ -139,6 +139,45 @@ def test_former_disagreements_are_refused_by_both(case, manifests):
         validate_manifest(manifest)
 
 
+def _integers_written_as_floats(value):
+    """`value` with every integer (not bool) below 2**53 written as a float, as some JSON tools do."""
+    if isinstance(value, dict):
+        return {key: _integers_written_as_floats(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_integers_written_as_floats(item) for item in value]
+    if type(value) is int and abs(value) < 2**53:
+        return float(value)
+    return value
+
+
+def test_a_table_whose_manifest_writes_integers_as_floats_opens_and_reads_the_same(fp8_table, tmp_path):
+    import shutil
+
+    from ple_prep.runtime import open_table
+
+    table = tmp_path / "t.bin"
+    shutil.copyfile(fp8_table, table)
+    manifest = json.loads(manifest_path(fp8_table).read_text())
+    floated = _integers_written_as_floats(manifest)
+    assert floated["format_version"] == 2.0 and isinstance(floated["num_rows"], float)
+    assert VALIDATOR.is_valid(floated)  # the schema cannot tell 2.0 from 2
+    manifest_path(table).write_text(json.dumps(floated))
+    ids = np.arange(0, FIXTURE_ROWS, 7)
+    with open_table(fp8_table) as written, open_table(table) as rewritten:
+        assert rewritten.manifest == manifest  # the floats read back as the integers they are
+        assert np.array_equal(rewritten.gather(ids), written.gather(ids))
+
+
+def test_reader_refuses_a_whole_float_a_double_may_have_rounded_where_an_integer_is_needed(manifests):
+    # A multiplier is a u64: as a float at or above 2**53 it may have lost bits on its way.
+    manifest = copy.deepcopy(manifests["bf16"])
+    manifest["ngram"]["multipliers"][0] = float(2**60)
+    with pytest.raises(BadInput, match="multipliers"):
+        validate_manifest(manifest)
+    manifest["ngram"]["multipliers"][0] = 2**60
+    validate_manifest(manifest)
+
+
 def test_the_schema_ships_in_the_package():
     # The wheel's package data names the schema, and the docs link to it, not to a copy.
     pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()

@@ -37,6 +37,10 @@ _SHA256 = re.compile(_PROPERTIES["source"]["properties"]["table_sha256"]["patter
 _PAGE_SIZES = frozenset(_PROPERTIES["page_size"]["enum"])
 _LAYOUT_KINDS = frozenset(_PROPERTIES["layout"]["properties"]["kind"]["enum"])
 _ENCODINGS_WITH_SCALE = frozenset(("fp8_e4m3", "nvfp4_packed"))
+# JSON, and so the schema, does not tell 1.0 from 1. A double holds every integer below 2**53
+# exactly, so a whole number below it is that integer; one at or above it may have been rounded on
+# its way (the hash's multipliers need all 64 bits), so it stays a float, which an integer field refuses.
+_EXACT_IN_A_DOUBLE = 2**53
 
 
 def _json_types(key: str) -> type | tuple[type, ...] | None:
@@ -117,8 +121,11 @@ def spec_digest(scale: dict[str, Any] | None, ngram: dict[str, Any]) -> bytes:
 
 
 def validate_manifest(manifest: Any, name: str = "manifest") -> None:
+    """BadInput unless `manifest` holds what a reader trusts. Whole numbers written with a fraction
+    (1.0) become the integers they are, in place."""
     if not isinstance(manifest, dict):
         raise BadInput(f"{name}: the manifest is not a JSON object")
+    _whole_numbers_as_ints(manifest)
     wrong = [key for key, kind in _REQUIRED
              if key not in manifest or (kind is not None and not isinstance(manifest[key], kind))
              or (isinstance(manifest[key], bool) and kind is not None and bool not in _as_tuple(kind))]
@@ -182,6 +189,19 @@ def validate_manifest(manifest: Any, name: str = "manifest") -> None:
         raise BadInput(f"{name}: rows [{manifest['first_row']}, +{manifest['num_rows']}) are outside "
                        f"the table of {manifest['total_rows']}")
     _validate_tensor_parallel(manifest, name)
+
+
+def _whole_numbers_as_ints(manifest: dict[str, Any]) -> None:
+    """Each float of `manifest`, at any depth, that is whole and below 2**53 replaced by its int."""
+    pending: list[dict[str, Any] | list[Any]] = [manifest]
+    while pending:
+        node = pending.pop()
+        for key, value in (node.items() if isinstance(node, dict) else enumerate(node)):
+            if isinstance(value, float):
+                if value.is_integer() and abs(value) < _EXACT_IN_A_DOUBLE:
+                    node[key] = int(value)
+            elif isinstance(value, (dict, list)):
+                pending.append(value)
 
 
 def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
