@@ -26,6 +26,7 @@ from ple_prep.core.errors import BadInput
 from ple_prep.format.header import Header
 from ple_prep.format.manifest import load_manifest, validate_manifest, validate_with_schema
 from ple_prep.ngram import NgramSpec
+from ple_prep.offline.profile import Profiler, load_profile, save_profile
 from ple_prep.tools.fixtures import FIXTURE_ROWS, add_gguf_metadata, fixture_config, write_safetensors
 
 # PLE_FUZZ_SCALE multiplies every count for a longer stress run (docs/RELIABILITY.md).
@@ -33,7 +34,7 @@ SCALE = int(os.environ.get("PLE_FUZZ_SCALE", "1"))
 EXAMPLES = {"safetensors_random": 300, "safetensors_structured": 200, "safetensors_mutated": 300,
             "gguf_metadata": 200, "gguf_file_mutated": 300, "header_random": 300,
             "header_fields": 300, "manifest_random": 200, "manifest_mutated": 300,
-            "manifest_bytes": 200}
+            "manifest_bytes": 200, "profile_mutated": 300}
 EXAMPLES = {name: count * SCALE for name, count in EXAMPLES.items()}
 FAST = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SCRATCH = Path(tempfile.mkdtemp(prefix="ple-fuzz-"))
@@ -471,6 +472,41 @@ def test_load_manifest_refuses_huge_or_deep_files_before_reading():
     huge.unlink()
     with pytest.raises(BadInput, match="nests deeper than 64 levels"):
         load_manifest(_write("deep.json", b"{\"a\":" * 50_000 + b"1" + b"}" * 50_000))
+
+
+# --- profile ----------------------------------------------------------------------------------------
+
+def _real_profile_stream() -> bytes:
+    """A real profile's stream before compression: random token ids through the fixture's hash."""
+    import zstandard
+
+    profiler = Profiler(SPEC)
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        profiler.add_request(rng.integers(0, SPEC.vocab_size, size=int(rng.integers(1, 200))))
+    path = SCRATCH / "real.prof"
+    save_profile(profiler.finish(model="fuzz", tokenizer_sha256=None, inputs=[]), path)
+    with open(path, "rb") as handle:
+        return zstandard.ZstdDecompressor().stream_reader(handle).read()
+
+
+REAL_PROFILE = _real_profile_stream()
+
+
+@settings(max_examples=EXAMPLES["profile_mutated"], **FAST)
+@given(MUTATIONS)
+def test_load_profile_mutated_stream_gives_bad_input_or_a_profile(ops):
+    import zstandard
+
+    path = _write("fuzz.prof", zstandard.ZstdCompressor().compress(_mutate(REAL_PROFILE, ops)))
+    try:
+        profile = load_profile(path)
+    except BadInput:
+        return
+    # Accepted: what the planner relies on holds (each order's keys ascend, a count a key).
+    for part in profile.parts.values():
+        for keys, counts in part.groups.values():
+            assert keys.shape == counts.shape and bool(np.all(keys[1:] > keys[:-1]))
 
 
 # --- no pickle ------------------------------------------------------------------------------------

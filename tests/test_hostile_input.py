@@ -303,6 +303,42 @@ def test_a_profile_header_field_of_the_wrong_type_is_named(small_profile, fp8_ch
                                 str(out_dir / "m.prof"), "--quiet"]), message, out_dir)
 
 
+# A .npy header cut inside its shape: numpy's parser raises tokenize.TokenError on it, not ValueError.
+UNCLOSED_NPY_HEADER = b"{'descr': '<u8', 'fortran_order': False, 'shape': (3, "
+
+
+def _npy_record_with_header(header: bytes) -> bytes:
+    header += b" " * (-(len(header) + 11) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header
+
+
+def test_a_profile_whose_array_header_numpy_cannot_tokenize_is_one_error_line(small_profile, fp8_checkpoint,
+                                                                             tmp_path, out_dir, runner):
+    import zstandard
+
+    with open(small_profile, "rb") as handle:
+        data = zstandard.ZstdDecompressor().stream_reader(handle).read()
+    first = data.index(b"\x93NUMPY")
+    header_end = first + 10 + int.from_bytes(data[first + 8:first + 10], "little")
+    profile = tmp_path / "bad.prof"
+    profile.write_bytes(zstandard.ZstdCompressor().compress(
+        data[:first] + _npy_record_with_header(UNCLOSED_NPY_HEADER) + data[header_end:]))
+    message = f"{profile}: corrupt profile (array "
+    refused(runner.invoke(cli, convert_args(fp8_checkpoint, out_dir / "t.bin", "--profile", str(profile))),
+            message, out_dir)
+    refused(runner.invoke(cli, ["profile", "merge", str(profile), str(small_profile), "-o",
+                                str(out_dir / "m.prof"), "--quiet"]), message, out_dir)
+
+
+def test_a_prompt_npy_whose_header_numpy_cannot_tokenize_is_one_error_line(fp8_checkpoint, tmp_path, out_dir,
+                                                                          runner):
+    prompts = tmp_path / "ids.npy"
+    prompts.write_bytes(_npy_record_with_header(UNCLOSED_NPY_HEADER) + bytes(24))
+    result = runner.invoke(cli, ["profile", "--model", str(fp8_checkpoint), "--prompts", str(prompts),
+                                 "--out", str(out_dir / "p.prof"), "--quiet"])
+    refused(result, f"{prompts} is not a numpy .npy array of token ids", out_dir)
+
+
 @pytest.mark.parametrize("template, message", [
     ("{% for i in range(10**9) %}x{% endfor %}", "Range too big"),
     ("{{ 'ab' * 10**9 }}", "needs more than 512 MiB"),

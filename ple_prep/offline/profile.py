@@ -45,7 +45,7 @@ from ..core.fileio import (
 )
 from ..ngram import NgramSpec, mixed_columns, row_of_head
 from .profile_pool import MIN_PARALLEL_BYTES, Piece, default_workers, file_sha256, pieces_of, profile_pieces
-from .prompts import PromptReader
+from .prompts import PromptReader, read_npy_header
 
 try:
     from ..core import _native
@@ -609,12 +609,9 @@ class _BoundedReader:
         if header_len > MAX_NPY_HEADER_BYTES:
             raise BadInput(f"{self.path}: corrupt profile (array {name} has a {header_len}-byte header)")
         record = io.BytesIO(prefix + size_bytes + self.read(header_len, f"array {name}"))
-        version = np.lib.format.read_magic(record)
         try:
-            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                           else np.lib.format.read_array_header_2_0)
-            shape, _, dtype = read_header(record)  # 1-D: the order of its axes says nothing
-        except (ValueError, SyntaxError, TypeError) as exc:
+            shape, dtype = read_npy_header(record)  # 1-D: the order of its axes says nothing
+        except ValueError as exc:
             raise BadInput(f"{self.path}: corrupt profile (array {name}: {exc})") from None
         if dtype not in (np.dtype("<u8"), np.dtype("<i8")) or len(shape) != 1:
             raise BadInput(f"{self.path}: corrupt profile (array {name} is {dtype} {shape}, "

@@ -9,8 +9,9 @@ import itertools
 import math
 import os
 import re
+import tokenize
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -289,11 +290,22 @@ def _npy_header(data: bytes) -> tuple[tuple[int, ...], np.dtype, int]:
 
 def _npy_header_by_numpy(data: bytes) -> tuple[tuple[int, ...], np.dtype, int]:
     handle = io.BytesIO(data)
-    version = np.lib.format.read_magic(handle)
-    read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                   else np.lib.format.read_array_header_2_0)
-    shape, _, dtype = read_header(handle)
+    shape, dtype = read_npy_header(handle)
     return shape, dtype, handle.tell()
+
+
+def read_npy_header(handle: BinaryIO) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype of the .npy record at `handle`, by numpy's own parser. It raises
+    tokenize.TokenError, RecursionError or TypeError on some broken headers, ValueError on the
+    rest: all come out as ValueError."""
+    try:
+        version = np.lib.format.read_magic(handle)
+        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                       else np.lib.format.read_array_header_2_0)
+        shape, _, dtype = read_header(handle)
+    except (SyntaxError, TypeError, RecursionError, tokenize.TokenError) as exc:
+        raise ValueError(f"its header cannot be parsed ({exc})") from None
+    return shape, dtype
 
 
 def _word_boundary(text: str, limit: int) -> int:
