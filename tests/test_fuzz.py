@@ -6,6 +6,7 @@ manifest. Example counts are fixed per test (EXAMPLES below; docs/RELIABILITY.md
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -27,6 +28,7 @@ from ple_prep.format.header import Header
 from ple_prep.format.manifest import load_manifest, validate_manifest, validate_with_schema
 from ple_prep.ngram import NgramSpec
 from ple_prep.offline.profile import Profiler, load_profile, save_profile
+from ple_prep.offline.prompts import PromptReader
 from ple_prep.tools.fixtures import FIXTURE_ROWS, add_gguf_metadata, fixture_config, write_safetensors
 
 # PLE_FUZZ_SCALE multiplies every count for a longer stress run (docs/RELIABILITY.md).
@@ -34,7 +36,7 @@ SCALE = int(os.environ.get("PLE_FUZZ_SCALE", "1"))
 EXAMPLES = {"safetensors_random": 300, "safetensors_structured": 200, "safetensors_mutated": 300,
             "gguf_metadata": 200, "gguf_file_mutated": 300, "header_random": 300,
             "header_fields": 300, "manifest_random": 200, "manifest_mutated": 300,
-            "manifest_bytes": 200, "profile_mutated": 300}
+            "manifest_bytes": 200, "profile_mutated": 300, "prompts_mutated": 300}
 EXAMPLES = {name: count * SCALE for name, count in EXAMPLES.items()}
 FAST = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SCRATCH = Path(tempfile.mkdtemp(prefix="ple-fuzz-"))
@@ -507,6 +509,37 @@ def test_load_profile_mutated_stream_gives_bad_input_or_a_profile(ops):
     for part in profile.parts.values():
         for keys, counts in part.groups.values():
             assert keys.shape == counts.shape and bool(np.all(keys[1:] > keys[:-1]))
+
+
+# --- prompt files ---------------------------------------------------------------------------------
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+PROMPT_FILES = {
+    ".jsonl": "".join(json.dumps(record) + "\n" for record in (
+        {"text": "the quick brown fox"}, {"prompt": "def f(x): return x"},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+        {"token_ids": [1, 2, 3, 400, 5]})).encode(),
+    ".txt": "Some text, é ü 漢字 and more.\n".encode() * 20,
+    ".npy": _npy_bytes(np.arange(50, dtype=np.int64)),
+}
+
+
+@settings(max_examples=EXAMPLES["prompts_mutated"], **FAST)
+@given(st.sampled_from(sorted(PROMPT_FILES)), MUTATIONS)
+def test_mutated_prompt_files_give_bad_input_or_token_ids(fp8_checkpoint, suffix, ops):
+    reader = PromptReader(fp8_checkpoint, SPEC)
+    try:
+        requests = list(reader.requests(_write("fuzz" + suffix, _mutate(PROMPT_FILES[suffix], ops))))
+    except BadInput:
+        return
+    for tokens in requests:
+        assert tokens.dtype == np.int64 and tokens.ndim == 1
+        assert not len(tokens) or (tokens.min() >= 0 and tokens.max() < SPEC.vocab_size)
 
 
 # --- no pickle ------------------------------------------------------------------------------------

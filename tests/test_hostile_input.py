@@ -330,10 +330,12 @@ def test_a_profile_whose_array_header_numpy_cannot_tokenize_is_one_error_line(sm
                                 str(out_dir / "m.prof"), "--quiet"]), message, out_dir)
 
 
-def test_a_prompt_npy_whose_header_numpy_cannot_tokenize_is_one_error_line(fp8_checkpoint, tmp_path, out_dir,
-                                                                          runner):
+@pytest.mark.parametrize("header", [UNCLOSED_NPY_HEADER, b"{'descr': '<i9', 'fortran_order': False, 'shape': (3,), }"],
+                         ids=["unclosed", "unknown dtype"])
+def test_a_prompt_npy_whose_header_numpy_cannot_parse_is_one_error_line(fp8_checkpoint, tmp_path, out_dir,
+                                                                       runner, header):
     prompts = tmp_path / "ids.npy"
-    prompts.write_bytes(_npy_record_with_header(UNCLOSED_NPY_HEADER) + bytes(24))
+    prompts.write_bytes(_npy_record_with_header(header) + bytes(24))
     result = runner.invoke(cli, ["profile", "--model", str(fp8_checkpoint), "--prompts", str(prompts),
                                  "--out", str(out_dir / "p.prof"), "--quiet"])
     refused(result, f"{prompts} is not a numpy .npy array of token ids", out_dir)

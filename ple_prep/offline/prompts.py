@@ -285,7 +285,11 @@ def _npy_header(data: bytes) -> tuple[tuple[int, ...], np.dtype, int]:
     found = _NPY_1D_HEADER.fullmatch(data[8 + size_bytes:start].decode("latin-1"))
     if found is None or data[6] not in (1, 2, 3):
         return _npy_header_by_numpy(data)
-    return (int(found[2]),), np.dtype(found[1]), start
+    try:
+        dtype = np.dtype(found[1])
+    except TypeError:  # a descr numpy does not know ('<i9'): its parser says so as the others do
+        return _npy_header_by_numpy(data)
+    return (int(found[2]),), dtype, start
 
 
 def _npy_header_by_numpy(data: bytes) -> tuple[tuple[int, ...], np.dtype, int]:
