@@ -281,7 +281,7 @@ def _format_accepts(raw: bytes, file_size: int) -> bool:
         return False
     (magic, version, page_size, row_bytes, rows_per_page, encoding, values_per_row, num_rows, first_row,
      num_placed, order_offset, data_offset, _, _) = struct.unpack_from("<8sIIIIIIQQQQQ16s32s", raw)
-    if magic != b"PLEPREP\0" or version != 1 or any(raw[120:128]) or encoding not in FORMAT_BLOCKS:
+    if magic != b"PLEPREP\0" or version not in (1, 2) or any(raw[120:128]) or encoding not in FORMAT_BLOCKS:
         return False
     values_per_block, bytes_per_block = FORMAT_BLOCKS[encoding]
     if values_per_row == 0 or values_per_row % values_per_block:
@@ -294,7 +294,8 @@ def _format_accepts(raw: bytes, file_size: int) -> bool:
         return False
     if not 0 <= num_placed <= num_rows or first_row + num_rows > 2**32 - 1 or order_offset != 128:
         return False
-    if data_offset != -(-(128 + 12 * num_placed) // page_size) * page_size:
+    # The order map: 4 bytes a placed row, 12 in format v1.
+    if data_offset != -(-(128 + {1: 12, 2: 4}[version] * num_placed) // page_size) * page_size:
         return False
     return file_size == data_offset + -(-num_rows // rows_per_page) * page_size
 
