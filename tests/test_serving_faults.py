@@ -19,6 +19,7 @@ import pytest
 from support.isolation import in_child
 from support.slowed_disk import SlowedDisk
 
+from ple_prep.core.errors import BadInput
 from ple_prep.format import pagesums as pagesums_module
 from ple_prep.format.manifest import manifest_path
 from ple_prep.format.pages import row_offsets
@@ -545,9 +546,27 @@ def test_read_ahead_checks_its_native_aio_reads_against_the_page_sums(fp8_table,
     assert demand is not None and "page sum differs" in demand, demand
 
 
-def test_verify_reads_needs_the_page_sums_and_a_disk_tier_read_path(fp8_table, tmp_path):
-    from ple_prep.core.errors import BadInput
+def test_verify_reads_refuses_at_open_a_row_order_map_that_changed_after_conversion(converted_table, fp8_checkpoint,
+                                                                                  source_rows, tmp_path):
+    # Two map entries swapped: still a valid map, which would serve each row's bytes for the other's.
+    (tmp_path / "placed").mkdir()
+    placed = converted_table(fp8_checkpoint, tmp_path / "placed" / "t.bin", placed=np.arange(999, 0, -3)).path
+    path = summed_copy(placed, tmp_path)
+    with open_table(path, verify_reads=True) as table:
+        first, second = table.slot_of(np.array([999, 996]))
+        assert np.array_equal(table.gather(np.array([999, 996])), source_rows[[999, 996]])
+        offset = table.header.order_offset
+    with open(path, "r+b") as file:
+        entries = np.frombuffer(os.pread(file.fileno(), 8, offset + 4 * first), np.uint32)
+        assert list(entries) == [999, 996] and second == first + 1
+        os.pwrite(file.fileno(), entries[::-1].tobytes(), offset + 4 * first)
+    with pytest.raises(BadInput, match=r"t\.bin: its header and row-order map read back other bytes.*header_crc32"):
+        open_table(path, verify_reads=True)
+    with open_table(path) as table:  # unverified, the map is only checked to be one
+        assert np.array_equal(table.gather(np.array([999, 996])), source_rows[[996, 999]])
 
+
+def test_verify_reads_needs_the_page_sums_and_a_disk_tier_read_path(fp8_table, tmp_path):
     with pytest.raises(BadInput, match=r"t\.bin\.pagesums is missing.*ple-prep pagesums"):
         open_table(fp8_table, verify_reads=True)
     with pytest.raises(ValueError, match="read_path='direct' or 'pread'"):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ _MATCHED_FIELDS = ("page_size", "row_bytes", "rows_per_page", "values_per_row", 
 READ_PATHS = ("direct", "pread", "mapped")
 VALUES_STEP_ROWS = 1024  # the smallest step of `values`' decode: below it, fixed costs outweigh memory saved
 DEFAULT_READ_PATH = "direct"
+HEADER_CHECK_CHUNK = 8 << 20  # bytes a pread while verify_reads checks the header and map at open
 
 
 class Table:
@@ -315,6 +317,23 @@ class Table:
         return values
 
 
+def check_header_region(descriptor: int, header: Header, meta: dict[str, Any], name: str) -> None:
+    """Refuse a file whose bytes before the data (header, row-order map, padding) are not those its
+    manifest's `header_crc32` was taken of: the page sums cover the data's pages only, and a changed
+    map entry would serve one row's bytes for another's. Read with pread, not through the mapping,
+    whose faults would also map the cached data pages next to the map's end (and keep them cached)."""
+    crc = done = 0
+    while done < header.data_offset:
+        chunk = os.pread(descriptor, min(HEADER_CHECK_CHUNK, header.data_offset - done), done)
+        if not chunk:
+            raise BadInput(f"{name}: the file ends inside its row-order map")
+        crc, done = zlib.crc32(chunk, crc), done + len(chunk)
+    if crc != meta["checksums"]["header_crc32"]:
+        raise BadInput(f"{name}: its header and row-order map read back other bytes than were written "
+                       f"(their crc32 differs from the manifest's header_crc32); `ple-prep verify` "
+                       f"checks the whole file")
+
+
 def check_spec_digest(header: Header, meta: dict[str, Any], name: str, manifest_name: str) -> None:
     """Refuse a manifest whose scale or hash spec is not what the table was written with: the data
     file's CRC-covered header holds their digest (docs/FORMAT.md)."""
@@ -342,7 +361,7 @@ def open_table(path: str | Path, manifest: str | Path | None = None, *,
     says why; runtime/diskreader.py). A disk-tier read that makes no progress for `read_timeout`
     seconds fails its request with ReadTimeout; a call asking for more than `max_request_rows` rows
     is refused; `verify_reads` checks what the direct or pread path reads against the table's page
-    sums (`ple-prep pagesums`). docs/RELIABILITY.md, section 10: what each path does when the disk
+    sums (`ple-prep pagesums`), and at open the header and row-order map against the manifest. docs/RELIABILITY.md, section 10: what each path does when the disk
     fails. `mapped_budget_bytes` bounds the pages that copies leave mapped (RssFile): past it the
     data region is advised away with `budget_advice`, "dontneed" or "pageout"
     (runtime/footprint.py). `host_cache_bytes` bounds the host cache of disk-tier rows
@@ -387,6 +406,8 @@ def open_table(path: str | Path, manifest: str | Path | None = None, *,
         budget = None if mapped_budget_bytes is None else \
             MappedBudget(mapping, header, mapped_budget_bytes, budget_advice)
         sums = load_page_sums(path, header) if verify_reads else None
+        if verify_reads:
+            check_header_region(descriptor, header, meta, path.name)
         direct, note = open_disk_reader(read_path or DEFAULT_READ_PATH, read_path is None, descriptor, path, header,
                                         queue_depth, read_timeout, sums)
     except BaseException:
