@@ -361,12 +361,13 @@ def open_table(path: str | Path, manifest: str | Path | None = None, *,
     says why; runtime/diskreader.py). A disk-tier read that makes no progress for `read_timeout`
     seconds fails its request with ReadTimeout; a call asking for more than `max_request_rows` rows
     is refused; `verify_reads` checks what the direct or pread path reads against the table's page
-    sums (`ple-prep pagesums`), and at open the header and row-order map against the manifest. docs/RELIABILITY.md, section 10: what each path does when the disk
-    fails. `mapped_budget_bytes` bounds the pages that copies leave mapped (RssFile): past it the
-    data region is advised away with `budget_advice`, "dontneed" or "pageout"
-    (runtime/footprint.py). `host_cache_bytes` bounds the host cache of disk-tier rows
-    (runtime/hostcache.py): None takes `default_budget` on "direct" (which bypasses the page cache)
-    and 0 on "pread" and "mapped" (the page cache is their cache); 0 turns it off.
+    sums (`ple-prep pagesums`), and at open the header and row-order map against the manifest.
+    docs/RELIABILITY.md, section 10: what each path does when the disk fails.
+    `mapped_budget_bytes` bounds the pages that copies leave mapped (RssFile): past it the data
+    region is advised away with `budget_advice`, "dontneed" or "pageout" (runtime/footprint.py).
+    `host_cache_bytes` bounds the host cache of disk-tier rows (runtime/hostcache.py): None takes
+    `default_budget` on "direct" (which bypasses the page cache) and 0 on "pread" and "mapped" (the
+    page cache is their cache); 0 turns it off.
     To also refuse a table whose source checkpoint changed since conversion, open it with
     `ple_prep.offline.staleness.open_checked` (that check reads the checkpoint's format).
     """
