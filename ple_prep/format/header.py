@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import zlib
 
 from ..core.constants import (
     FORMAT_VERSION,
@@ -19,6 +21,8 @@ from ..core.errors import BadInput
 # Bytes per placed row in the stored order map, by format version: v2 stores the row id of each
 # slot; v1 also stored the sorted ids and their slots (format/order.py derives those).
 ORDER_BYTES_PER_PLACED = {1: 12, 2: 4}
+# Bytes a pread while the bytes before the data are summed (the real table's map is 126 MB).
+HEADER_REGION_CHUNK = 8 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,3 +115,15 @@ class Header:
             raise BadInput(f"{name}: {file_size} bytes but the header describes {header.file_size} "
                            f"(truncated or extended)")
         return header
+
+
+def header_region_crc(descriptor: int, data_offset: int) -> int | None:
+    """CRC-32 of a table file's bytes before its data (header, row-order map, padding), as the
+    manifest's `checksums.header_crc32` holds it; None where the file ends before `data_offset`."""
+    crc = done = 0
+    while done < data_offset:
+        chunk = os.pread(descriptor, min(HEADER_REGION_CHUNK, data_offset - done), done)
+        if not chunk:
+            return None
+        crc, done = zlib.crc32(chunk, crc), done + len(chunk)
+    return crc

@@ -120,6 +120,17 @@ def spec_digest(scale: dict[str, Any] | None, ngram: dict[str, Any]) -> bytes:
     return hashlib.sha256(json.dumps(covered, sort_keys=True, separators=(",", ":")).encode()).digest()
 
 
+def check_spec_digest(header_digest: bytes, manifest: dict[str, Any], name: str, manifest_name: str) -> None:
+    """Refuse a manifest whose scale or hash spec is not what the table was written with: the data
+    file's CRC-covered header holds their digest (`header_digest`; docs/FORMAT.md)."""
+    if not any(header_digest):
+        raise BadInput(f"{name} has no spec digest in its header (written by an older ple-prep): "
+                       f"convert it again")
+    if header_digest != spec_digest(manifest["scale"], manifest["ngram"]):
+        raise BadInput(f"{manifest_name} was changed after conversion: its scale or hash spec (ngram) "
+                       f"is not what {name} was written with; refusing to serve wrong values")
+
+
 def validate_manifest(manifest: Any, name: str = "manifest") -> None:
     """BadInput unless `manifest` holds what a reader trusts. Whole numbers written with a fraction
     (1.0) become the integers they are, in place."""

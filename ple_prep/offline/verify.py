@@ -13,7 +13,8 @@ import numpy as np
 
 from ..converters import open_source
 from ..core.errors import BadInput
-from ..core.fileio import open_input, open_regular, read_exactly
+from ..core.fileio import open_regular, read_exactly
+from ..format.header import header_region_crc
 from ..format.manifest import load_table_manifest, manifest_path, validate_with_schema
 from ..runtime import open_table
 from .direct_io import DIRECT_IO_ALIGNMENT, aligned_zeros, set_direct
@@ -83,11 +84,15 @@ def verify(path: str | Path, model: str | Path | None = None, *, sample: int | N
 
 def _header_crc(path: Path, manifest: dict[str, Any]) -> int | None:
     try:
-        with open_input(path, "table") as handle:
-            raw = handle.read(manifest["data_offset"])
+        descriptor = open_regular(path, "table")
     except (OSError, BadInput):
         return None
-    return zlib.crc32(raw) if len(raw) == manifest["data_offset"] else None
+    try:
+        return header_region_crc(descriptor, manifest["data_offset"])
+    except OSError:
+        return None
+    finally:
+        os.close(descriptor)
 
 
 def _check_checksums(table, report: VerifyReport, progress) -> None:
@@ -98,7 +103,7 @@ def _check_checksums(table, report: VerifyReport, progress) -> None:
               for block in range(len(checksums["blocks"]))]
     descriptor = open_regular(table.path, "table")
     try:
-        report.header_ok = zlib.crc32(os.pread(descriptor, data_offset, 0)) == checksums["header_crc32"]
+        report.header_ok = header_region_crc(descriptor, data_offset) == checksums["header_crc32"]
         # Past the cache: a verify of a table the size of RAM would otherwise push everything else
         # out of the page cache (a serving host's hot rows and weights among it).
         direct = (all(offset % DIRECT_IO_ALIGNMENT == 0 for offset in (data_offset, block_bytes, file_size))

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +11,8 @@ import numpy as np
 from ..core.constants import HEADER_SIZE
 from ..core.errors import BadInput
 from ..core.fileio import open_regular
-from ..format.header import Header
-from ..format.manifest import load_table_manifest, manifest_path, spec_digest
+from ..format.header import Header, header_region_crc
+from ..format.manifest import check_spec_digest, load_table_manifest, manifest_path
 from ..format.order import RowOrder
 from ..format.pagesums import load_page_sums
 from . import gather
@@ -40,7 +39,6 @@ _MATCHED_FIELDS = ("page_size", "row_bytes", "rows_per_page", "values_per_row", 
 READ_PATHS = ("direct", "pread", "mapped")
 VALUES_STEP_ROWS = 1024  # the smallest step of `values`' decode: below it, fixed costs outweigh memory saved
 DEFAULT_READ_PATH = "direct"
-HEADER_CHECK_CHUNK = 8 << 20  # bytes a pread while verify_reads checks the header and map at open
 
 
 class Table:
@@ -317,34 +315,6 @@ class Table:
         return values
 
 
-def check_header_region(descriptor: int, header: Header, meta: dict[str, Any], name: str) -> None:
-    """Refuse a file whose bytes before the data (header, row-order map, padding) are not those its
-    manifest's `header_crc32` was taken of: the page sums cover the data's pages only, and a changed
-    map entry would serve one row's bytes for another's. Read with pread, not through the mapping,
-    whose faults would also map the cached data pages next to the map's end (and keep them cached)."""
-    crc = done = 0
-    while done < header.data_offset:
-        chunk = os.pread(descriptor, min(HEADER_CHECK_CHUNK, header.data_offset - done), done)
-        if not chunk:
-            raise BadInput(f"{name}: the file ends inside its row-order map")
-        crc, done = zlib.crc32(chunk, crc), done + len(chunk)
-    if crc != meta["checksums"]["header_crc32"]:
-        raise BadInput(f"{name}: its header and row-order map read back other bytes than were written "
-                       f"(their crc32 differs from the manifest's header_crc32); `ple-prep verify` "
-                       f"checks the whole file")
-
-
-def check_spec_digest(header: Header, meta: dict[str, Any], name: str, manifest_name: str) -> None:
-    """Refuse a manifest whose scale or hash spec is not what the table was written with: the data
-    file's CRC-covered header holds their digest (docs/FORMAT.md)."""
-    if not any(header.spec_digest):
-        raise BadInput(f"{name} has no spec digest in its header (written by an older ple-prep): "
-                       f"convert it again")
-    if header.spec_digest != spec_digest(meta["scale"], meta["ngram"]):
-        raise BadInput(f"{manifest_name} was changed after conversion: its scale or hash spec (ngram) "
-                       f"is not what {name} was written with; refusing to serve wrong values")
-
-
 def open_table(path: str | Path, manifest: str | Path | None = None, *,
                window_pages: int = DEFAULT_WINDOW_PAGES,
                window_bytes: int = DEFAULT_WINDOW_BYTES, read_path: str | None = None,
@@ -394,7 +364,7 @@ def open_table(path: str | Path, manifest: str | Path | None = None, *,
             mismatched.append("encoding")
         if mismatched:
             raise BadInput(f"{path.name} disagrees with its manifest on {', '.join(mismatched)}")
-        check_spec_digest(header, meta, path.name, manifest_file.name)
+        check_spec_digest(header.spec_digest, meta, path.name, manifest_file.name)
         # MAP_PRIVATE keeps this process's pages its own, but pages it has not touched still come
         # from the file: a rewrite in place shows through, which FileWatch detects.
         mapping = mmap.mmap(descriptor, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
@@ -407,8 +377,11 @@ def open_table(path: str | Path, manifest: str | Path | None = None, *,
         budget = None if mapped_budget_bytes is None else \
             MappedBudget(mapping, header, mapped_budget_bytes, budget_advice)
         sums = load_page_sums(path, header) if verify_reads else None
-        if verify_reads:
-            check_header_region(descriptor, header, meta, path.name)
+        # The page sums cover the data's pages only: a changed map entry would pass them.
+        if verify_reads and header_region_crc(descriptor, header.data_offset) != meta["checksums"]["header_crc32"]:
+            raise BadInput(f"{path.name}: its header and row-order map read back other bytes than were written "
+                           f"(their crc32 differs from the manifest's header_crc32); `ple-prep verify` checks "
+                           f"the whole file")
         direct, note = open_disk_reader(read_path or DEFAULT_READ_PATH, read_path is None, descriptor, path, header,
                                         queue_depth, read_timeout, sums)
     except BaseException:
