@@ -208,6 +208,10 @@ def test_the_default_path_reads_with_pread_where_o_direct_completes_inside_io_su
         assert table.read_path == "pread" and "inside io_submit" in table.read_path_note
         ids = cold_request(table)
         assert np.array_equal(table.gather(ids), source_rows[ids])
+    # Asked for by name, O_DIRECT is kept, and the note says what the timeout then cannot reach.
+    with open_table(faults.path("t.bin"), read_path="direct") as table:
+        assert table.read_path == "direct" and "out of reach of the read timeout" in table.read_path_note
+        assert np.array_equal(table.gather(ids), source_rows[ids])
 
 
 def test_a_hung_read_fails_the_request_after_the_timeout_then_the_disk_recovers(faults, source_rows):

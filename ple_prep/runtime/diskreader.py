@@ -34,6 +34,10 @@ def open_disk_reader(read_path: str, may_fall_back: bool, descriptor: int, path:
             note = ("O_DIRECT reads complete inside io_submit on this file system (one at a time, out of reach "
                     "of the read timeout): rows are read with pread")
             read_path = "pread"
+        elif direct is not None and direct.synchronous:  # asked for: kept, and the caller told what it costs
+            note = ("O_DIRECT reads complete inside io_submit on this file system: this table's own reads run one "
+                    "at a time, and a hung one is out of reach of the read timeout (read_path='pread' keeps it "
+                    "in reach)")
     if read_path == "pread":
         direct = PreadReader(descriptor, header, min(queue_depth, PREAD_THREADS), name=str(path), timeout=timeout,
                              page_sums=sums)

@@ -240,14 +240,16 @@ def test_without_a_table_vllm_builds_its_own_storage(monkeypatch):
     assert layer.ngram_embedding.weight.shape == (16_896, 160)
 
 
-def test_the_environment_variables_select_the_table_budget_and_read_path(monkeypatch, tables):
+def test_the_environment_variables_select_the_table_budget_and_read_path(monkeypatch, tables, caplog):
     monkeypatch.setenv("PLE_PREP_TABLE", tables["fp8"])
     monkeypatch.setenv("PLE_PREP_RESIDENT_BYTES", "160K")
     monkeypatch.setenv("PLE_PREP_READ_PATH", "mapped")
-    layer = build_layer(vllm_config(), text_config("fp8"), None)
+    with caplog.at_level("INFO"):
+        layer = build_layer(vllm_config(), text_config("fp8"), None)
     assert type(layer.ngram_embedding).__name__ == "PreparedTableEmbedding"
     assert layer.ngram_embedding.rows.source.num_resident == 1024
     assert layer.ngram_embedding.table.read_path == "mapped"
+    assert "the rest from the file (read path mapped)" in caplog.text  # the log names the path taken
 
 
 def test_refuses_a_table_of_another_encoding(tables):

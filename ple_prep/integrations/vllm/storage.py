@@ -216,8 +216,10 @@ class PreparedTableEmbedding(Qwen4ExpPLEEmbedding):
         self._owner: weakref.ref[nn.Module] | None = None
         self._watch_registration()
         self.stats_log = StatsLog(prefix, self.rows, settings.stats_seconds)
-        logger.info("PLE rows of %s from %s (ETP rank %d of %d): %.2f GiB resident on %s, the rest from the file",
-                    prefix, table.path, self.tp_rank, self.tp_size, self.rows.resident_bytes / 2**30, device)
+        logger.info("PLE rows of %s from %s (ETP rank %d of %d): %.2f GiB resident on %s, the rest from the file "
+                    "(read path %s%s)", prefix, table.path, self.tp_rank, self.tp_size,
+                    self.rows.resident_bytes / 2**30, device, table.read_path,
+                    f": {table.read_path_note}" if table.read_path_note else "")
         if compiled_helper_missing() is not None:
             logger.warning("ple-prep: %s", compiled_helper_missing())
 
