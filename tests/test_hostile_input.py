@@ -208,10 +208,14 @@ def test_a_fifo_or_a_folder_given_as_prompts_is_named_as_such(fp8_checkpoint, tm
         refused_in_process(result, f"prompt file {path} is {kind}, not a regular file")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo.txt", "folder.txt"]
 
-def _npy_header(shape: tuple[int, ...]) -> bytes:
-    header = repr({"descr": "<u8", "fortran_order": False, "shape": shape}).encode()
+def _npy_record_with_header(header: bytes) -> bytes:
+    """A .npy v1.0 record's magic, length and `header` text, padded as numpy pads it."""
     header += b" " * (-(len(header) + 11) % 64) + b"\n"
     return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header
+
+
+def _npy_header(shape: tuple[int, ...]) -> bytes:
+    return _npy_record_with_header(repr({"descr": "<u8", "fortran_order": False, "shape": shape}).encode())
 
 
 def _profile_bytes(arrays: list[tuple[str, int]], data: bytes = b"") -> bytes:
@@ -305,11 +309,6 @@ def test_a_profile_header_field_of_the_wrong_type_is_named(small_profile, fp8_ch
 
 # A .npy header cut inside its shape: numpy's parser raises tokenize.TokenError on it, not ValueError.
 UNCLOSED_NPY_HEADER = b"{'descr': '<u8', 'fortran_order': False, 'shape': (3, "
-
-
-def _npy_record_with_header(header: bytes) -> bytes:
-    header += b" " * (-(len(header) + 11) % 64) + b"\n"
-    return b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header
 
 
 def test_a_profile_whose_array_header_numpy_cannot_tokenize_is_one_error_line(small_profile, fp8_checkpoint,
